@@ -1,0 +1,90 @@
+"""What the device plugin allocated to this pod, read from its env.
+
+The kubelet puts the plugin's ``PCI_RESOURCE_<NAME>`` / ``MDEV_PCI_RESOURCE_<NAME>`` variables into the
+``compute`` container. This module turns an env mapping (the process env, a copy of ``/proc/<pid>/environ``
+or anything else) into validated address pools, refusing a malformed value with the variable's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from schemas import MDEV_ENV_PREFIX, PCI_ENV_PREFIX, InputError, PciAddress, ResourceKind, parse_mdev_uuid
+
+DeviceId = PciAddress | str
+"""A PCI function (passthrough) or an mdev UUID (vGPU, canonical lower case)."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One allocation variable: its name, kind and device IDs in Allocate order."""
+
+    variable: str
+    kind: ResourceKind
+    ids: tuple[DeviceId, ...]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Every allocation variable found, keyed by variable name."""
+
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+
+    def pool(self, variable: str) -> Pool | None:
+        return self.pools.get(variable)
+
+
+def is_allocation_variable(name: str) -> bool:
+    """True for ``PCI_RESOURCE_*`` and ``MDEV_PCI_RESOURCE_*`` names."""
+    return name.startswith((f"{PCI_ENV_PREFIX}_", f"{MDEV_ENV_PREFIX}_"))
+
+
+def parse_pool(variable: str, value: str) -> Pool:
+    """Parse one variable's value as KubeVirt does (one trailing comma dropped, split on ``,``), strictly."""
+    kind = ResourceKind.MDEV if variable.startswith(f"{MDEV_ENV_PREFIX}_") else ResourceKind.PCI
+    text = value.removesuffix(",")
+    items = text.split(",") if text else []
+    ids: list[DeviceId] = []
+    for position, item in enumerate(items, start=1):
+        if not item:
+            raise InputError(f"{variable}={value!r}: entry {position} is empty")
+        try:
+            device_id: DeviceId = PciAddress.parse(item) if kind is ResourceKind.PCI else parse_mdev_uuid(item)
+        except InputError as exc:
+            raise InputError(f"{variable}: {exc}") from None
+        if device_id in ids:
+            raise InputError(f"{variable}: {item!r} is listed twice")
+        ids.append(device_id)
+    return Pool(variable, kind, tuple(ids))
+
+
+def allocation_from_env(env: Mapping[str, str]) -> Allocation:
+    """Collect and validate every allocation variable in ``env``; other variables are ignored."""
+    return Allocation(
+        {name: parse_pool(name, value) for name, value in sorted(env.items()) if is_allocation_variable(name)}
+    )
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    """Read ``/proc/<pid>/environ`` (NUL-separated) or ``KEY=VALUE`` lines (``#`` comments, blank lines).
+
+    A NUL anywhere means the environ format. Values are taken verbatim; a line without ``=`` is an error.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"environ file is not valid UTF-8: byte {exc.start}") from None
+    nul_separated = "\0" in text
+    entries = text.split("\0") if nul_separated else text.splitlines()
+    env: dict[str, str] = {}
+    for number, entry in enumerate(entries, start=1):
+        line = entry if nul_separated else entry.strip()
+        if not line or (not nul_separated and line.startswith("#")):
+            continue
+        key, equals, value = line.partition("=")
+        if not equals or not key:
+            where = f"entry {number}" if nul_separated else f"line {number}"
+            raise InputError(f"environ file {where} is not KEY=VALUE: {line[:80]!r}")
+        env[key] = value
+    return env

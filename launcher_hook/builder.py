@@ -1,0 +1,72 @@
+"""The domain builder: allocation env + VMI + domain XML in, the domain with its GPUs out.
+
+This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
+pure function of its inputs (no env or file access of its own) and either returns a whole document or
+raises ``InputError``; there is no partial result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from launcher_hook.allocation import allocation_from_env
+from launcher_hook.domain import devices_document, parse_domain, splice_hostdevs
+from launcher_hook.hostdev import HostdevSpec
+from launcher_hook.matching import HostdevOptions, match_all, match_vmi
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from schemas.vmi import VirtualMachineInstance, parse_vmi
+
+SUPPORTED_DRIVERS = ("vfio",)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    managed: bool = False
+    """``managed='yes'`` lets libvirt rebind the device; the default ``no`` matches KubeVirt (already on vfio-pci)."""
+    driver: str | None = None
+    """``vfio`` writes ``<driver name='vfio'/>`` on PCI hostdevs (needed by libvirt on hosts without IOMMU)."""
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    domain_xml: bytes
+    hostdevs: list[HostdevSpec]
+    warnings: list[str] = field(default_factory=list)
+    vmi: VirtualMachineInstance | None = None
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """alias → source, for logs."""
+        return {spec.alias: spec.source_text for spec in self.hostdevs}
+
+
+def plan_hostdevs(
+    vmi: VirtualMachineInstance | None, env: Mapping[str, str], options: BuildOptions
+) -> tuple[list[HostdevSpec], list[str]]:
+    """The hostdevs the VM gets and any warnings, without touching a domain."""
+    if options.driver is not None and options.driver not in SUPPORTED_DRIVERS:
+        raise ValueError(f"unsupported hostdev driver {options.driver!r}; supported: {', '.join(SUPPORTED_DRIVERS)}")
+    allocation = allocation_from_env(env)
+    hostdev_options = HostdevOptions(managed=options.managed, driver=options.driver)
+    if vmi is None:
+        return match_all(allocation, hostdev_options), []
+    return match_vmi(vmi, allocation, hostdev_options)
+
+
+def build_domain(
+    domain_xml: bytes | None,
+    vmi_json: bytes | None,
+    env: Mapping[str, str],
+    options: BuildOptions | None = None,
+) -> BuildResult:
+    """Render the allocated GPUs into ``domain_xml`` (or a bare ``<devices>`` when it is None)."""
+    options = options or BuildOptions()
+    vmi = parse_vmi(vmi_json, max_bytes=options.max_input_bytes) if vmi_json is not None else None
+    parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
+    specs, warnings = plan_hostdevs(vmi, env, options)
+    if parsed is None:
+        return BuildResult(devices_document(specs), specs, warnings, vmi)
+    splice_hostdevs(parsed, specs)
+    return BuildResult(parsed.serialize(), specs, warnings, vmi)

@@ -1,0 +1,30 @@
+"""Contracts shared by the device plugin and the launcher hook.
+
+Both sides of the allocation hand-off (the plugin that writes ``PCI_RESOURCE_*`` and the hook that reads
+it) must agree byte for byte on addresses, resource names and variable names; this package is the single
+place those rules live.
+"""
+
+from schemas.errors import InputError
+from schemas.mdev import parse_mdev_uuid
+from schemas.naming import (
+    MDEV_ENV_PREFIX,
+    PCI_ENV_PREFIX,
+    ResourceKind,
+    env_var_for,
+    socket_name_for,
+    validate_resource_name,
+)
+from schemas.pci import PciAddress
+
+__all__ = [
+    "MDEV_ENV_PREFIX",
+    "PCI_ENV_PREFIX",
+    "InputError",
+    "PciAddress",
+    "ResourceKind",
+    "env_var_for",
+    "parse_mdev_uuid",
+    "socket_name_for",
+    "validate_resource_name",
+]

@@ -1,0 +1,3 @@
+from xmlgen.cli import main
+
+main()
