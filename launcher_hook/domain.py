@@ -28,6 +28,7 @@ class ParsedDomain:
 
     tree: etree._ElementTree
     had_declaration: bool
+    trailing_newline: bool = False
 
     @property
     def root(self) -> etree._Element:
@@ -35,7 +36,7 @@ class ParsedDomain:
 
     def serialize(self) -> bytes:
         body: bytes = etree.tostring(self.tree, encoding="UTF-8", xml_declaration=self.had_declaration)
-        return body
+        return body + b"\n" if self.trailing_newline else body
 
 
 def _safe_parser() -> etree.XMLParser:
@@ -67,7 +68,7 @@ def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:
     tree = root.getroottree()
     if tree.docinfo.internalDTD is not None or tree.docinfo.system_url or tree.docinfo.public_id:
         raise InputError(f"{what} has a DOCTYPE; it is refused")
-    return ParsedDomain(tree, had_declaration=data.lstrip().startswith(b"<?xml"))
+    return ParsedDomain(tree, had_declaration=data.lstrip().startswith(b"<?xml"), trailing_newline=data.endswith(b"\n"))
 
 
 def parse_domain(data: bytes, max_bytes: int) -> ParsedDomain:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with its dev extras; re-runs pip only when pyproject.toml changed.
+# Creates .venv and installs the project (extras: "dev" for tests, "runtime" for just the tools). pip runs
+# only when pyproject.toml changed; its output goes to .venv/pip.log and is shown only if it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,7 +9,6 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
     exit 1
 fi
 extras=${1:-dev}
-stamp=".venv/.installed-$extras"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv || {
         echo "error: could not create .venv; on Debian: apt-get install python3-venv" >&2
@@ -16,15 +16,20 @@ if [ ! -x .venv/bin/python ]; then
     }
 fi
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    if [ "$extras" = dev ] && ! pkg-config --exists libvirt 2>/dev/null; then
-        echo "note: libvirt-dev and pkg-config are needed to build libvirt-python; run scripts/ensure-system.sh as root" >&2
-    fi
-    .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-    if [ "$extras" = runtime ]; then
-        .venv/bin/python -m pip install --quiet -e .
-    else
-        .venv/bin/python -m pip install --quiet -e ".[$extras]"
-    fi
-    echo "$want" > "$stamp"
+# A dev install also satisfies a runtime one.
+for have in dev "$extras"; do
+    [ "$(cat ".venv/.installed-$have" 2>/dev/null)" = "$want" ] && exit 0
+done
+if [ "$extras" = dev ] && ! pkg-config --exists libvirt 2>/dev/null; then
+    echo "note: building libvirt-python needs libvirt-dev and pkg-config: run scripts/ensure-system.sh as root" >&2
 fi
+echo "installing the project into .venv ($extras) ..." >&2
+target="."
+[ "$extras" = runtime ] || target=".[$extras]"
+if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e "$target"; } > .venv/pip.log 2>&1; then
+    tail -n 30 .venv/pip.log >&2
+    echo "error: pip install failed; the whole log is in .venv/pip.log" >&2
+    exit 1
+fi
+rm -f .venv/.installed-*
+echo "$want" > ".venv/.installed-$extras"

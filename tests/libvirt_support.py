@@ -1,0 +1,36 @@
+"""libvirt checks for tests: real libvirt's verdict, skipped only outside CI when a piece is missing.
+
+Under ``CI=true`` a missing libvirt piece fails the test (the test command installs and starts them as
+root, so missing means broken); elsewhere it skips with the reason, which names the missing piece.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import pytest
+
+from xmlgen.libvirt_check import LibvirtReport, LibvirtUnavailable, assert_qemu_matches, check_domain
+
+
+def missing(reason: str) -> None:
+    """Fail under CI, skip elsewhere."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"libvirt piece missing under CI=true: {reason}")
+    pytest.skip(reason)
+
+
+def libvirt_verdict(domain_xml: bytes, expected_pci: Mapping[str, str] | None = None) -> LibvirtReport:
+    """Check ``domain_xml`` with the RNG schema, the test driver and (for PCI) QEMU's argv.
+
+    ``expected_pci`` maps alias → PCI address; each must reach QEMU as ``vfio-pci`` ``host=``/``id=``.
+    """
+    try:
+        report = check_domain(domain_xml, qemu=bool(expected_pci))
+    except LibvirtUnavailable as exc:
+        missing(str(exc))
+        raise  # unreachable
+    if expected_pci:
+        assert_qemu_matches(report, expected_pci)
+    return report

@@ -1,0 +1,25 @@
+"""The ``xmlgen`` command group. Commands are thin: each lives in its own module and calls library code.
+
+Errors the user can fix (``InputError``) print ``error: …`` on stderr and exit 1 with nothing on stdout.
+"""
+
+from __future__ import annotations
+
+import click
+
+from xmlgen.render_cmd import render
+from xmlgen.validate_cmd import validate
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="kubevirt-gpu-passthrough")
+def cli() -> None:
+    """Debug GPU passthrough for KubeVirt: render, validate, discover, simulate a node."""
+
+
+cli.add_command(render)
+cli.add_command(validate)
+
+
+def main() -> None:
+    cli(prog_name="xmlgen")

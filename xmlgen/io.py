@@ -1,0 +1,60 @@
+"""What every xmlgen command shares: reading inputs with named errors, and one way to fail.
+
+A command either writes its whole result to stdout or writes ``error: …`` to stderr and exits 1 with
+nothing on stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import click
+
+from schemas import InputError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def read_input(source: str, what: str, max_bytes: int) -> bytes:
+    """Read a file, or stdin for ``-``; over ``max_bytes`` (+1 read to tell) or unreadable is an InputError."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read(max_bytes + 1)
+        else:
+            with Path(source).open("rb") as handle:
+                data = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {source!r}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{what} {source!r} is over the {max_bytes}-byte limit")
+    return data
+
+
+def fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def user_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn ``InputError`` into ``error: …`` on stderr and exit 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except InputError as exc:
+            fail(str(exc))
+            raise  # unreachable: fail() exits
+
+    return wrapper
+
+
+def write_stdout(data: bytes) -> None:
+    """Write the whole result at once (nothing is written before the result is complete)."""
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()

@@ -1,0 +1,165 @@
+"""Asking real libvirt what it makes of a domain: the test driver, the RNG schema and the QEMU driver.
+
+Our own validator explains problems; this module gets libvirt's verdict: does the test driver define the
+domain and keep our aliases and sources, do the hostdevs alone pass ``VIR_DOMAIN_DEFINE_VALIDATE``, and
+which ``-device vfio-pci`` arguments would QEMU get (``domxml-to-native``, needs a running libvirtd).
+libvirt-python is imported lazily: it is a dev/check dependency, not needed to render.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lxml import etree
+
+from launcher_hook.domain import hostdev_source_key, parse_domain
+from launcher_hook.validate import SchemaNotFound, hostdev_schema, validate_domain
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+
+QEMU_URI = "qemu:///system"
+TEST_URI = "test:///default"
+_DEVICE_ARG = re.compile(r"-device\s+'?(\{.*?\})'?(?=\s+-|\s*$)")
+_lock = threading.Lock()
+
+
+class LibvirtUnavailable(RuntimeError):
+    """A piece of libvirt needed for the check is missing; the message says which and how to get it."""
+
+
+class LibvirtRejected(AssertionError):
+    """libvirt refused or changed the domain; the message says how."""
+
+
+@dataclass
+class LibvirtReport:
+    hostdevs: dict[str, tuple[str, str]]
+    """alias → (kind, source) as libvirt's test driver read them back."""
+    qemu_devices: list[dict[str, Any]] = field(default_factory=list)
+    """The ``vfio-pci`` ``-device`` arguments of QEMU's command line (empty when not asked)."""
+
+    def qemu_lines(self) -> list[str]:
+        return [f"-device {json.dumps(device, separators=(',', ':'))}" for device in self.qemu_devices]
+
+
+def _libvirt() -> Any:
+    try:
+        import libvirt  # noqa: PLC0415 - optional dependency, imported where needed
+    except ImportError:
+        raise LibvirtUnavailable(
+            "libvirt-python is not installed (pip install libvirt-python; building it needs Debian's "
+            "libvirt-dev and pkg-config)"
+        ) from None
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+    return libvirt
+
+
+def _hostdev_map(root: etree._Element) -> dict[str, tuple[str, str]]:
+    found: dict[str, tuple[str, str]] = {}
+    for hostdev in root.iterfind("devices/hostdev"):
+        alias = hostdev.find("alias")
+        key = hostdev_source_key(hostdev)
+        if alias is not None and key is not None:
+            found[alias.get("name") or ""] = key
+    return found
+
+
+def _with_vfio_driver(root: etree._Element) -> etree._Element:
+    """A copy whose PCI hostdevs name the vfio driver (libvirt needs it on a host without IOMMU groups)."""
+    clone = copy.deepcopy(root)
+    for hostdev in clone.iterfind("devices/hostdev[@type='pci']"):
+        if hostdev.find("driver") is None:
+            hostdev.insert(0, etree.Element("driver", {"name": "vfio"}))
+    if not os.path.exists("/dev/kvm"):
+        clone.set("type", "qemu")
+    return clone
+
+
+def _renamed(root: etree._Element) -> etree._Element:
+    clone = copy.deepcopy(root)
+    name = clone.find("name")
+    if name is None:
+        name = etree.SubElement(clone, "name")
+    name.text = f"check-{uuid.uuid4().hex[:12]}"
+    for stale in clone.findall("uuid"):
+        clone.remove(stale)
+    return clone
+
+
+def check_domain(domain_xml: bytes, *, qemu: bool = True) -> LibvirtReport:
+    """libvirt's verdict on ``domain_xml``; raises LibvirtRejected or LibvirtUnavailable."""
+    libvirt = _libvirt()
+    parsed = parse_domain(domain_xml, DEFAULT_MAX_INPUT_BYTES)
+    try:
+        problems = validate_domain(parsed.root, hostdev_schema())
+    except SchemaNotFound as exc:
+        raise LibvirtUnavailable(str(exc)) from None
+    if problems:
+        raise LibvirtRejected("; ".join(str(problem) for problem in problems))
+    wanted = _hostdev_map(parsed.root)
+
+    with _lock:  # the test driver's default state is shared by the whole process
+        test = libvirt.open(TEST_URI)
+        try:
+            whole = _renamed(parsed.root)
+            domain = test.defineXMLFlags(etree.tostring(whole, encoding="unicode"), 0)
+            try:
+                read_back = _hostdev_map(etree.fromstring(domain.XMLDesc(0)))
+            finally:
+                domain.undefine()
+            minimal = etree.fromstring(
+                b'<domain type="test"><name>x</name><memory>1024</memory><os><type>hvm</type></os><devices/></domain>'
+            )
+            devices = minimal.find("devices")
+            assert devices is not None
+            for hostdev in parsed.root.iterfind("devices/hostdev"):
+                devices.append(copy.deepcopy(hostdev))
+            flags = libvirt.VIR_DOMAIN_DEFINE_VALIDATE
+            try:
+                test.defineXMLFlags(etree.tostring(_renamed(minimal), encoding="unicode"), flags).undefine()
+            except libvirt.libvirtError as exc:
+                raise LibvirtRejected(f"libvirt's schema validation refused the hostdevs: {exc}") from None
+        except libvirt.libvirtError as exc:
+            raise LibvirtRejected(f"libvirt's test driver refused the domain: {exc}") from None
+        finally:
+            test.close()
+    if read_back != wanted:
+        raise LibvirtRejected(f"libvirt read the hostdevs back differently: wrote {wanted}, got {read_back}")
+    report = LibvirtReport(read_back)
+    if qemu and any(kind == "pci" for kind, _ in wanted.values()):
+        report.qemu_devices = qemu_vfio_devices(etree.tostring(_with_vfio_driver(parsed.root), encoding="unicode"))
+    return report
+
+
+def qemu_vfio_devices(domain_xml: str) -> list[dict[str, Any]]:
+    """The ``vfio-pci`` devices of the QEMU command line libvirt would run for ``domain_xml``."""
+    libvirt = _libvirt()
+    try:
+        connection = libvirt.open(QEMU_URI)
+    except libvirt.libvirtError as exc:
+        raise LibvirtUnavailable(
+            f"libvirtd with the QEMU driver is not reachable at {QEMU_URI} ({exc}); as root: scripts/ensure-system.sh"
+        ) from None
+    try:
+        argv = connection.domainXMLToNative("qemu-argv", domain_xml, 0)
+    except libvirt.libvirtError as exc:
+        raise LibvirtRejected(f"libvirt's QEMU driver refused the domain: {exc}") from None
+    finally:
+        connection.close()
+    devices = [json.loads(match) for match in _DEVICE_ARG.findall(argv)]
+    return [device for device in devices if device.get("driver") == "vfio-pci"]
+
+
+def assert_qemu_matches(report: LibvirtReport, expected: Mapping[str, str]) -> None:
+    """Every expected alias → PCI address appears as ``vfio-pci`` with ``host=`` and ``id=``."""
+    got = {device.get("id"): device.get("host") for device in report.qemu_devices}
+    for alias, address in expected.items():
+        if got.get(alias) != address:
+            raise LibvirtRejected(f"QEMU would not get {alias} = {address}: its vfio-pci devices are {got}")

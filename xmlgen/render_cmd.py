@@ -1,0 +1,69 @@
+"""``xmlgen render``: what the launcher hook would make of a domain, from the shell."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from launcher_hook import BuildOptions, build_domain
+from launcher_hook.allocation import is_allocation_variable, parse_environ
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from xmlgen.io import read_input, user_errors, write_stdout
+
+
+@click.command()
+@click.option(
+    "--domain",
+    "domain_path",
+    metavar="FILE|-",
+    help="Domain XML to add the GPUs to. Without it: a <devices> element holding just the hostdevs.",
+)
+@click.option(
+    "--vmi",
+    "vmi_path",
+    metavar="FILE|-",
+    help="VMI JSON (or a VirtualMachine's); its gpus[] and hostDevices[] decide the aliases.",
+)
+@click.option(
+    "--environ-file",
+    metavar="FILE",
+    help="Allocation variables from KEY=VALUE lines or /proc/<pid>/environ; they replace the process env's "
+    "PCI_RESOURCE_*/MDEV_PCI_RESOURCE_* variables.",
+)
+@click.option(
+    "--managed", type=click.Choice(["yes", "no"]), default="no", show_default=True, help="managed= on PCI hostdevs."
+)
+@click.option("--driver", type=click.Choice(["vfio"]), help="Write <driver name='vfio'/> on PCI hostdevs.")
+@click.option(
+    "--max-input-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_INPUT_BYTES,
+    show_default=True,
+    help="Refuse larger inputs.",
+)
+@user_errors
+def render(
+    domain_path: str | None,
+    vmi_path: str | None,
+    environ_file: str | None,
+    managed: str,
+    driver: str | None,
+    max_input_bytes: int,
+) -> None:
+    """Render the allocated GPUs as libvirt <hostdev> elements into a domain; the result goes to stdout."""
+    if domain_path == "-" and vmi_path == "-":
+        raise click.UsageError("only one of --domain and --vmi can read stdin")
+    env = dict(os.environ)
+    if environ_file is not None:
+        env = {key: value for key, value in env.items() if not is_allocation_variable(key)}
+        env.update(parse_environ(read_input(environ_file, "environ file", max_input_bytes)))
+    domain = read_input(domain_path, "domain XML", max_input_bytes) if domain_path else None
+    vmi = read_input(vmi_path, "VMI JSON", max_input_bytes) if vmi_path else None
+    options = BuildOptions(managed=managed == "yes", driver=driver, max_input_bytes=max_input_bytes)
+    result = build_domain(domain, vmi, env, options)
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if not result.hostdevs:
+        click.echo("warning: no PCI_RESOURCE_*/MDEV_PCI_RESOURCE_* variable requested any device", err=True)
+    write_stdout(result.domain_xml)
