@@ -24,19 +24,60 @@ _UTF8_NAMES = {"utf-8", "utf8", "us-ascii", "ascii"}
 
 @dataclass
 class ParsedDomain:
-    """A parsed domain and how it was written (to write it back the same way)."""
+    """A parsed domain and the bytes it came from, to write it back byte for byte where it is unchanged.
+
+    lxml reflows the prolog, puts ``xmlns:`` declarations before other attributes and writes ``<x></x>``
+    (Go's encoding/xml style, which KubeVirt uses) as ``<x/>``. To keep a diff of the domain down to the
+    hostdevs, serialising reuses the original prolog and root start tag verbatim and keeps the document's
+    empty-element style.
+    """
 
     tree: etree._ElementTree
-    had_declaration: bool
-    trailing_newline: bool = False
+    source: bytes
 
     @property
     def root(self) -> etree._Element:
         return self.tree.getroot()
 
     def serialize(self) -> bytes:
-        body: bytes = etree.tostring(self.tree, encoding="UTF-8", xml_declaration=self.had_declaration)
-        return body + b"\n" if self.trailing_newline else body
+        if _writes_empty_elements_expanded(self.source):
+            for element in self.root.iter():
+                if isinstance(element.tag, str) and len(element) == 0 and element.text is None:
+                    element.text = ""
+        body: bytes = etree.tostring(self.tree, encoding="UTF-8", xml_declaration=False)
+        original_end = _root_start_tag_end(self.source)
+        if not self.source[:original_end].endswith(b"/>"):
+            body = self.source[:original_end] + body[_root_start_tag_end(body) :]
+        trailing = self.source[len(self.source.rstrip()) :]
+        return body + trailing
+
+
+def _writes_empty_elements_expanded(source: bytes) -> bool:
+    """True for documents that write every empty element as ``<x></x>`` (no ``/>`` anywhere)."""
+    return b"/>" not in source and b"></" in source
+
+
+def _root_start_tag_end(data: bytes) -> int:
+    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
+    position = 0
+    while True:
+        position = data.index(b"<", position)
+        if data.startswith(b"<?", position):
+            position = data.index(b"?>", position) + 2
+        elif data.startswith(b"<!--", position):
+            position = data.index(b"-->", position) + 3
+        else:
+            break
+    quote = 0
+    for offset in range(position, len(data)):
+        byte = data[offset]
+        if quote:
+            quote = 0 if byte == quote else quote
+        elif byte in b"\"'":
+            quote = byte
+        elif byte == ord(">"):
+            return offset + 1
+    raise InputError("domain XML: the root start tag is not closed")
 
 
 def _safe_parser() -> etree.XMLParser:
@@ -68,7 +109,7 @@ def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:
     tree = root.getroottree()
     if tree.docinfo.internalDTD is not None or tree.docinfo.system_url or tree.docinfo.public_id:
         raise InputError(f"{what} has a DOCTYPE; it is refused")
-    return ParsedDomain(tree, had_declaration=data.lstrip().startswith(b"<?xml"), trailing_newline=data.endswith(b"\n"))
+    return ParsedDomain(tree, data)
 
 
 def parse_domain(data: bytes, max_bytes: int) -> ParsedDomain:

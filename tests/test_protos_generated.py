@@ -1,0 +1,190 @@
+"""The committed stubs in ``schemas/generated`` are exactly what ``python -m schemas.genproto`` writes today,
+and the ``.proto`` files keep the wire names and field numbers of FACTS.md §1-3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import descriptor
+
+from schemas import genproto
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as dp
+from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
+from schemas.generated.kubevirt.hooks import info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
+    genproto.generate(tmp_path / "generated")
+    fresh = _tree(tmp_path / "generated")
+    committed = _tree(genproto.GENERATED_ROOT)
+    assert sorted(fresh) == sorted(committed), "run `python -m schemas.genproto`: the set of generated files changed"
+    stale = [name for name in fresh if fresh[name] != committed[name]]
+    assert not stale, f"stale generated stubs (run `python -m schemas.genproto`): {stale}"
+
+
+def test_every_proto_is_generated() -> None:
+    names = {str(path) for path in genproto.proto_files()}
+    assert names == {
+        "kubelet/deviceplugin/v1beta1/api.proto",
+        "kubelet/podresources/v1/api.proto",
+        "kubevirt/hooks/info.proto",
+        "kubevirt/hooks/v1alpha1.proto",
+        "kubevirt/hooks/v1alpha2.proto",
+        "kubevirt/hooks/v1alpha3.proto",
+    }
+
+
+def _methods(service: descriptor.ServiceDescriptor) -> dict[str, tuple[str, str, bool]]:
+    return {
+        method.name: (method.input_type.full_name, method.output_type.full_name, method.server_streaming)
+        for method in service.methods
+    }
+
+
+def _fields(message: descriptor.Descriptor) -> dict[str, tuple[int, int, bool]]:
+    return {field.name: (field.number, field.type, field.is_repeated) for field in message.fields}
+
+
+B = descriptor.FieldDescriptor
+S, BY, M, I32, I64, BO = B.TYPE_STRING, B.TYPE_BYTES, B.TYPE_MESSAGE, B.TYPE_INT32, B.TYPE_INT64, B.TYPE_BOOL
+
+
+def test_hook_services_match_facts() -> None:
+    info = info_pb2.DESCRIPTOR.services_by_name["Info"]
+    assert info.full_name == "kubevirt.hooks.info.Info"
+    assert _methods(info) == {"Info": ("kubevirt.hooks.info.InfoParams", "kubevirt.hooks.info.InfoResult", False)}
+    assert _fields(info_pb2.InfoResult.DESCRIPTOR) == {
+        "name": (1, S, False),
+        "hookPoints": (3, M, True),
+        "versions": (4, S, True),
+    }
+    assert _fields(info_pb2.HookPoint.DESCRIPTOR) == {"name": (1, S, False), "priority": (2, I32, False)}
+    expected_methods = {
+        v1alpha1_pb2: {"OnDefineDomain"},
+        v1alpha2_pb2: {"OnDefineDomain", "PreCloudInitIso"},
+        v1alpha3_pb2: {"OnDefineDomain", "PreCloudInitIso", "Shutdown"},
+    }
+    for module, methods in expected_methods.items():
+        package = module.DESCRIPTOR.package
+        service = module.DESCRIPTOR.services_by_name["Callbacks"]
+        assert service.full_name == f"{package}.Callbacks"
+        assert set(_methods(service)) == methods
+        assert _fields(module.OnDefineDomainParams.DESCRIPTOR) == {"domainXML": (1, BY, False), "vmi": (2, BY, False)}
+        assert _fields(module.OnDefineDomainResult.DESCRIPTOR) == {"domainXML": (1, BY, False)}
+    assert [m.DESCRIPTOR.package for m in expected_methods] == [
+        "kubevirt.hooks.v1alpha1",
+        "kubevirt.hooks.v1alpha2",
+        "kubevirt.hooks.v1alpha3",
+    ]
+    for module in (v1alpha2_pb2, v1alpha3_pb2):
+        assert _fields(module.PreCloudInitIsoParams.DESCRIPTOR) == {
+            "cloudInitNoCloudSource": (1, BY, False),
+            "vmi": (2, BY, False),
+            "cloudInitData": (3, BY, False),
+        }
+        assert _fields(module.PreCloudInitIsoResult.DESCRIPTOR) == {
+            "cloudInitNoCloudSource": (1, BY, False),
+            "cloudInitData": (3, BY, False),
+        }
+
+
+def test_pod_resources_matches_facts() -> None:
+    assert pr.DESCRIPTOR.package == "v1"
+    service = pr.DESCRIPTOR.services_by_name["PodResourcesLister"]
+    assert service.full_name == "v1.PodResourcesLister"
+    assert _methods(service) == {
+        "List": ("v1.ListPodResourcesRequest", "v1.ListPodResourcesResponse", False),
+        "GetAllocatableResources": ("v1.AllocatableResourcesRequest", "v1.AllocatableResourcesResponse", False),
+        "Get": ("v1.GetPodResourcesRequest", "v1.GetPodResourcesResponse", False),
+    }
+    assert _fields(pr.ListPodResourcesResponse.DESCRIPTOR) == {"pod_resources": (1, M, True)}
+    assert _fields(pr.GetPodResourcesRequest.DESCRIPTOR) == {"pod_name": (1, S, False), "pod_namespace": (2, S, False)}
+    assert _fields(pr.GetPodResourcesResponse.DESCRIPTOR) == {"pod_resources": (1, M, False)}
+    assert _fields(pr.PodResources.DESCRIPTOR) == {
+        "name": (1, S, False),
+        "namespace": (2, S, False),
+        "containers": (3, M, True),
+    }
+    container = _fields(pr.ContainerResources.DESCRIPTOR)
+    assert {k: container[k] for k in ("name", "devices", "cpu_ids")} == {
+        "name": (1, S, False),
+        "devices": (2, M, True),
+        "cpu_ids": (3, I64, True),
+    }
+    assert _fields(pr.ContainerDevices.DESCRIPTOR) == {
+        "resource_name": (1, S, False),
+        "device_ids": (2, S, True),
+        "topology": (3, M, False),
+    }
+    assert _fields(pr.NUMANode.DESCRIPTOR) == {"ID": (1, I64, False)}
+
+
+DEVICE_PLUGIN_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
+    "DevicePluginOptions": {"pre_start_required": (1, BO, False), "get_preferred_allocation_available": (2, BO, False)},
+    "RegisterRequest": {
+        "version": (1, S, False),
+        "endpoint": (2, S, False),
+        "resource_name": (3, S, False),
+        "options": (4, M, False),
+    },
+    "Empty": {},
+    "ListAndWatchResponse": {"devices": (1, M, True)},
+    "Device": {"ID": (1, S, False), "health": (2, S, False), "topology": (3, M, False)},
+    "TopologyInfo": {"nodes": (1, M, True)},
+    "NUMANode": {"ID": (1, I64, False)},
+    "PreferredAllocationRequest": {"container_requests": (1, M, True)},
+    "ContainerPreferredAllocationRequest": {
+        "available_deviceIDs": (1, S, True),
+        "must_include_deviceIDs": (2, S, True),
+        "allocation_size": (3, I32, False),
+    },
+    "PreferredAllocationResponse": {"container_responses": (1, M, True)},
+    "ContainerPreferredAllocationResponse": {"deviceIDs": (1, S, True)},
+    "AllocateRequest": {"container_requests": (1, M, True)},
+    "ContainerAllocateRequest": {"devices_ids": (1, S, True)},
+    "AllocateResponse": {"container_responses": (1, M, True)},
+    "ContainerAllocateResponse": {
+        "envs": (1, M, True),
+        "mounts": (2, M, True),
+        "devices": (3, M, True),
+        "annotations": (4, M, True),
+        "cdi_devices": (5, M, True),
+    },
+    "Mount": {"container_path": (1, S, False), "host_path": (2, S, False), "read_only": (3, BO, False)},
+    "DeviceSpec": {"container_path": (1, S, False), "host_path": (2, S, False), "permissions": (3, S, False)},
+    "CDIDevice": {"name": (1, S, False)},
+    "PreStartContainerRequest": {"devices_ids": (1, S, True)},
+    "PreStartContainerResponse": {},
+}
+
+
+def test_device_plugin_api_matches_facts() -> None:
+    assert dp.DESCRIPTOR.package == "v1beta1"
+    registration = dp.DESCRIPTOR.services_by_name["Registration"]
+    assert _methods(registration) == {"Register": ("v1beta1.RegisterRequest", "v1beta1.Empty", False)}
+    plugin = dp.DESCRIPTOR.services_by_name["DevicePlugin"]
+    assert plugin.full_name == "v1beta1.DevicePlugin"
+    assert _methods(plugin) == {
+        "GetDevicePluginOptions": ("v1beta1.Empty", "v1beta1.DevicePluginOptions", False),
+        "ListAndWatch": ("v1beta1.Empty", "v1beta1.ListAndWatchResponse", True),
+        "GetPreferredAllocation": ("v1beta1.PreferredAllocationRequest", "v1beta1.PreferredAllocationResponse", False),
+        "Allocate": ("v1beta1.AllocateRequest", "v1beta1.AllocateResponse", False),
+        "PreStartContainer": ("v1beta1.PreStartContainerRequest", "v1beta1.PreStartContainerResponse", False),
+    }
+    for name, fields in DEVICE_PLUGIN_FIELDS.items():
+        assert _fields(dp.DESCRIPTOR.message_types_by_name[name]) == fields, name
+    assert set(dp.DESCRIPTOR.message_types_by_name) == set(DEVICE_PLUGIN_FIELDS)
+
+
+@pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, pr, dp])
+def test_generated_modules_import_as_a_package(module: object) -> None:
+    assert getattr(module, "__name__", "").startswith("schemas.generated.")
