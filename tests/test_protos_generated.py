@@ -4,6 +4,7 @@ and the ``.proto`` files keep the wire names and field numbers of FACTS.md §1-3
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import descriptor
@@ -50,7 +51,8 @@ def _methods(service: descriptor.ServiceDescriptor) -> dict[str, tuple[str, str,
     }
 
 
-def _fields(message: descriptor.Descriptor) -> dict[str, tuple[int, int, bool]]:
+def _fields(message: Any) -> dict[str, tuple[int, int, bool]]:
+    # Any: protobuf's stubs type DESCRIPTOR as a union of the pure-Python and upb descriptor classes.
     return {field.name: (field.number, field.type, field.is_repeated) for field in message.fields}
 
 
