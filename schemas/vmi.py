@@ -90,7 +90,7 @@ def parse_vmi(data: bytes, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Virtu
     if document.get("kind") == "VirtualMachine":
         template = document.get("spec", {}).get("template") if isinstance(document.get("spec"), dict) else None
         if not isinstance(template, dict):
-            raise InputError("VirtualMachine JSON has no spec.template object")
+            raise InputError("VMI JSON is a VirtualMachine with no spec.template object")
         document = {"metadata": document.get("metadata", {}), "spec": template.get("spec")}
     try:
         return VirtualMachineInstance.model_validate(document)

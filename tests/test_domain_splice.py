@@ -1,0 +1,147 @@
+"""Splicing hostdevs into a domain, and refusing dangerous or broken domain XML."""
+
+from __future__ import annotations
+
+import pytest
+from lxml import etree
+
+from launcher_hook import BuildOptions, build_domain
+from schemas import InputError
+from tests.conftest import EXAMPLES
+
+PCI = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+ENV = {PCI: "0000:86:00.0,0000:af:00.0"}
+SEED = (EXAMPLES / "seed-node01" / "domain.xml").read_bytes()
+
+
+def hostdev_aliases(xml: bytes) -> list[str | None]:
+    return [alias.get("name") for alias in etree.fromstring(xml).iterfind("devices/hostdev/alias")]
+
+
+def test_everything_but_the_added_hostdevs_is_kept_byte_for_byte() -> None:
+    out = build_domain(SEED, None, ENV).domain_xml
+    tree = etree.fromstring(out)
+    devices = tree.find("devices")
+    assert devices is not None
+    for hostdev in devices.findall("hostdev"):
+        previous = hostdev.getprevious()
+        assert previous is not None
+        previous.tail = hostdev.tail
+        devices.remove(hostdev)
+    stripped = etree.tostring(tree)
+    assert stripped == etree.tostring(etree.fromstring(SEED))
+    assert out.startswith(b'<domain type="kvm" xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0">\n')
+    assert b"<qemu:env " in out and out.endswith(b"</domain>\n")
+    assert out.count(b"/>") == 0  # Go-style empty elements stay <x></x>
+
+
+def test_comments_cdata_and_foreign_namespaces_survive() -> None:
+    domain = (
+        b"<?xml version='1.0'?>\n<!-- top -->\n<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
+        b"<name>x</name><!-- inside --><description><![CDATA[a <b> & c]]></description>"
+        b"<devices><disk type='file'/></devices><qemu:commandline><qemu:arg value='-s'/></qemu:commandline></domain>"
+    )
+    out = build_domain(domain, None, {PCI: "0000:86:00.0"}).domain_xml
+    assert out.startswith(b"<?xml version='1.0'?>\n<!-- top -->\n<domain type='kvm' xmlns:qemu=")
+    assert b"<!-- inside -->" in out and b"<![CDATA[a <b> & c]]>" in out
+    assert b"<qemu:arg value=\"-s\"/></qemu:commandline>" in out
+    assert b"<disk type=\"file\"/><hostdev mode=\"subsystem\" type=\"pci\" managed=\"no\">" in out
+
+
+def test_devices_element_is_created_when_absent() -> None:
+    out = build_domain(b"<domain type='kvm'><name>x</name></domain>", None, {PCI: "0000:86:00.0"}).domain_xml
+    assert hostdev_aliases(out) == ["ua-gpu0"]
+    assert out.endswith(b"</hostdev></devices></domain>")
+
+
+def test_hostdev_with_same_source_is_replaced_not_duplicated() -> None:
+    domain = (
+        b"<domain type='kvm'><devices>"
+        b"<hostdev mode='subsystem' type='pci' managed='no'><source><address type='pci' domain='0' bus='134' slot='0'"
+        b" function='0'/></source><alias name='ua-gpu-gpu0'/></hostdev>"
+        b"<interface type='ethernet'/>"
+        b"<hostdev mode='subsystem' type='pci' managed='no'><source><address domain='0x0000' bus='0x86' slot='0x00'"
+        b" function='0x0'/></source></hostdev>"
+        b"<hostdev mode='subsystem' type='pci' managed='no'><source><address domain='0x0000' bus='0x3b' slot='0x00'"
+        b" function='0x0'/></source><alias name='ua-sriov-nic'/></hostdev>"
+        b"</devices></domain>"
+    )
+    out = build_domain(domain, None, {PCI: "0000:86:00.0"}).domain_xml
+    root = etree.fromstring(out)
+    assert [child.tag for child in root.find("devices")] == ["hostdev", "interface", "hostdev"]  # type: ignore[union-attr]
+    assert hostdev_aliases(out) == ["ua-gpu0", "ua-sriov-nic"]
+
+
+def test_octal_looking_numbers_are_read_as_libvirt_does() -> None:
+    # bus='010' is octal 8 for libvirt, so it is not 0000:10:00.0 and is not replaced
+    domain = (
+        b"<domain><devices><hostdev mode='subsystem' type='pci'><source><address domain='0' bus='010' slot='0'"
+        b" function='0'/></source><alias name='ua-other'/></hostdev></devices></domain>"
+    )
+    out = build_domain(domain, None, {PCI: "0000:10:00.0"}).domain_xml
+    assert hostdev_aliases(out) == ["ua-other", "ua-gpu0"]
+    out = build_domain(domain, None, {PCI: "0000:08:00.0"}).domain_xml
+    assert hostdev_aliases(out) == ["ua-gpu0"]
+
+
+def test_mdev_hostdev_with_same_uuid_in_other_case_is_replaced() -> None:
+    uuid = "4b20d080-1b54-4048-85b3-a6a62d165c01"
+    domain = (
+        f"<domain><devices><hostdev mode='subsystem' type='mdev' model='vfio-pci'><source><address uuid='{uuid.upper()}'/>"
+        "</source><alias name='ua-gpu-vgpu'/></hostdev></devices></domain>"
+    ).encode()
+    out = build_domain(domain, None, {"MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q": uuid}).domain_xml
+    assert hostdev_aliases(out) == ["ua-gpu0"]
+
+
+def test_alias_held_by_another_element_is_an_error_and_nothing_is_returned() -> None:
+    domain = b"<domain><devices><disk type='file'>\n<alias name='ua-gpu1'/></disk></devices></domain>"
+    with pytest.raises(InputError, match=r"alias 'ua-gpu1' is already used by <disk> at line 2"):
+        build_domain(domain, None, ENV)
+
+
+def test_building_twice_is_idempotent_on_an_indented_domain() -> None:
+    once = build_domain(SEED, None, ENV, BuildOptions(driver="vfio")).domain_xml
+    assert build_domain(once, None, ENV, BuildOptions(driver="vfio")).domain_xml == once
+
+
+def test_without_domain_a_devices_element_holds_just_the_hostdevs() -> None:
+    out = build_domain(None, None, ENV).domain_xml
+    assert out.startswith(b"<devices>\n\t<hostdev ") and out.endswith(b"</devices>\n")
+    assert hostdev_aliases(b"<domain>" + out + b"</domain>") == ["ua-gpu0", "ua-gpu1"]
+
+
+BILLION_LAUGHS = b"""<?xml version="1.0"?>
+<!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">]>
+<domain><name>&lol2;</name></domain>"""
+XXE = b"""<?xml version="1.0"?>
+<!DOCTYPE d [<!ENTITY xxe SYSTEM "file:///etc/passwd">]><domain><name>&xxe;</name></domain>"""
+EXTERNAL_DTD = b"""<?xml version="1.0"?><!DOCTYPE domain SYSTEM "http://127.0.0.1:9/x.dtd"><domain/>"""
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (BILLION_LAUGHS, "DOCTYPE"),
+        (XXE, "DOCTYPE"),
+        (EXTERNAL_DTD, "DOCTYPE"),
+        (b"<domain><name>&undefined;</name></domain>", "not well-formed XML: Entity 'undefined' not defined"),
+        (b"", "not well-formed XML"),
+        (b"<domain>", "not well-formed XML"),
+        (b"<domain></domian>", "not well-formed XML"),
+        (b"not xml at all", "not well-formed XML"),
+        (b"<vm><devices/></vm>", "the root element is <vm>, expected <domain>"),
+        (b"<domain><name>\xff</name></domain>", "not valid UTF-8: byte 14"),
+        (b"<?xml version='1.0' encoding='ISO-8859-1'?><domain/>", "declares encoding 'ISO-8859-1'"),
+        (b"<domain>" + b"<a>" * 300 + b"</a>" * 300 + b"</domain>", "not well-formed XML"),
+    ],
+)
+def test_bad_domain_xml_is_refused_naming_the_problem(data: bytes, message: str) -> None:
+    with pytest.raises(InputError, match="domain XML") as error:
+        build_domain(data, None, ENV)
+    assert message in str(error.value)
+
+
+def test_oversized_domain_is_refused() -> None:
+    with pytest.raises(InputError, match="domain XML is 1025 bytes, over the 1024-byte limit"):
+        build_domain(b"<domain>" + b" " * 1000 + b"</domain>".ljust(17), None, ENV, BuildOptions(max_input_bytes=1024))
