@@ -1,0 +1,151 @@
+"""Three example nodes for :mod:`plugin.sysfs_fixture`: what tests, the benchmark and ``xmlgen simulate`` run on.
+
+- :data:`NODE01`: node01 of the seed write-up (``000_5ea2f63f8723ccb0``): four TU106 RTX 2060 Rev. A cards,
+  each a VGA ``1f08`` + audio ``10f9`` + USB ``1ada`` + UCSI ``1adb`` in one IOMMU group, all on vfio-pci
+  (two per socket; ``0000:86:00.0`` and ``0000:af:00.0`` as in the seed), plus an X710 NIC and a Tesla T4
+  left on the ``nvidia`` driver.
+- :data:`VGPU_NODE`: two Tesla T4 on ``nvidia`` with vGPU mdevs: two ``GRID T4-1Q`` and one ``GRID T4-2Q``.
+- :data:`MIXED_NODE`: two A10, a GPU whose ID (``10de:2fff``) pci.ids lacks, and an RTX 3090 whose audio
+  function is still on ``snd_hda_intel`` (a group that is not viable).
+
+Each node carries :data:`PCI_IDS_EXCERPT`, real lines of pci.ids 2023.04.10 for its devices; the builder
+writes it to ``usr/share/misc/pci.ids`` of the tree, where discovery looks first. Topology follows a
+two-socket Xeon Scalable: a root port per PCIe stack (``0000:85:00.0``), the card right below it.
+"""
+
+from __future__ import annotations
+
+from plugin.sysfs_fixture import Function, Mdev, MdevType, Node
+
+NVIDIA = 0x10DE
+INTEL = 0x8086
+
+CLASS_VGA = 0x030000
+CLASS_3D = 0x030200
+CLASS_AUDIO = 0x040300
+CLASS_USB_XHCI = 0x0C0330
+CLASS_SERIAL_BUS = 0x0C8000
+CLASS_ETHERNET = 0x020000
+CLASS_PCI_BRIDGE = 0x060400
+
+PCI_IDS_EXCERPT = """\
+#
+#\tList of PCI ID's
+#
+#\tVersion: 2023.04.10
+#\tExcerpt for the test nodes: real lines, most devices and all subsystems left out.
+#
+8086  Intel Corporation
+\t1572  Ethernet Controller X710 for 10GbE SFP+
+\t2030  Sky Lake-E PCI Express Root Port A
+10de  NVIDIA Corporation
+\t10f9  TU106 High Definition Audio Controller
+\t1ada  TU106 USB 3.1 Host Controller
+\t1adb  TU106 USB Type-C UCSI Controller
+\t1aef  GA102 High Definition Audio Controller
+\t1eb8  TU104GL [Tesla T4]
+\t1f08  TU106 [GeForce RTX 2060 Rev. A]
+\t2204  GA102 [GeForce RTX 3090]
+\t2236  GA102GL [A10]
+"""
+
+# Each PCIe stack: (root bus, numa node, root port group). The card sits on bus root+1.
+_STACKS = {0x17: (0, 18), 0x3A: (0, 28), 0x5D: (0, 48), 0x85: (1, 72), 0xAE: (1, 94), 0xD7: (1, 116)}
+
+
+def root_port(root_bus: int) -> Function:
+    numa, group = _STACKS[root_bus]
+    return Function(
+        f"0000:{root_bus:02x}:00.0", INTEL, 0x2030, CLASS_PCI_BRIDGE, "pcieport", group, numa, revision=0x04
+    )
+
+
+def _below(root_bus: int, function: int, vendor: int, device: int, pci_class: int, driver: str | None) -> Function:
+    numa, group = _STACKS[root_bus]
+    return Function(
+        f"0000:{root_bus + 1:02x}:00.{function}",
+        vendor,
+        device,
+        pci_class,
+        driver,
+        group + 2,
+        numa,
+        parent=f"0000:{root_bus:02x}:00.0",
+    )
+
+
+def tu106_card(root_bus: int, driver: str = "vfio-pci", audio_driver: str | None = None) -> tuple[Function, ...]:
+    """An RTX 2060 Rev. A: four functions, one IOMMU group, below the root port on ``root_bus``."""
+    return (
+        root_port(root_bus),
+        _below(root_bus, 0, NVIDIA, 0x1F08, CLASS_VGA, driver),
+        _below(root_bus, 1, NVIDIA, 0x10F9, CLASS_AUDIO, audio_driver or driver),
+        _below(root_bus, 2, NVIDIA, 0x1ADA, CLASS_USB_XHCI, driver),
+        _below(root_bus, 3, NVIDIA, 0x1ADB, CLASS_SERIAL_BUS, driver),
+    )
+
+
+NODE01 = Node(
+    name="node01",
+    functions=(
+        root_port(0x17),
+        _below(0x17, 0, INTEL, 0x1572, CLASS_ETHERNET, "i40e"),
+        Function("0000:18:00.1", INTEL, 0x1572, CLASS_ETHERNET, "i40e", 21, 0, parent="0000:17:00.0"),
+        *tu106_card(0x3A),
+        *tu106_card(0x5D),
+        *tu106_card(0x85),
+        *tu106_card(0xAE),
+        root_port(0xD7),
+        _below(0xD7, 0, NVIDIA, 0x1EB8, CLASS_3D, "nvidia"),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""The seed's node01: ``nvidia.com/TU106_GEFORCE_RTX_2060_REV__A`` x4; the T4 on ``nvidia`` is not offered."""
+
+T4_1Q_A = "4b20d080-1b54-4048-85b3-a6a62d165c01"
+T4_1Q_B = "6c2c2f1e-9d57-4f4a-8a0b-3f5e0b8f2a11"
+T4_2Q = "a297db4a-f4c2-11e6-90f6-d3b88d6c9525"
+
+_T4_TYPES = (("nvidia-222", "GRID T4-1B"), ("nvidia-230", "GRID T4-1Q"), ("nvidia-231", "GRID T4-2Q"))
+
+VGPU_NODE = Node(
+    name="gpu-vgpu01",
+    functions=(
+        root_port(0x3A),
+        _below(0x3A, 0, NVIDIA, 0x1EB8, CLASS_3D, "nvidia"),
+        root_port(0xD7),
+        _below(0xD7, 0, NVIDIA, 0x1EB8, CLASS_3D, "nvidia"),
+    ),
+    mdev_types=tuple(
+        MdevType(parent, type_id, name, available_instances=0 if type_id != "nvidia-222" else 16)
+        for parent in ("0000:3b:00.0", "0000:d8:00.0")
+        for type_id, name in _T4_TYPES
+    ),
+    mdevs=(
+        Mdev(T4_1Q_A, "0000:3b:00.0", "nvidia-230", 140),
+        Mdev(T4_1Q_B, "0000:3b:00.0", "nvidia-230", 141),
+        Mdev(T4_2Q, "0000:d8:00.0", "nvidia-231", 142),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""vGPU: ``nvidia.com/GRID_T4-1Q`` x2 on the first T4, ``nvidia.com/GRID_T4-2Q`` x1 on the second."""
+
+MIXED_NODE = Node(
+    name="gpu-mixed01",
+    functions=(
+        root_port(0x3A),
+        _below(0x3A, 0, NVIDIA, 0x2236, CLASS_3D, "vfio-pci"),
+        root_port(0xD7),
+        _below(0xD7, 0, NVIDIA, 0x2236, CLASS_3D, "vfio-pci"),
+        root_port(0x5D),
+        Function("0000:5e:00.0", NVIDIA, 0x2FFF, CLASS_3D, "vfio-pci", 50, -1, parent="0000:5d:00.0"),
+        root_port(0x85),
+        _below(0x85, 0, NVIDIA, 0x2204, CLASS_VGA, "vfio-pci"),
+        _below(0x85, 1, NVIDIA, 0x1AEF, CLASS_AUDIO, "snd_hda_intel"),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""Mixed: ``GA102GL_A10`` x2 healthy; ``nvidia.com/2fff`` (not in pci.ids, NUMA unknown); the RTX 3090 at
+``0000:86:00.0`` unhealthy because ``0000:86:00.1`` is on ``snd_hda_intel``."""
+
+NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE)}

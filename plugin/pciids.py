@@ -1,0 +1,102 @@
+"""Device names from pci.ids, found where NVIDIA's plugin and the node's own tools look.
+
+Resource names come from the pci.ids device line (FACTS.md §6-7), so which file is read decides what the
+node advertises. The search order is explicit and reported, a file given on purpose must exist, and an
+absent database degrades to hex names with a warning instead of failing discovery.
+
+Only the vendor sections actually asked about are parsed (the file is over a megabyte, NVIDIA's section
+a few hundred lines), so a lookup costs one read of the file plus a scan of one section.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.errors import InputError
+
+SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/pci.ids")
+"""Relative to the host root first, then to the image's root: hwdata, Debian's pci.ids, NVIDIA's image."""
+
+_NEXT_SECTION = re.compile(r"\n[^\t#\n]")  # a line that is not a device, subsystem, comment or blank
+
+
+@dataclass(frozen=True)
+class PciIds:
+    """One pci.ids database: its path (for messages) and its text, parsed lazily per vendor."""
+
+    path: str
+    text: str
+    _sections: dict[int, dict[int, str]] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, path: Path) -> PciIds:
+        """Read ``path``; an unreadable file is an ``InputError`` naming it."""
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read pci.ids file {str(path)!r}: {exc.strerror or exc}") from None
+        return cls(str(path), data.decode("utf-8", errors="replace"))
+
+    @classmethod
+    def from_text(cls, text: str, path: str = "<memory>") -> PciIds:
+        return cls(path, text)
+
+    def device_name(self, vendor: int, device: int) -> str | None:
+        """The device line's name for ``vendor:device`` (e.g. ``TU106 [GeForce RTX 2060 Rev. A]``), or None."""
+        section = self._sections.get(vendor)
+        if section is None:
+            section = self._parse_vendor(vendor)
+            self._sections[vendor] = section
+        return section.get(device)
+
+    def _parse_vendor(self, vendor: int) -> dict[int, str]:
+        text = self.text
+        marker = f"{vendor:04x}  "
+        start = 0 if text.startswith(marker) else text.find("\n" + marker)
+        if start < 0:
+            return {}
+        following = _NEXT_SECTION.search(text, start + 1)
+        end = following.start() if following is not None else len(text)
+        devices: dict[int, str] = {}
+        lines = text[start:end].lstrip("\n").split("\n")
+        for line in lines[1:]:  # lines[0] is the vendor line itself
+            if not line.startswith("\t") or line.startswith("\t\t"):
+                continue  # a comment, a blank or a subsystem line
+            ident, _, name = line[1:].partition(" ")
+            try:
+                devices.setdefault(int(ident, 16), name.strip())
+            except ValueError:
+                continue
+        return devices
+
+
+@dataclass(frozen=True, slots=True)
+class PciIdsChoice:
+    """Which pci.ids discovery uses (None: none found) and why, for the log and the warnings."""
+
+    database: PciIds | None
+    searched: tuple[str, ...]
+
+
+def locate_pci_ids(explicit: Path | None, host_root: Path, image_root: Path = Path("/")) -> PciIdsChoice:
+    """``explicit`` if given (it must exist), else the first of :data:`SEARCH_PATHS` under the host root, then
+    under the image root; none found → ``database=None`` (the caller warns and names by hex)."""
+    if explicit is not None:
+        if not explicit.is_file():
+            raise InputError(f"pci.ids file {str(explicit)!r} does not exist or is not a file")
+        return PciIdsChoice(PciIds.load(explicit), (str(explicit),))
+    searched: list[str] = []
+    seen: set[str] = set()
+    for root in (host_root, image_root):
+        for relative in SEARCH_PATHS:
+            candidate = os.path.normpath(root / relative)
+            if candidate in seen:
+                continue
+            seen.add(candidate)
+            searched.append(candidate)
+            if os.path.isfile(candidate):
+                return PciIdsChoice(PciIds.load(Path(candidate)), tuple(searched))
+    return PciIdsChoice(None, tuple(searched))

@@ -1,0 +1,218 @@
+"""Write realistic fake sysfs trees on disk, for tests, benchmarks and ``xmlgen simulate``.
+
+A test aid, not used in production: discovery must be tested against the shapes the kernel really makes
+(relative symlinks from ``sys/bus/pci/devices`` into ``sys/devices/pci…``, ``driver`` and ``iommu_group``
+links, ``iommu_groups/N/devices``, ``/dev/vfio/N``, mdev trees), not against mocks of its own reads. A
+:class:`Node` describes a machine declaratively; :func:`build` writes it under any directory (only writes
+under that directory, nothing else). Device nodes (``/dev/vfio/*``) are plain empty files: creating character
+devices needs privileges, and discovery only checks that they exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.pci import PciAddress
+
+VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """One PCI function. ``parent`` is the upstream bridge's address (None: on the root bus)."""
+
+    address: str
+    vendor: int
+    device: int
+    pci_class: int
+    driver: str | None = None
+    iommu_group: int | None = None
+    numa_node: int = -1
+    parent: str | None = None
+    subsystem_vendor: int = 0
+    subsystem_device: int = 0
+    revision: int = 0xA1
+
+
+@dataclass(frozen=True, slots=True)
+class MdevType:
+    """One ``mdev_supported_types/<type_id>`` directory of a parent GPU."""
+
+    parent: str
+    type_id: str
+    name: str
+    available_instances: int = 0
+    device_api: str = "vfio-pci"
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Mdev:
+    """One created mediated device (``/sys/bus/mdev/devices/<uuid>``) with its own IOMMU group."""
+
+    uuid: str
+    parent: str
+    type_id: str
+    iommu_group: int
+    driver: str | None = "vfio_mdev"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A whole machine: its PCI functions, mdev types and mdevs, and optionally its pci.ids text."""
+
+    name: str
+    functions: tuple[Function, ...]
+    mdev_types: tuple[MdevType, ...] = ()
+    mdevs: tuple[Mdev, ...] = ()
+    pci_ids: str | None = None
+    """Written to ``usr/share/misc/pci.ids`` under the root when set (where Debian keeps it)."""
+    vfio_container: bool = True
+    """Whether ``dev/vfio/vfio`` exists (the vfio module is loaded)."""
+
+    def function(self, address: str) -> Function:
+        for function in self.functions:
+            if function.address == address:
+                return function
+        raise KeyError(address)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def _link(link: Path, target: Path) -> None:
+    """A relative symlink ``link`` → ``target``, as sysfs makes them."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _device_dirs(node: Node, sys: Path) -> dict[str, Path]:
+    by_address = {function.address: function for function in node.functions}
+    dirs: dict[str, Path] = {}
+
+    def resolve(address: str, seen: tuple[str, ...]) -> Path:
+        if address in dirs:
+            return dirs[address]
+        if address in seen:
+            raise ValueError(f"bridge loop through {address}")
+        function = by_address[address]
+        if function.parent is None:
+            parsed = PciAddress.parse(address)
+            path = sys / "devices" / f"pci{parsed.domain:04x}:{parsed.bus:02x}" / address
+        else:
+            if function.parent not in by_address:
+                raise ValueError(f"{address}: parent bridge {function.parent} is not among the node's functions")
+            path = resolve(function.parent, (*seen, address)) / address
+        dirs[address] = path
+        return path
+
+    for function in node.functions:
+        resolve(function.address, ())
+    return dirs
+
+
+def _uevent(lines: Iterable[tuple[str, str]]) -> str:
+    return "".join(f"{key}={value}\n" for key, value in lines)
+
+
+def _write_function(function: Function, path: Path, sys: Path, vfio_groups: set[int]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, value in (
+        ("vendor", f"0x{function.vendor:04x}"),
+        ("device", f"0x{function.device:04x}"),
+        ("class", f"0x{function.pci_class:06x}"),
+        ("subsystem_vendor", f"0x{function.subsystem_vendor:04x}"),
+        ("subsystem_device", f"0x{function.subsystem_device:04x}"),
+        ("revision", f"0x{function.revision:02x}"),
+        ("numa_node", str(function.numa_node)),
+        ("enable", "0"),
+    ):
+        _write(path / name, value + "\n")
+    event = [
+        ("PCI_CLASS", f"{function.pci_class:X}"),
+        ("PCI_ID", f"{function.vendor:04X}:{function.device:04X}"),
+        ("PCI_SUBSYS_ID", f"{function.subsystem_vendor:04X}:{function.subsystem_device:04X}"),
+        ("PCI_SLOT_NAME", function.address),
+    ]
+    if function.driver is not None:
+        event.insert(0, ("DRIVER", function.driver))
+        driver_dir = sys / "bus" / "pci" / "drivers" / function.driver
+        driver_dir.mkdir(parents=True, exist_ok=True)
+        _link(path / "driver", driver_dir)
+        _link(driver_dir / function.address, path)
+    _write(path / "uevent", _uevent(event))
+    _link(path / "subsystem", sys / "bus" / "pci")
+    _link(sys / "bus" / "pci" / "devices" / function.address, path)
+    if function.iommu_group is not None:
+        group_dir = sys / "kernel" / "iommu_groups" / str(function.iommu_group)
+        _link(path / "iommu_group", group_dir)
+        _link(group_dir / "devices" / function.address, path)
+        _write(group_dir / "type", "DMA\n")
+        if function.driver in VFIO_DRIVERS:
+            vfio_groups.add(function.iommu_group)
+
+
+def _write_mdev_type(mdev_type: MdevType, parent_dir: Path) -> None:
+    type_dir = parent_dir / "mdev_supported_types" / mdev_type.type_id
+    _write(type_dir / "name", f"{mdev_type.name}\n")
+    _write(type_dir / "available_instances", f"{mdev_type.available_instances}\n")
+    _write(type_dir / "device_api", f"{mdev_type.device_api}\n")
+    _write(type_dir / "description", f"{mdev_type.description}\n")
+    (type_dir / "devices").mkdir(exist_ok=True)
+
+
+def _write_mdev(mdev: Mdev, parent_dir: Path, sys: Path, vfio_groups: set[int]) -> None:
+    mdev_dir = parent_dir / mdev.uuid
+    type_dir = parent_dir / "mdev_supported_types" / mdev.type_id
+    if not type_dir.is_dir():
+        raise ValueError(f"mdev {mdev.uuid}: {mdev.parent} has no mdev type {mdev.type_id}")
+    mdev_dir.mkdir(parents=True, exist_ok=True)
+    _link(mdev_dir / "mdev_type", type_dir)
+    _link(type_dir / "devices" / mdev.uuid, mdev_dir)
+    _link(sys / "bus" / "mdev" / "devices" / mdev.uuid, mdev_dir)
+    _link(mdev_dir / "subsystem", sys / "bus" / "mdev")
+    _write(mdev_dir / "remove", "")
+    group_dir = sys / "kernel" / "iommu_groups" / str(mdev.iommu_group)
+    _link(mdev_dir / "iommu_group", group_dir)
+    _link(group_dir / "devices" / mdev.uuid, mdev_dir)
+    event = [("MDEV_TYPE", mdev.type_id)]
+    if mdev.driver is not None:
+        event.insert(0, ("DRIVER", mdev.driver))
+        driver_dir = sys / "bus" / "mdev" / "drivers" / mdev.driver
+        driver_dir.mkdir(parents=True, exist_ok=True)
+        _link(mdev_dir / "driver", driver_dir)
+        _link(driver_dir / mdev.uuid, mdev_dir)
+        vfio_groups.add(mdev.iommu_group)
+    _write(mdev_dir / "uevent", _uevent(event))
+
+
+def build(node: Node, root: Path) -> Path:
+    """Write ``node`` under ``root`` (created if needed) and return ``root``, usable as a host root.
+
+    ``dev/vfio/<N>`` is written for every group with a function on a VFIO driver or a bound mdev, as the
+    kernel creates it; ``dev/vfio/vfio`` when :attr:`Node.vfio_container`.
+    """
+    sys = root / "sys"
+    dirs = _device_dirs(node, sys)
+    vfio_groups: set[int] = set()
+    (sys / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
+    for function in node.functions:
+        _write_function(function, dirs[function.address], sys, vfio_groups)
+    for mdev_type in node.mdev_types:
+        _write_mdev_type(mdev_type, dirs[mdev_type.parent])
+    for mdev in node.mdevs:
+        _write_mdev(mdev, dirs[mdev.parent], sys, vfio_groups)
+    dev_vfio = root / "dev" / "vfio"
+    dev_vfio.mkdir(parents=True, exist_ok=True)
+    if node.vfio_container:
+        _write(dev_vfio / "vfio", "")
+    for group in sorted(vfio_groups):
+        _write(dev_vfio / str(group), "")
+    if node.pci_ids is not None:
+        _write(root / "usr" / "share" / "misc" / "pci.ids", node.pci_ids)
+    return root
