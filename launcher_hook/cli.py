@@ -1,0 +1,164 @@
+"""``launcher-hook serve``: run the KubeVirt hook sidecar until Shutdown, SIGTERM or SIGINT.
+
+The command only wires things together (options → allocation source → ``HookService`` → ``HookServer``) and
+owns the process-level edges: logging to stderr, signal handlers and the exit code. The allocation options
+are shared with the ``onDefineDomain`` shim, which reads them from ``LAUNCHER_HOOK_*`` env variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+
+from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
+from launcher_hook.server import DEFAULT_SOCKET, DEFAULT_SOCKET_MODE, HookServer, SocketInUse
+from launcher_hook.service import HookService, log_call
+from launcher_hook.sources import (
+    DEFAULT_CONTAINER,
+    AllocationSource,
+    EnvironFileSource,
+    PodResourcesSource,
+    ProcessEnvSource,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def allocation_options(function: F) -> F:
+    """The options that choose the allocation source and rendering, shared by ``serve`` and the shim."""
+    decorators = [
+        click.option(
+            "--pod-resources-socket",
+            type=click.Path(dir_okay=False, path_type=Path),
+            envvar="LAUNCHER_HOOK_POD_RESOURCES_SOCKET",
+            help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); "
+            "the pod is POD_NAMESPACE/POD_NAME, or else the VMI's virt-launcher pod. Takes precedence.",
+        ),
+        click.option(
+            "--environ-file",
+            type=click.Path(dir_okay=False, path_type=Path),
+            envvar="LAUNCHER_HOOK_ENVIRON_FILE",
+            help="Read the allocation from /proc/<pid>/environ or KEY=VALUE lines (read on every call).",
+        ),
+        click.option(
+            "--container",
+            default=DEFAULT_CONTAINER,
+            show_default=True,
+            envvar="LAUNCHER_HOOK_CONTAINER",
+            help="Whose devices to take from PodResources.",
+        ),
+        click.option(
+            "--driver",
+            type=click.Choice(SUPPORTED_DRIVERS),
+            envvar="LAUNCHER_HOOK_DRIVER",
+            help="Write <driver name='vfio'/> on PCI hostdevs.",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        function = decorator(function)
+    return function
+
+
+def make_source(
+    pod_resources_socket: Path | None, environ_file: Path | None, container: str, env: Mapping[str, str]
+) -> AllocationSource:
+    """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself."""
+    if pod_resources_socket is not None:
+        return PodResourcesSource(
+            pod_resources_socket,
+            container=container,
+            pod_name=env.get("POD_NAME"),
+            pod_namespace=env.get("POD_NAMESPACE"),
+        )
+    if environ_file is not None:
+        return EnvironFileSource(environ_file)
+    return ProcessEnvSource(env)
+
+
+def configure_logging() -> None:
+    """Log lines (one JSON object each) go to stderr, where kubelet/virt-launcher collect them."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("launcher_hook")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _octal(value: str) -> int:
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an octal mode such as 0666") from None
+    if not 0 <= mode <= 0o777:
+        raise click.BadParameter(f"{value!r} is out of range 0000..0777")
+    return mode
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="kubevirt-gpu-passthrough")
+def cli() -> None:
+    """The virt-launcher side of kubevirt-gpu-passthrough: a KubeVirt hook sidecar that adds the GPUs."""
+
+
+@cli.command()
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_SOCKET,
+    show_default=True,
+    help="Unix socket to serve; its directory is created and a stale socket replaced.",
+)
+@click.option(
+    "--socket-mode",
+    default=f"{DEFAULT_SOCKET_MODE:04o}",
+    show_default=True,
+    help="Octal mode of the socket (virt-launcher may run as another user than this sidecar).",
+)
+@allocation_options
+def serve(
+    socket_path: Path,
+    socket_mode: str,
+    pod_resources_socket: Path | None,
+    environ_file: Path | None,
+    container: str,
+    driver: str | None,
+) -> None:
+    """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
+    configure_logging()
+    mode = _octal(socket_mode)
+    source = make_source(pod_resources_socket, environ_file, container, os.environ)
+    server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)
+
+    def on_signal(number: int, frame: FrameType | None) -> None:
+        log_call("signal", signal=signal.Signals(number).name)
+        server.request_stop()
+
+    try:
+        server.start()
+    except (SocketInUse, OSError) as exc:
+        source.close()
+        raise click.ClickException(str(exc)) from None
+    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    log_call("serving", socket=str(server.socket_path), mode=f"{mode:04o}", source=source.describe(), pid=os.getpid())
+    try:
+        server.wait()
+    finally:
+        server.stop()
+        source.close()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        log_call("stopped", socket=str(server.socket_path))
+
+
+def main() -> None:
+    cli(prog_name="launcher-hook")

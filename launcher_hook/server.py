@@ -1,0 +1,208 @@
+"""The KubeVirt hook sidecar's gRPC server: ``Info`` and ``Callbacks`` v1alpha1-v1alpha3 on one unix socket.
+
+virt-launcher finds the socket in ``/var/run/kubevirt-hooks/``, calls ``Info``, picks the newest version both
+sides know and calls that version's ``OnDefineDomain`` (FACTS.md §3). The servicers here are thin adapters:
+they hand the bytes to ``HookService`` and turn its ``HookFault`` into the gRPC status. ``Shutdown`` (and
+SIGTERM/SIGINT, handled by the CLI) stops the server and removes the socket.
+
+The socket is created with mode 0666 (``DEFAULT_SOCKET_MODE``): virt-launcher and the sidecar are different
+containers that may run as different users, and the directory is the pod's own ``emptyDir`` shared only by
+the containers of this pod, so the pod boundary is what protects it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from launcher_hook.service import HookFault, HookService
+from schemas.generated.kubevirt.hooks import (
+    info_pb2,
+    info_pb2_grpc,
+    v1alpha1_pb2,
+    v1alpha1_pb2_grpc,
+    v1alpha2_pb2,
+    v1alpha2_pb2_grpc,
+    v1alpha3_pb2,
+    v1alpha3_pb2_grpc,
+)
+
+HOOK_NAME = "kubevirt-gpu-passthrough"
+VERSIONS = ("v1alpha1", "v1alpha2", "v1alpha3")
+HOOK_POINTS = ("OnDefineDomain", "Shutdown")
+DEFAULT_SOCKET = Path("/var/run/kubevirt-hooks/gpu-hostdev.sock")
+DEFAULT_SOCKET_MODE = 0o666
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+"""Room for the builder's largest domain and VMI (8 MiB each, ``schemas.limits``) in one message."""
+MAX_UNIX_SOCKET_PATH = 107
+
+
+def _abort(context: grpc.ServicerContext, fault: HookFault) -> None:
+    context.abort(grpc.StatusCode[fault.code], fault.message)
+
+
+class InfoServicer:
+    """``kubevirt.hooks.info.Info``: who we are and what we hook."""
+
+    def Info(self, request: info_pb2.InfoParams, context: grpc.ServicerContext) -> info_pb2.InfoResult:
+        return info_pb2.InfoResult(
+            name=HOOK_NAME,
+            versions=list(VERSIONS),
+            hookPoints=[info_pb2.HookPoint(name=name, priority=0) for name in HOOK_POINTS],
+        )
+
+
+class _Callbacks:
+    """What every version shares: OnDefineDomain through the service."""
+
+    version = ""
+
+    def __init__(self, service: HookService, on_shutdown: Callable[[], None]) -> None:
+        self._service = service
+        self._on_shutdown = on_shutdown
+
+    def _define(self, domain_xml: bytes, vmi: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            return self._service.define_domain(domain_xml, vmi, via=f"grpc {self.version}").domain_xml
+        except HookFault as fault:
+            _abort(context, fault)
+            raise  # unreachable: abort raises
+
+
+class CallbacksV1alpha1(_Callbacks):
+    version = "v1alpha1"
+
+    def OnDefineDomain(
+        self, request: v1alpha1_pb2.OnDefineDomainParams, context: grpc.ServicerContext
+    ) -> v1alpha1_pb2.OnDefineDomainResult:
+        return v1alpha1_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
+
+
+class CallbacksV1alpha2(_Callbacks):
+    version = "v1alpha2"
+
+    def OnDefineDomain(
+        self, request: v1alpha2_pb2.OnDefineDomainParams, context: grpc.ServicerContext
+    ) -> v1alpha2_pb2.OnDefineDomainResult:
+        return v1alpha2_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
+
+    def PreCloudInitIso(
+        self, request: v1alpha2_pb2.PreCloudInitIsoParams, context: grpc.ServicerContext
+    ) -> v1alpha2_pb2.PreCloudInitIsoResult:
+        return v1alpha2_pb2.PreCloudInitIsoResult(
+            cloudInitNoCloudSource=request.cloudInitNoCloudSource, cloudInitData=request.cloudInitData
+        )
+
+
+class CallbacksV1alpha3(_Callbacks):
+    version = "v1alpha3"
+
+    def OnDefineDomain(
+        self, request: v1alpha3_pb2.OnDefineDomainParams, context: grpc.ServicerContext
+    ) -> v1alpha3_pb2.OnDefineDomainResult:
+        return v1alpha3_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
+
+    def PreCloudInitIso(
+        self, request: v1alpha3_pb2.PreCloudInitIsoParams, context: grpc.ServicerContext
+    ) -> v1alpha3_pb2.PreCloudInitIsoResult:
+        return v1alpha3_pb2.PreCloudInitIsoResult(
+            cloudInitNoCloudSource=request.cloudInitNoCloudSource, cloudInitData=request.cloudInitData
+        )
+
+    def Shutdown(
+        self, request: v1alpha3_pb2.ShutdownParams, context: grpc.ServicerContext
+    ) -> v1alpha3_pb2.ShutdownResult:
+        self._on_shutdown()
+        return v1alpha3_pb2.ShutdownResult()
+
+
+class SocketInUse(Exception):
+    """The socket path is taken by something that is not a socket, or is too long for a unix socket."""
+
+
+class HookServer:
+    """The gRPC server on one unix socket, and its lifecycle: start, wait for a stop request, stop."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        service: HookService,
+        *,
+        socket_mode: int = DEFAULT_SOCKET_MODE,
+        max_workers: int = 8,
+    ) -> None:
+        self.socket_path = socket_path.absolute()
+        self.socket_mode = socket_mode
+        self._stop_requested = threading.Event()
+        self._inode: int | None = None
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hook"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        info_pb2_grpc.add_InfoServicer_to_server(InfoServicer(), self._server)
+        for servicer_class, module in (
+            (CallbacksV1alpha1, v1alpha1_pb2_grpc),
+            (CallbacksV1alpha2, v1alpha2_pb2_grpc),
+            (CallbacksV1alpha3, v1alpha3_pb2_grpc),
+        ):
+            module.add_CallbacksServicer_to_server(servicer_class(service, self.request_stop), self._server)
+
+    def _prepare_path(self) -> None:
+        path = self.socket_path
+        if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
+            raise SocketInUse(f"socket path {path} is longer than {MAX_UNIX_SOCKET_PATH} bytes, the unix socket limit")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
+        path.unlink()  # a stale socket from an earlier run
+
+    def start(self) -> None:
+        """Bind (replacing a stale socket), set the socket's mode, and serve."""
+        self._prepare_path()
+        # The umask decides the mode bind() gives the socket, so no client ever sees it with another mode.
+        previous = os.umask(0o777 & ~self.socket_mode)
+        try:
+            bound = self._server.add_insecure_port(f"unix:{self.socket_path}")
+        finally:
+            os.umask(previous)
+        if not bound:
+            raise SocketInUse(f"could not listen on {self.socket_path}")
+        os.chmod(self.socket_path, self.socket_mode)
+        self._inode = self.socket_path.lstat().st_ino
+        self._server.start()
+
+    def request_stop(self) -> None:
+        """Ask ``wait`` to return (from Shutdown, a signal handler or a test); safe from any thread."""
+        self._stop_requested.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def wait(self, poll_seconds: float = 0.5) -> None:
+        """Block until ``request_stop``; polls so that signal handlers run promptly in the main thread."""
+        while not self._stop_requested.wait(poll_seconds):
+            pass
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Finish in-flight calls (up to ``grace`` seconds), stop, and remove our socket (not a newer one)."""
+        self._stop_requested.set()
+        self._server.stop(grace).wait()
+        try:
+            if self._inode is not None and self.socket_path.lstat().st_ino == self._inode:
+                self.socket_path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,105 @@
+"""What one ``OnDefineDomain`` call does, independent of how it arrived (gRPC server or sidecar-shim program).
+
+Read the allocation from the configured source, run the builder, write one structured log line, and turn
+every failure into a ``HookFault`` with the status the caller should see: ``INVALID_ARGUMENT`` for input the
+builder refuses (with its message), ``FAILED_PRECONDITION`` for an allocation source that cannot be read,
+``INTERNAL`` for anything else. There is no partial result: either the whole new domain or a fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from launcher_hook.builder import BuildOptions, BuildResult, build_domain
+from launcher_hook.sources import AllocationSource, SourceUnavailable
+from schemas import InputError
+
+LOGGER = logging.getLogger("launcher_hook")
+
+FaultCode = Literal["INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL"]
+"""gRPC status code names (``grpc.StatusCode[code]``); the shim only prints them."""
+
+
+class HookFault(Exception):
+    """A call that must fail, with the status code to report and a message for the user."""
+
+    def __init__(self, code: FaultCode, message: str) -> None:
+        super().__init__(message)
+        self.code: FaultCode = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class DefineOutcome:
+    domain_xml: bytes
+    result: BuildResult
+    source: str
+
+
+def _vmi_label(vmi_json: bytes | None) -> str:
+    """``namespace/name`` from the VMI JSON for a log line about a call whose build failed; ``-`` if unreadable."""
+    try:
+        document: Any = json.loads(vmi_json or b"")
+        metadata = document["metadata"]
+        return f"{metadata.get('namespace') or '-'}/{metadata.get('name') or '-'}"
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return "-"
+
+
+def log_call(event: str, **fields: object) -> None:
+    """One JSON object per line on the ``launcher_hook`` logger: easy to grep and to ship to a log pipeline."""
+    LOGGER.info(json.dumps({"event": event, **fields}, separators=(",", ":"), default=str))
+
+
+class HookService:
+    """The hook's behaviour: a source, build options and the builder; thread-safe (it holds no call state)."""
+
+    def __init__(self, source: AllocationSource, options: BuildOptions | None = None) -> None:
+        self.source = source
+        self.options = options or BuildOptions()
+
+    def define_domain(self, domain_xml: bytes, vmi_json: bytes, *, via: str) -> DefineOutcome:
+        """The new domain for ``domain_xml``, or ``HookFault``; logs one line either way."""
+        started = time.perf_counter()
+        source = self.source.describe()
+        details: dict[str, object] = {}
+        try:
+            loaded = self.source.load(vmi_json)
+            source = loaded.source
+            result = build_domain(domain_xml, vmi_json, loaded.env, self.options)
+        except InputError as exc:
+            fault = HookFault("INVALID_ARGUMENT", str(exc))
+        except SourceUnavailable as exc:
+            fault = HookFault("FAILED_PRECONDITION", f"cannot read the GPU allocation: {exc}")
+        except Exception as exc:
+            details["traceback"] = traceback.format_exc()
+            fault = HookFault("INTERNAL", f"internal error in the GPU hook: {type(exc).__name__}: {exc}")
+        else:
+            log_call(
+                "OnDefineDomain",
+                via=via,
+                vmi=result.vmi.display_name if result.vmi else _vmi_label(vmi_json),
+                gpus=result.aliases,
+                source=source,
+                warnings=result.warnings,
+                status="OK",
+                duration_ms=round((time.perf_counter() - started) * 1000, 3),
+            )
+            return DefineOutcome(result.domain_xml, result, source)
+        log_call(
+            "OnDefineDomain",
+            via=via,
+            vmi=_vmi_label(vmi_json),
+            gpus={},
+            source=source,
+            status=fault.code,
+            error=fault.message,
+            duration_ms=round((time.perf_counter() - started) * 1000, 3),
+            **details,
+        )
+        raise fault

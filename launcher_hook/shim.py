@@ -1,0 +1,56 @@
+"""``onDefineDomain``: the program KubeVirt's sidecar-shim runs instead of talking gRPC itself.
+
+The sidecar-shim image serves the hook protocol and, for OnDefineDomain, runs the ``onDefineDomain``
+executable found on ``PATH`` as ``onDefineDomain --vmi <VMI JSON> --domain <domain XML>``; stdout becomes the
+new domain, stderr is logged, a non-zero exit fails the call (FACTS.md §3). So: the whole new domain on
+stdout and exit 0, or the error on stderr, exit 1 (2 for a usage error) and nothing on stdout.
+
+The shim passes no other arguments, so the allocation source is chosen by env variables
+(``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
+``LAUNCHER_HOOK_DRIVER``), with the same precedence as ``launcher-hook serve``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from launcher_hook.builder import BuildOptions
+from launcher_hook.cli import allocation_options, configure_logging, make_source
+from launcher_hook.service import HookFault, HookService
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--vmi", "vmi_json", required=True, help="The VirtualMachineInstance as JSON.")
+@click.option("--domain", "domain_xml", required=True, help="The libvirt domain XML virt-launcher will define.")
+@allocation_options
+def on_define_domain(
+    vmi_json: str,
+    domain_xml: str,
+    pod_resources_socket: Path | None,
+    environ_file: Path | None,
+    container: str,
+    driver: str | None,
+) -> None:
+    """Print DOMAIN with the pod's GPUs added as <hostdev> elements."""
+    configure_logging()
+    source = make_source(pod_resources_socket, environ_file, container, os.environ)
+    try:
+        # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).
+        outcome = HookService(source, BuildOptions(driver=driver)).define_domain(
+            os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"
+        )
+    except HookFault as fault:
+        click.echo(f"error: {fault.code}: {fault.message}", err=True)
+        sys.exit(1)
+    finally:
+        source.close()
+    sys.stdout.buffer.write(outcome.domain_xml)
+    sys.stdout.buffer.flush()
+
+
+def main() -> None:
+    on_define_domain(prog_name="onDefineDomain")

@@ -1,0 +1,306 @@
+"""Where the hook learns the pod's GPU allocation when it is not the ``compute`` container.
+
+The kubelet puts ``PCI_RESOURCE_*`` / ``MDEV_PCI_RESOURCE_*`` only into the container that asked for the
+devices (``compute``); a hook sidecar sees none of it (FACTS.md §3). So the hook reads the allocation from one
+of three sources, chosen once at start in this order of precedence:
+
+1. the kubelet PodResources API (``--pod-resources-socket``): the named container's devices, turned into the
+   same variables the env would hold (FACTS.md §2);
+2. an environ file (``--environ-file``): ``/proc/<pid>/environ`` or ``KEY=VALUE`` lines;
+3. the process env (when the hook runs inside ``compute`` itself, or in tests).
+
+Each source returns an env-shaped mapping for ``build_domain``. A source that cannot be read raises
+``SourceUnavailable`` (the server answers ``FAILED_PRECONDITION``) naming what it tried.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from launcher_hook.allocation import parse_environ
+from schemas import InputError, PciAddress, ResourceKind, env_var_for
+from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
+from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
+from schemas.mdev import looks_like_mdev_uuid
+
+DEFAULT_CONTAINER = "compute"
+POD_RESOURCES_TIMEOUT_SECONDS = 10.0
+POD_RESOURCES_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""The kubelet's own PodResources clients allow 16 MiB; a busy node's ``List`` can exceed gRPC's 4 MiB default."""
+VIRT_LAUNCHER_POD_PREFIX = "virt-launcher-"
+
+
+class SourceUnavailable(Exception):
+    """The allocation could not be read: an unreachable socket, an unknown pod, a missing file."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An allocation read from a source, env-shaped, and a description of where it came from (for logs)."""
+
+    env: Mapping[str, str]
+    source: str
+
+
+class AllocationSource(Protocol):
+    """Anything that can produce the allocation env for one ``OnDefineDomain`` call."""
+
+    def describe(self) -> str:
+        """What this source reads, for the start-up log."""
+        ...
+
+    def load(self, vmi_json: bytes | None) -> Loaded:
+        """The allocation now; ``vmi_json`` helps find the pod when its name is not configured."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ProcessEnvSource:
+    """The hook's own env (given at construction, so the caller decides what that is)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = dict(env)
+
+    def describe(self) -> str:
+        return "process env"
+
+    def load(self, vmi_json: bytes | None) -> Loaded:
+        return Loaded(self._env, "process env")
+
+    def close(self) -> None:
+        return None
+
+
+class EnvironFileSource:
+    """A copy of the compute process's env, read anew on every call (it may appear after the hook starts)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def describe(self) -> str:
+        return f"environ file {self.path}"
+
+    def load(self, vmi_json: bytes | None) -> Loaded:
+        try:
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise SourceUnavailable(f"environ file {self.path} cannot be read: {exc.strerror or exc}") from None
+        try:
+            env = parse_environ(data)
+        except InputError as exc:
+            raise SourceUnavailable(f"{self.path}: {exc}") from None
+        return Loaded(env, self.describe())
+
+    def close(self) -> None:
+        return None
+
+
+def device_kind(device_id: str) -> ResourceKind | None:
+    """PCI for a PCI address, MDEV for an mdev UUID, None for any other ID (another plugin's device)."""
+    if looks_like_mdev_uuid(device_id):
+        return ResourceKind.MDEV
+    try:
+        PciAddress.parse(device_id)
+    except InputError:
+        return None
+    return ResourceKind.PCI
+
+
+def env_from_devices(devices: Iterable[tuple[str, Sequence[str]]]) -> dict[str, str]:
+    """The variables the kubelet would have put into the container, from ``(resource_name, device_ids)`` pairs.
+
+    PCI vs mdev is told by each ID's form. IDs of any other form (e.g. ``devices.kubevirt.io/kvm``'s) are not
+    GPUs and are left out. The kubelet lists a container's IDs in no particular order, so each variable's IDs
+    are sorted (PCI addresses numerically, UUIDs as text): two GPUs of one resource then get stable aliases.
+    """
+    pools: dict[str, list[str]] = {}
+    for resource_name, device_ids in devices:
+        for device_id in device_ids:
+            kind = device_kind(device_id)
+            if kind is None:
+                continue
+            ids = pools.setdefault(env_var_for(resource_name, kind), [])
+            if device_id not in ids:
+                ids.append(device_id)
+    env: dict[str, str] = {}
+    for variable, ids in pools.items():
+        if variable.startswith(f"{ResourceKind.MDEV.env_prefix}_"):
+            ordered = sorted(ids, key=str.lower)
+        else:
+            ordered = sorted(ids, key=PciAddress.parse)
+        env[variable] = ",".join(ordered)
+    return env
+
+
+@dataclass(frozen=True)
+class _VmiRef:
+    namespace: str
+    name: str
+
+
+def _vmi_ref(vmi_json: bytes | None) -> _VmiRef | None:
+    """The VMI's namespace and name, or None if they cannot be read (the builder reports bad JSON itself)."""
+    if not vmi_json:
+        return None
+    try:
+        document = json.loads(vmi_json)
+    except (ValueError, RecursionError):
+        return None
+    metadata = document.get("metadata") if isinstance(document, dict) else None
+    if not isinstance(metadata, dict):
+        return None
+    namespace, name = metadata.get("namespace"), metadata.get("name")
+    if isinstance(namespace, str) and isinstance(name, str) and namespace and name:
+        return _VmiRef(namespace, name)
+    return None
+
+
+def _rpc_text(error: grpc.RpcError) -> str:
+    code = error.code() if isinstance(error, grpc.Call) else None
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return f"{code.name if code else 'error'}: {details}"
+
+
+class PodResourcesSource:
+    """The named container's devices, from the kubelet PodResources API on a unix socket.
+
+    The pod is ``pod_namespace/pod_name`` (``POD_NAMESPACE`` / ``POD_NAME`` from the downward API) when given.
+    A hook sidecar added through ``hooks.kubevirt.io/hookSidecars`` cannot have downward-API env, so without a
+    pod name the pod is found by ``List``: the one pod in the VMI's namespace named ``virt-launcher-<vmi>-*``
+    (the PodResources API only lists the pods of this node, so there is one outside a same-node migration).
+
+    ``Get`` is tried first; where the kubelet has it disabled (``UNKNOWN`` "... Get method disabled", or
+    ``UNIMPLEMENTED``) the source falls back to ``List`` and remembers to go there directly next time.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        container: str = DEFAULT_CONTAINER,
+        pod_name: str | None = None,
+        pod_namespace: str | None = None,
+        timeout: float = POD_RESOURCES_TIMEOUT_SECONDS,
+    ) -> None:
+        self.socket_path = socket_path
+        self.container = container
+        self.pod_name = pod_name or None
+        self.pod_namespace = pod_namespace or None
+        self.timeout = timeout
+        self._get_disabled = False
+        self._channel = grpc.insecure_channel(
+            f"unix:{socket_path}",
+            options=[("grpc.max_receive_message_length", POD_RESOURCES_MAX_MESSAGE_BYTES)],
+        )
+        self._stub = podresources_grpc.PodResourcesListerStub(self._channel)
+
+    def describe(self) -> str:
+        pod = f"pod {self.pod_namespace}/{self.pod_name}" if self.pod_name else "the VMI's virt-launcher pod"
+        return f"PodResources {self.socket_path} ({pod}, container {self.container})"
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def load(self, vmi_json: bytes | None) -> Loaded:
+        if self.pod_name:
+            namespace = self.pod_namespace or (ref.namespace if (ref := _vmi_ref(vmi_json)) else None)
+            if not namespace:
+                raise SourceUnavailable(
+                    f"POD_NAME is {self.pod_name!r} but POD_NAMESPACE is not set and the VMI names no namespace"
+                )
+            pod, method = self._pod_by_name(namespace, self.pod_name)
+        else:
+            pod, method = self._pod_for_vmi(vmi_json)
+        containers = {container.name: container for container in pod.containers}
+        chosen = containers.get(self.container)
+        if chosen is None:
+            raise SourceUnavailable(
+                f"PodResources {method} at {self.socket_path}: pod {pod.namespace}/{pod.name} has no container "
+                f"{self.container!r} (it has: {', '.join(sorted(containers)) or 'none'})"
+            )
+        env = env_from_devices((devices.resource_name, list(devices.device_ids)) for devices in chosen.devices)
+        return Loaded(
+            env,
+            f"PodResources {method} {self.socket_path} pod {pod.namespace}/{pod.name} container {self.container}",
+        )
+
+    def _unreachable(self, method: str, error: grpc.RpcError) -> SourceUnavailable:
+        return SourceUnavailable(
+            f"the kubelet PodResources socket {self.socket_path} did not answer {method} ({_rpc_text(error)}); "
+            "is /var/lib/kubelet/pod-resources mounted into this container?"
+        )
+
+    def _list(self, tried: str) -> list[podresources.PodResources]:
+        try:
+            response: podresources.ListPodResourcesResponse = self._stub.List(
+                podresources.ListPodResourcesRequest(), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            if isinstance(error, grpc.Call) and error.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise self._unreachable("List", error) from None
+            raise SourceUnavailable(
+                f"PodResources at {self.socket_path}: {tried}List failed: {_rpc_text(error)}"
+            ) from None
+        return list(response.pod_resources)
+
+    def _pod_by_name(self, namespace: str, name: str) -> tuple[podresources.PodResources, str]:
+        tried = ""
+        if not self._get_disabled:
+            try:
+                response: podresources.GetPodResourcesResponse = self._stub.Get(
+                    podresources.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self.timeout
+                )
+                return response.pod_resources, "Get"
+            except grpc.RpcError as error:
+                code = error.code() if isinstance(error, grpc.Call) else None
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise self._unreachable("Get", error) from None
+                if code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
+                    raise SourceUnavailable(
+                        f"PodResources Get at {self.socket_path} for pod {namespace}/{name}: {_rpc_text(error)}"
+                    ) from None
+                details = (error.details() if isinstance(error, grpc.Call) else None) or ""
+                if code is grpc.StatusCode.UNIMPLEMENTED or "disabled" in details.lower():
+                    self._get_disabled = True
+                tried = f"Get said {_rpc_text(error)}; "
+        pods = self._list(tried)
+        for pod in pods:
+            if pod.name == name and pod.namespace == namespace:
+                return pod, "List"
+        raise SourceUnavailable(
+            f"PodResources at {self.socket_path}: pod {namespace}/{name} not found ({tried}List has {len(pods)} pods, "
+            "none of them this one)"
+        )
+
+    def _pod_for_vmi(self, vmi_json: bytes | None) -> tuple[podresources.PodResources, str]:
+        ref = _vmi_ref(vmi_json)
+        if ref is None:
+            raise SourceUnavailable(
+                "POD_NAME is not set and the VMI JSON names no metadata.namespace/name to find its "
+                "virt-launcher pod by; set POD_NAME and POD_NAMESPACE (downward API)"
+            )
+        namespace = self.pod_namespace or ref.namespace
+        prefix = f"{VIRT_LAUNCHER_POD_PREFIX}{ref.name}-"
+        pods = self._list("")
+        matches = [pod for pod in pods if pod.namespace == namespace and pod.name.startswith(prefix)]
+        if len(matches) == 1:
+            return matches[0], "List"
+        if not matches:
+            raise SourceUnavailable(
+                f"PodResources List at {self.socket_path}: no pod {namespace}/{prefix}* among {len(pods)} pods on "
+                "this node; set POD_NAME and POD_NAMESPACE if the pod is named otherwise"
+            )
+        names = ", ".join(sorted(pod.name for pod in matches))
+        raise SourceUnavailable(
+            f"PodResources List at {self.socket_path}: several pods match {namespace}/{prefix}* ({names}); "
+            "set POD_NAME and POD_NAMESPACE to choose"
+        )
