@@ -77,9 +77,14 @@ def _domain(value: str) -> str:
     return value
 
 
-Selector = Annotated[str, AfterValidator(_selector)]
-DriverName = Annotated[str, AfterValidator(_driver)]
-DeviceId = Annotated[str, AfterValidator(_device_id)]
+def _pattern(regex: re.Pattern[str]) -> Any:
+    """Show the validator's rule in the exported JSON Schema (the validator itself gives the better message)."""
+    return Field(json_schema_extra={"pattern": f"^{regex.pattern}$"})
+
+
+Selector = Annotated[str, AfterValidator(_selector), _pattern(_SELECTOR)]
+DriverName = Annotated[str, AfterValidator(_driver), _pattern(_DRIVER)]
+DeviceId = Annotated[str, AfterValidator(_device_id), _pattern(_DEVICE_ID)]
 OverrideName = Annotated[str, AfterValidator(_override_name)]
 ResourceDomain = Annotated[str, AfterValidator(_domain)]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import click
 
+from xmlgen.discover_cmd import discover
 from xmlgen.render_cmd import render
 from xmlgen.validate_cmd import validate
 
@@ -19,6 +20,7 @@ def cli() -> None:
 
 cli.add_command(render)
 cli.add_command(validate)
+cli.add_command(discover)
 
 
 def main() -> None:
