@@ -139,25 +139,32 @@ def serve(
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)
 
+    received: list[str] = []
+
     def on_signal(number: int, frame: FrameType | None) -> None:
-        log_call("signal", signal=signal.Signals(number).name)
+        received.append(signal.Signals(number).name)  # no logging here: the handler may interrupt a log call
         server.request_stop()
 
-    try:
-        server.start()
-    except (SocketInUse, OSError) as exc:
-        source.close()
-        raise click.ClickException(str(exc)) from None
+    # Handlers first: a signal that arrives as soon as the socket appears must still end us cleanly.
     previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
-    log_call("serving", socket=str(server.socket_path), mode=f"{mode:04o}", source=source.describe(), pid=os.getpid())
     try:
+        try:
+            server.start()
+        except (SocketInUse, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
+        log_call(
+            "serving", socket=str(server.socket_path), mode=f"{mode:04o}", source=source.describe(), pid=os.getpid()
+        )
         server.wait()
-    finally:
+        if received:
+            log_call("signal", signal=received[0])
         server.stop()
+        log_call("stopped", socket=str(server.socket_path))
+    finally:
+        server.stop(grace=0)  # idempotent; removes the socket if anything above failed
         source.close()
         for number, handler in previous.items():
             signal.signal(number, handler)
-        log_call("stopped", socket=str(server.socket_path))
 
 
 def main() -> None:

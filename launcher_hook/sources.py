@@ -16,6 +16,7 @@ Each source returns an env-shaped mapping for ``build_domain``. A source that ca
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,14 @@ POD_RESOURCES_TIMEOUT_SECONDS = 10.0
 POD_RESOURCES_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """The kubelet's own PodResources clients allow 16 MiB; a busy node's ``List`` can exceed gRPC's 4 MiB default."""
 VIRT_LAUNCHER_POD_PREFIX = "virt-launcher-"
+GENERATED_NAME_BASE_MAX = 58
+"""The API server cuts a ``generateName`` to 58 characters before adding 5 random ones (63 in all)."""
+
+
+def launcher_pod_pattern(vmi_name: str) -> re.Pattern[str]:
+    """The names the API server can give the pod of ``generateName: virt-launcher-<vmi>-``."""
+    base = f"{VIRT_LAUNCHER_POD_PREFIX}{vmi_name}-"[:GENERATED_NAME_BASE_MAX]
+    return re.compile(re.escape(base) + "[a-z0-9]{5}")
 
 
 class SourceUnavailable(Exception):
@@ -173,7 +182,7 @@ class PodResourcesSource:
 
     The pod is ``pod_namespace/pod_name`` (``POD_NAMESPACE`` / ``POD_NAME`` from the downward API) when given.
     A hook sidecar added through ``hooks.kubevirt.io/hookSidecars`` cannot have downward-API env, so without a
-    pod name the pod is found by ``List``: the one pod in the VMI's namespace named ``virt-launcher-<vmi>-*``
+    pod name the pod is found by ``List``: the one pod in the VMI's namespace named ``virt-launcher-<vmi>-<5 random>``
     (the PodResources API only lists the pods of this node, so there is one outside a same-node migration).
 
     ``Get`` is tried first; where the kubelet has it disabled (``UNKNOWN`` "... Get method disabled", or
@@ -289,9 +298,10 @@ class PodResourcesSource:
                 "virt-launcher pod by; set POD_NAME and POD_NAMESPACE (downward API)"
             )
         namespace = self.pod_namespace or ref.namespace
+        pattern = launcher_pod_pattern(ref.name)
         prefix = f"{VIRT_LAUNCHER_POD_PREFIX}{ref.name}-"
         pods = self._list("")
-        matches = [pod for pod in pods if pod.namespace == namespace and pod.name.startswith(prefix)]
+        matches = [pod for pod in pods if pod.namespace == namespace and pattern.fullmatch(pod.name)]
         if len(matches) == 1:
             return matches[0], "List"
         if not matches:
