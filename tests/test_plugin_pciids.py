@@ -1,0 +1,102 @@
+"""pci.ids: parsing, the search order, the explicit file, and the real file on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plugin.fixture_nodes import PCI_IDS_EXCERPT
+from plugin.pciids import SEARCH_PATHS, PciIds, locate_pci_ids
+from schemas import InputError
+
+REAL_PCI_IDS = Path("/usr/share/misc/pci.ids")
+
+SAMPLE = """\
+# comment
+1002  Advanced Micro Devices, Inc. [AMD/ATI]
+\t1f08  Not NVIDIA
+10de  NVIDIA Corporation
+\t1f08  TU106 [GeForce RTX 2060 Rev. A]
+\t\t1043 8673  TURBO-RTX2070-8G
+# a comment inside the section
+\t2236  GA102GL [A10]
+10df  Emulex Corporation
+\t2fff  Not NVIDIA either
+C 03  Display controller
+\t00  VGA compatible controller
+"""
+
+
+def test_device_lines_of_the_vendor_only() -> None:
+    ids = PciIds.from_text(SAMPLE)
+    assert ids.device_name(0x10DE, 0x1F08) == "TU106 [GeForce RTX 2060 Rev. A]"
+    assert ids.device_name(0x10DE, 0x2236) == "GA102GL [A10]"
+    assert ids.device_name(0x10DE, 0x2FFF) is None  # belongs to 10df
+    assert ids.device_name(0x10DE, 0x1043) is None  # a subsystem line is not a device
+    assert ids.device_name(0x1002, 0x1F08) == "Not NVIDIA"
+    assert ids.device_name(0x8086, 0x1572) is None
+
+
+def test_first_vendor_at_the_start_of_the_file() -> None:
+    assert PciIds.from_text("10de  NVIDIA\n\t1eb8  TU104GL [Tesla T4]\n").device_name(0x10DE, 0x1EB8) == (
+        "TU104GL [Tesla T4]"
+    )
+
+
+def test_excerpt_lines_are_real_pci_ids_lines() -> None:
+    real = set(REAL_PCI_IDS.read_text(encoding="utf-8").splitlines())
+    for line in PCI_IDS_EXCERPT.splitlines():
+        if not line.startswith("#"):
+            assert line in real, line
+
+
+def test_real_file_lookup() -> None:
+    choice = locate_pci_ids(None, Path("/nonexistent-host-root"), Path("/"))
+    assert choice.database is not None
+    assert choice.database.path == str(REAL_PCI_IDS)
+    assert choice.database.device_name(0x10DE, 0x1F08) == "TU106 [GeForce RTX 2060 Rev. A]"
+    assert choice.database.device_name(0x10DE, 0x1EB8) == "TU104GL [Tesla T4]"
+    assert choice.database.device_name(0x10DE, 0x10F9) == "TU106 High Definition Audio Controller"
+
+
+def _place(root: Path, relative: str, text: str) -> Path:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_search_order_hwdata_then_debian_then_nvidia_image_host_root_first(tmp_path: Path) -> None:
+    host, image = tmp_path / "host", tmp_path / "image"
+    for index, relative in enumerate(SEARCH_PATHS):
+        _place(image, relative, f"10de  NVIDIA\n\t1f08  image {index}\n")
+    _place(host, "usr/pci.ids", "10de  NVIDIA\n\t1f08  host usr\n")
+    choice = locate_pci_ids(None, host, image)
+    assert choice.database is not None
+    assert choice.database.device_name(0x10DE, 0x1F08) == "host usr"
+    _place(host, "usr/share/misc/pci.ids", "10de  NVIDIA\n\t1f08  host misc\n")
+    assert locate_pci_ids(None, host, image).database.device_name(0x10DE, 0x1F08) == "host misc"  # type: ignore[union-attr]
+    _place(host, "usr/share/hwdata/pci.ids", "10de  NVIDIA\n\t1f08  host hwdata\n")
+    assert locate_pci_ids(None, host, image).database.device_name(0x10DE, 0x1F08) == "host hwdata"  # type: ignore[union-attr]
+    empty_host = tmp_path / "empty"
+    assert locate_pci_ids(None, empty_host, image).database.device_name(0x10DE, 0x1F08) == "image 0"  # type: ignore[union-attr]
+
+
+def test_none_found_lists_every_place_searched(tmp_path: Path) -> None:
+    choice = locate_pci_ids(None, tmp_path / "host", tmp_path / "image")
+    assert choice.database is None
+    assert len(choice.searched) == 2 * len(SEARCH_PATHS)
+    assert choice.searched[0] == str(tmp_path / "host" / "usr/share/hwdata/pci.ids")
+
+
+def test_explicit_file_wins_and_must_exist(tmp_path: Path) -> None:
+    explicit = _place(tmp_path, "mine.ids", "10de  NVIDIA\n\t1f08  mine\n")
+    _place(tmp_path / "host", "usr/share/misc/pci.ids", "10de  NVIDIA\n\t1f08  host\n")
+    choice = locate_pci_ids(explicit, tmp_path / "host", tmp_path)
+    assert choice.database is not None
+    assert choice.database.device_name(0x10DE, 0x1F08) == "mine"
+    with pytest.raises(InputError, match=r"missing\.ids"):
+        locate_pci_ids(tmp_path / "missing.ids", tmp_path / "host", tmp_path)
+    with pytest.raises(InputError, match="not a file"):
+        locate_pci_ids(tmp_path, tmp_path / "host", tmp_path)
