@@ -93,7 +93,7 @@ def configure_logging() -> None:
     logger.propagate = False
 
 
-def _octal(value: str) -> int:
+def _octal(context: click.Context, parameter: click.Parameter, value: str) -> int:
     try:
         mode = int(value, 8)
     except ValueError:
@@ -122,12 +122,13 @@ def cli() -> None:
     "--socket-mode",
     default=f"{DEFAULT_SOCKET_MODE:04o}",
     show_default=True,
+    callback=_octal,
     help="Octal mode of the socket (virt-launcher may run as another user than this sidecar).",
 )
 @allocation_options
 def serve(
     socket_path: Path,
-    socket_mode: str,
+    socket_mode: int,
     pod_resources_socket: Path | None,
     environ_file: Path | None,
     container: str,
@@ -135,7 +136,7 @@ def serve(
 ) -> None:
     """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
     configure_logging()
-    mode = _octal(socket_mode)
+    mode = socket_mode
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)
 

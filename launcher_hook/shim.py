@@ -35,7 +35,7 @@ def on_define_domain(
     container: str,
     driver: str | None,
 ) -> None:
-    """Print DOMAIN with the pod's GPUs added as <hostdev> elements."""
+    """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
     configure_logging()
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     try:

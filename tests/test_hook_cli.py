@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -199,3 +200,23 @@ def test_shim_usage_error_exits_2_with_nothing_on_stdout() -> None:
     assert done.returncode == 2
     assert done.stdout == b""
     assert b"--domain" in done.stderr
+
+
+def test_serve_socket_mode_option(directory: Path) -> None:
+    socket_path = directory / "hook.sock"
+    process = start_serve(socket_path, "--socket-mode", "0660")
+    try:
+        assert stat.S_IMODE(socket_path.lstat().st_mode) == 0o660
+    finally:
+        process.send_signal(signal.SIGTERM)
+    code, _ = finish(process)
+    assert code == 0
+    bad = subprocess.run(
+        [program("launcher-hook"), "serve", "--socket", str(socket_path), "--socket-mode", "rw"],
+        env=clean_env(),
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert b"not an octal mode" in bad.stderr
