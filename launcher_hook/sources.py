@@ -29,6 +29,7 @@ from schemas import InputError, PciAddress, ResourceKind, env_var_for
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
 from schemas.mdev import looks_like_mdev_uuid
+from schemas.vmi import parse_vmi
 
 DEFAULT_CONTAINER = "compute"
 POD_RESOURCES_TIMEOUT_SECONDS = 10.0
@@ -293,6 +294,7 @@ class PodResourcesSource:
     def _pod_for_vmi(self, vmi_json: bytes | None) -> tuple[podresources.PodResources, str]:
         ref = _vmi_ref(vmi_json)
         if ref is None:
+            parse_vmi(vmi_json or b"")  # a VMI that is not valid is the caller's error: the builder's InputError
             raise SourceUnavailable(
                 "POD_NAME is not set and the VMI JSON names no metadata.namespace/name to find its "
                 "virt-launcher pod by; set POD_NAME and POD_NAMESPACE (downward API)"

@@ -20,6 +20,7 @@ from launcher_hook.sources import (
     env_from_devices,
     launcher_pod_pattern,
 )
+from schemas import InputError
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from tests.hook_support import (
     RTX,
@@ -135,6 +136,8 @@ def test_without_pod_name_the_vmis_launcher_pod_is_found_by_list(directory: Path
         with pytest.raises(SourceUnavailable, match=r"no pod cxl/virt-launcher-absent-\*"):
             source.load(vmi_json(name="absent"))
         with pytest.raises(SourceUnavailable, match="names no metadata"):
+            source.load(b'{"spec": {}}')
+        with pytest.raises(InputError, match="VMI JSON"):
             source.load(b"[]")
         source.close()
     assert loaded.env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
