@@ -48,6 +48,11 @@ def class_label(pci_class: int) -> str:
 
 
 def _read(path: str) -> str | None:
+    text = _read_raw(path)
+    return None if text is None else text.strip()
+
+
+def _read_raw(path: str) -> str | None:
     # os.open/os.read: a third of the cost of open() for sysfs's one-line attribute files.
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -57,7 +62,7 @@ def _read(path: str) -> str | None:
         chunks = []
         while chunk := os.read(descriptor, 4096):
             chunks.append(chunk)
-        return b"".join(chunks).decode("utf-8", errors="replace").strip()
+        return b"".join(chunks).decode("utf-8", errors="replace")
     except OSError:
         return None
     finally:
@@ -334,8 +339,10 @@ class _Scan:
             mdev_dir = _link_target(link)
             # Relative links inside the mdev resolve from its real directory, not from the bus link.
             type_dir = _link_target(f"{mdev_dir}/mdev_type") if mdev_dir else None
-            type_name = _read(f"{type_dir}/name") if type_dir else None
-            if mdev_dir is None or type_dir is None or not type_name:
+            # Only newlines are trimmed before naming, as NVIDIA's plugin does; the selector is fully trimmed.
+            raw_name = _read_raw(f"{type_dir}/name") if type_dir else None
+            type_name = raw_name.strip("\n") if raw_name is not None else None
+            if mdev_dir is None or type_dir is None or not type_name or not type_name.strip():
                 self.warnings.append(f"skipping mdev {uuid}: cannot read its mdev_type/name under {link}")
                 continue
             parent_dir = os.path.dirname(mdev_dir)

@@ -422,3 +422,18 @@ def test_resources_sorted_by_name_devices_by_id(tmp_path: Path) -> None:
     inventory: Inventory = discover(build_node(_node("order", *functions), tmp_path))
     ids = [device.id for device in inventory.resource(TU106).devices]
     assert ids == sorted(ids) == ["0000:3b:00.0", "0000:86:00.0", "0000:af:00.0"]
+
+
+def test_mdev_type_names_are_trimmed_of_newlines_only_like_nvidia(tmp_path: Path) -> None:
+    t4 = Function("0000:3b:00.0", NVIDIA, 0x1EB8, CLASS_3D, "nvidia", 1, 0)
+    types = (MdevType(t4.address, "nvidia-230", "GRID  T4-1Q"), MdevType(t4.address, "nvidia-231", "GRID T4-2Q "))
+    mdevs = (Mdev(T4_1Q_A, t4.address, "nvidia-230", 2), Mdev(T4_2Q, t4.address, "nvidia-231", 3))
+    inventory = discover(build_node(Node("spaces", (t4,), types, mdevs, PCI_IDS_EXCERPT), tmp_path))
+    assert inventory.resource_names == ("nvidia.com/GRID_T4-1Q",)
+    assert inventory.resource("nvidia.com/GRID_T4-1Q").selectors == ("GRID  T4-1Q",)
+    # "GRID T4-2Q " becomes GRID_T4-2Q_ (as in NVIDIA's plugin), which the kubelet would refuse: reported instead.
+    assert [(item.id, item.reason) for item in inventory.ignored] == [
+        ("0000:3b:00.0", "bound to nvidia, not to vfio-pci or nvgrace_gpu_vfio_pci"),
+        (T4_2Q, "its resource name is invalid"),
+    ]
+    assert any("GRID_T4-2Q_" in warning and "nvidia-231" in warning for warning in inventory.warnings)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plugin.naming import (
     fallback_device_name,
@@ -86,3 +88,19 @@ def test_env_and_socket_for_the_seed_resource() -> None:
     assert env_var_for(name, ResourceKind.PCI) == "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
     assert socket_name_for(name) == "kubevirt-TU106_GEFORCE_RTX_2060_REV__A.sock"
     assert env_var_for(mdev_resource_name("GRID T4-1Q"), ResourceKind.MDEV) == "MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q"
+
+
+@given(st.text(max_size=80))
+def test_normalized_names_use_only_the_kept_characters_and_are_stable(name: str) -> None:
+    part = normalize_device_name(name)
+    assert all(char in "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_" for char in part)
+    assert normalize_device_name(part) == part
+
+
+@given(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789[]-./ ", min_size=1, max_size=40))
+def test_ascii_names_match_a_literal_reading_of_the_rule(name: str) -> None:
+    upper = name.strip().upper().replace("/", "_").replace(".", "_")
+    collapsed = "_".join(part for part in upper.split(" ") if part) if upper else ""
+    # A literal reading: whitespace runs become one "_" (split/join keeps interior runs as one).
+    expected = "".join(char for char in collapsed if char.isalnum() or char == "_")
+    assert normalize_device_name(name) == expected
