@@ -44,8 +44,13 @@ def parse_pool(variable: str, value: str) -> Pool:
     """Parse one variable's value as KubeVirt does (one trailing comma dropped, split on ``,``), strictly."""
     kind = ResourceKind.MDEV if variable.startswith(f"{MDEV_ENV_PREFIX}_") else ResourceKind.PCI
     text = value.removesuffix(",")
+    if kind is ResourceKind.PCI and text:
+        fast = PciAddress.parse_list(text)
+        if fast is not None and len(set(fast)) == len(fast):
+            return Pool(variable, kind, tuple(fast))
     items = text.split(",") if text else []
     ids: list[DeviceId] = []
+    seen: set[DeviceId] = set()
     for position, item in enumerate(items, start=1):
         if not item:
             raise InputError(f"{variable}={value!r}: entry {position} is empty")
@@ -53,8 +58,9 @@ def parse_pool(variable: str, value: str) -> Pool:
             device_id: DeviceId = PciAddress.parse(item) if kind is ResourceKind.PCI else parse_mdev_uuid(item)
         except InputError as exc:
             raise InputError(f"{variable}: {exc}") from None
-        if device_id in ids:
+        if device_id in seen:
             raise InputError(f"{variable}: {item!r} is listed twice")
+        seen.add(device_id)
         ids.append(device_id)
     return Pool(variable, kind, tuple(ids))
 

@@ -68,5 +68,4 @@ def build_domain(
     specs, warnings = plan_hostdevs(vmi, env, options)
     if parsed is None:
         return BuildResult(devices_document(specs), specs, warnings, vmi)
-    splice_hostdevs(parsed, specs)
-    return BuildResult(parsed.serialize(), specs, warnings, vmi)
+    return BuildResult(splice_hostdevs(parsed, specs), specs, warnings, vmi)

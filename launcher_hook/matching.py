@@ -12,13 +12,14 @@ user-chosen names (which may hold characters libvirt silently drops from aliases
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from launcher_hook.allocation import Allocation, DeviceId, Pool
 from launcher_hook.hostdev import HostdevSpec
 from schemas import InputError, ResourceKind, env_var_for
-from schemas.vmi import GPU, VirtualMachineInstance
+from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
 
 
 @dataclass(frozen=True)
@@ -29,23 +30,22 @@ class HostdevOptions:
     driver: str | None = None
 
 
-@dataclass(frozen=True)
-class _Request:
+class _Request(NamedTuple):
     """One VMI entry that asks for a device: where it sits and which resource it names."""
 
     list_name: str  # "gpus" or "hostDevices"
-    index: int
+    position: int
     name: str
     device_name: str
     gpu: GPU | None
 
     @property
     def alias(self) -> str:
-        return f"ua-gpu{self.index}" if self.list_name == "gpus" else f"ua-hostdev{self.index}"
+        return f"ua-gpu{self.position}" if self.list_name == "gpus" else f"ua-hostdev{self.position}"
 
     @property
     def label(self) -> str:
-        return f"{self.list_name}[{self.index}] {self.name!r} (deviceName {self.device_name})"
+        return f"{self.list_name}[{self.position}] {self.name!r} (deviceName {self.device_name})"
 
 
 def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
@@ -64,6 +64,7 @@ def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
 
 
 def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
+    """The PCI pool, then the mdev pool, of ``device_name`` (either may be absent)."""
     return [
         pool
         for kind in (ResourceKind.PCI, ResourceKind.MDEV)
@@ -71,37 +72,34 @@ def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
     ]
 
 
-def _check_supply(requests: Sequence[_Request], allocation: Allocation) -> None:
+def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Pool]]) -> None:
     """Every requested resource has a variable with enough IDs; otherwise say exactly what is missing."""
-    needed = Counter(request.device_name for request in requests)
     for request in requests:
-        pools = _pools_for(request.device_name, allocation)
-        if not pools:
+        if not pools_by_name[request.device_name]:
             pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
             raise InputError(
                 f"{request.label}: no allocation variable found; looked for {pci} and {mdev} "
                 "(is the device plugin serving this resource, and is this the compute container's env?)"
             )
-    for device_name, count in needed.items():
-        pools = _pools_for(device_name, allocation)
+    for device_name, count in Counter(request.device_name for request in requests).items():
+        pools = pools_by_name[device_name]
         found = len({device_id for pool in pools for device_id in pool.ids})
         if found < count:
-            variables = " + ".join(pool.variable for pool in pools)
-            raise InputError(f"too few devices for {device_name}: {variables} lists {found}, the VMI needs {count}")
+            raise InputError(
+                f"too few devices for {device_name}: {' + '.join(pool.variable for pool in pools)} lists {found}, "
+                f"the VMI needs {count}"
+            )
 
 
-def _display_flags(request: _Request, kind: ResourceKind, first_mdev: bool, any_display: bool) -> tuple[bool, bool]:
-    """KubeVirt's display/ramfb rules; PCI hostdevs never get them (libvirt's schema has them on mdev only)."""
-    if kind is not ResourceKind.MDEV:
-        return False, False
-    options = request.gpu.virtual_gpu_options if request.gpu else None
+def _display_flags(options: VGPUOptions | None, first_mdev: bool, any_display: bool) -> tuple[bool, bool]:
+    """KubeVirt's display/ramfb rules for an mdev GPU (PCI hostdevs never get them: libvirt's schema has
+    them on mdev hostdevs only)."""
     display = options.display if options else None
     if display is None:
         return (True, True) if first_mdev and not any_display else (False, False)
     if display.enabled is False:
         return False, False
-    ramfb = not (display.ram_fb is not None and display.ram_fb.enabled is False)
-    return True, ramfb
+    return True, not (display.ram_fb is not None and display.ram_fb.enabled is False)
 
 
 def match_vmi(
@@ -109,34 +107,43 @@ def match_vmi(
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user."""
     requests = _requests(vmi)
-    _check_supply(requests, allocation)
+    pools_by_name = {name: _pools_for(name, allocation) for name in {request.device_name for request in requests}}
+    _check_supply(requests, pools_by_name)
     any_display = any(
         gpu.virtual_gpu_options and gpu.virtual_gpu_options.display for gpu in vmi.spec.domain.devices.gpus
     )
+    # One cursor per resource over its IDs, PCI pool first: each request takes the next one not yet used.
+    cursors: dict[str, Iterator[tuple[Pool, DeviceId]]] = {
+        name: ((pool, device_id) for pool in pools for device_id in pool.ids) for name, pools in pools_by_name.items()
+    }
     used: set[DeviceId] = set()
     specs: list[HostdevSpec] = []
     warnings: list[str] = []
     first_mdev_seen = False
     for request in requests:
-        pool, device_id = next(
-            (pool, device_id)
-            for pool in _pools_for(request.device_name, allocation)
-            for device_id in pool.ids
-            if device_id not in used
-        )
+        for pool, device_id in cursors[request.device_name]:  # noqa: B007 - pool is used after the break
+            if device_id not in used:
+                break
+        else:
+            raise InputError(
+                f"{request.label}: every device of {request.device_name} is already taken by another entry"
+            )
         used.add(device_id)
-        is_first_mdev = pool.kind is ResourceKind.MDEV and request.list_name == "gpus" and not first_mdev_seen
-        first_mdev_seen |= is_first_mdev
-        display, ramfb = _display_flags(request, pool.kind, is_first_mdev, bool(any_display))
-        gpu_display = (
-            request.gpu.virtual_gpu_options.display if request.gpu and request.gpu.virtual_gpu_options else None
-        )
-        if pool.kind is ResourceKind.PCI and gpu_display is not None and gpu_display.enabled is True:
+        gpu_options = request.gpu.virtual_gpu_options if request.gpu is not None else None
+        if pool.kind is ResourceKind.MDEV:
+            is_first_mdev = request.list_name == "gpus" and not first_mdev_seen
+            first_mdev_seen |= is_first_mdev
+            display, ramfb = _display_flags(gpu_options, is_first_mdev, bool(any_display))
+            specs.append(
+                HostdevSpec(pool.kind, device_id, request.alias, pool.variable, options.managed, None, display, ramfb)
+            )
+            continue
+        if gpu_options is not None and gpu_options.display is not None and gpu_options.display.enabled is True:
             warnings.append(
                 f"{request.label}: display/ramfb are not written on PCI passthrough hostdevs "
                 "(libvirt's schema allows them on mdev hostdevs only and its parser drops them)"
             )
-        specs.append(_spec(pool, device_id, request.alias, options, display, ramfb))
+        specs.append(HostdevSpec(pool.kind, device_id, request.alias, pool.variable, options.managed, options.driver))
     return specs, warnings
 
 

@@ -102,8 +102,13 @@ def _specific_problems(hostdev: etree._Element) -> Iterator[str]:
                 yield f"{label}: source address {part}={text!r} is not a number in 0..{top:#x}"
             elif not text.lower().startswith("0x"):
                 yield f"{label}: source address {part}={text!r} is not 0x hex; libvirt reads it C-style"
-    elif kind == "mdev" and hostdev.get("model") is None:
-        yield f"{label}: mdev hostdev has no model= (vfio-pci for vGPUs)"
+    elif kind == "mdev":
+        if hostdev.get("model") is None:
+            yield f"{label}: mdev hostdev has no model= (vfio-pci for vGPUs)"
+        for attribute in ("display", "ramfb"):
+            switch = hostdev.get(attribute)
+            if switch is not None and switch not in ("on", "off"):
+                yield f"{label}: {attribute}={switch!r} must be 'on' or 'off'"
 
 
 def _schema_problems(hostdev: etree._Element, schema: etree.RelaxNG) -> Iterator[str]:

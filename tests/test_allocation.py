@@ -61,7 +61,9 @@ def test_environ_file_in_line_format() -> None:
     assert parse_environ(data) == {PCI: "0000:86:00.0", "HOME": "/root"}
 
 
-@pytest.mark.parametrize(("data", "message"), [(b"A=1\nnot a pair\n", "line 2"), (b"A=1\0=x\0", "entry 2"), (b"\xff=1", "UTF-8")])
+@pytest.mark.parametrize(
+    ("data", "message"), [(b"A=1\nnot a pair\n", "line 2"), (b"A=1\0=x\0", "entry 2"), (b"\xff=1", "UTF-8")]
+)
 def test_bad_environ_file_is_refused(data: bytes, message: str) -> None:
     with pytest.raises(InputError, match=message):
         parse_environ(data)

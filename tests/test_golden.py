@@ -57,6 +57,9 @@ def test_building_twice_gives_the_same_document(case: Path) -> None:
     vmi = case / "vmi.json"
     options = json.loads((case / "options.json").read_text()) if (case / "options.json").exists() else {}
     twice = build_domain(
-        once, vmi.read_bytes() if vmi.exists() else None, parse_environ((case / "env").read_bytes()), BuildOptions(**options)
+        once,
+        vmi.read_bytes() if vmi.exists() else None,
+        parse_environ((case / "env").read_bytes()),
+        BuildOptions(**options),
     )
     assert twice.domain_xml == once

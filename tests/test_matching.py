@@ -25,7 +25,9 @@ def vmi(gpus: list[dict[str, Any]], host_devices: list[dict[str, Any]] | None = 
     devices: dict[str, Any] = {"gpus": gpus}
     if host_devices is not None:
         devices["hostDevices"] = host_devices
-    return parse_vmi(json.dumps({"metadata": {"name": "vm", "namespace": "ns"}, "spec": {"domain": {"devices": devices}}}).encode())
+    return parse_vmi(
+        json.dumps({"metadata": {"name": "vm", "namespace": "ns"}, "spec": {"domain": {"devices": devices}}}).encode()
+    )
 
 
 def plan(model: VirtualMachineInstance | None, env: dict[str, str], **options: Any) -> list[HostdevSpec]:
@@ -53,7 +55,11 @@ def test_pci_pool_is_used_before_the_mdev_pool() -> None:
 def test_alias_is_the_index_in_gpus_and_entries_without_device_name_are_left_alone() -> None:
     model = vmi(
         [{"name": "dra", "claimName": "c"}, {"name": "weird name/!", "deviceName": TU106}],
-        [{"name": "x", "deviceName": "example.com/nic"}, {"name": "dra2"}, {"name": "y", "deviceName": "example.com/nic"}],
+        [
+            {"name": "x", "deviceName": "example.com/nic"},
+            {"name": "dra2"},
+            {"name": "y", "deviceName": "example.com/nic"},
+        ],
     )
     specs = plan(model, {PCI_TU106: "0000:86:00.0", "PCI_RESOURCE_EXAMPLE_COM_NIC": "0000:3b:00.0,0000:3b:00.1"})
     assert summary(specs) == [
@@ -118,7 +124,7 @@ def test_first_mdev_gpu_gets_display_and_ramfb_when_no_gpu_sets_display_options(
 
 
 def test_display_options_follow_kubevirt() -> None:
-    gpus = [
+    gpus: list[dict[str, Any]] = [
         {"name": "a", "deviceName": T4_1Q},
         {"name": "b", "deviceName": T4_1Q, "virtualGPUOptions": {"display": {}}},
     ]
@@ -141,7 +147,9 @@ def test_display_is_not_written_on_pci_gpus_and_a_warning_says_so() -> None:
 
 def test_managed_and_driver_options_apply_to_pci_hostdevs_only() -> None:
     env = {PCI_TU106: "0000:86:00.0", MDEV_T4: UUID_A}
-    specs = plan(vmi([{"name": "a", "deviceName": TU106}, {"name": "b", "deviceName": T4_1Q}]), env, managed=True, driver="vfio")
+    specs = plan(
+        vmi([{"name": "a", "deviceName": TU106}, {"name": "b", "deviceName": T4_1Q}]), env, managed=True, driver="vfio"
+    )
     assert (specs[0].managed, specs[0].driver) == (True, "vfio")
     assert specs[1].driver is None
     assert specs[0].source == PciAddress.parse("0000:86:00.0")

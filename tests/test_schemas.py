@@ -44,7 +44,7 @@ def test_pci_address_parses_kernel_form(text: str, canonical: str, attributes: t
         "0x0000:86:00.0",
         "gggg:86:00.0",
         "0000:86:00.0,0000:af:00.0",
-        "０000:86:00.0",
+        "\uff10000:86:00.0",  # a full-width digit
     ],
 )
 def test_pci_address_refuses_malformed_text_naming_it(text: str) -> None:
@@ -70,9 +70,7 @@ def test_pci_address_constructor_refuses_out_of_range_fields() -> None:
         PciAddress(0, 0x100, 0, 0)
 
 
-@given(
-    st.integers(0, 0xFFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7), st.booleans()
-)
+@given(st.integers(0, 0xFFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7), st.booleans())
 def test_pci_address_round_trips(domain: int, bus: int, slot: int, function: int, upper: bool) -> None:
     address = PciAddress(domain, bus, slot, function)
     text = str(address).upper() if upper else str(address)
@@ -97,7 +95,13 @@ def test_pci_address_parse_either_round_trips_or_raises_input_error(text: str) -
 
 def test_mdev_uuid_is_canonicalised_and_malformed_ones_named() -> None:
     assert parse_mdev_uuid("E3F0A6B2-58C4-4F6B-8E9D-2B1C0D9E8F7A") == "e3f0a6b2-58c4-4f6b-8e9d-2b1c0d9e8f7a"
-    for bad in ("", "e3f0a6b2", "e3f0a6b258c44f6b8e9d2b1c0d9e8f7a", "0000:86:00.0", "e3f0a6b2-58c4-4f6b-8e9d-2b1c0d9e8f7a "):
+    for bad in (
+        "",
+        "e3f0a6b2",
+        "e3f0a6b258c44f6b8e9d2b1c0d9e8f7a",
+        "0000:86:00.0",
+        "e3f0a6b2-58c4-4f6b-8e9d-2b1c0d9e8f7a ",
+    ):
         with pytest.raises(InputError) as error:
             parse_mdev_uuid(bad)
         assert repr(bad) in str(error.value)
@@ -106,7 +110,11 @@ def test_mdev_uuid_is_canonicalised_and_malformed_ones_named() -> None:
 @pytest.mark.parametrize(
     ("resource", "kind", "variable"),
     [
-        ("nvidia.com/TU106_GEFORCE_RTX_2060_REV__A", ResourceKind.PCI, "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"),
+        (
+            "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A",
+            ResourceKind.PCI,
+            "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A",
+        ),
         ("nvidia.com/GRID_T4-1Q", ResourceKind.MDEV, "MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q"),
         ("intel.com/qat", ResourceKind.PCI, "PCI_RESOURCE_INTEL_COM_QAT"),
         ("example.com/nvme.fast", ResourceKind.PCI, "PCI_RESOURCE_EXAMPLE_COM_NVME_FAST"),

@@ -24,7 +24,9 @@ def test_virtual_machine_template_is_accepted() -> None:
     vm = {
         "kind": "VirtualMachine",
         "metadata": {"name": "vm", "namespace": "ns"},
-        "spec": {"template": {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "deviceName": "nvidia.com/X"}]}}}}},
+        "spec": {
+            "template": {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "deviceName": "nvidia.com/X"}]}}}}
+        },
     }
     vmi = parse_vmi(json.dumps(vm).encode())
     assert vmi.display_name == "ns/vm"
@@ -55,7 +57,8 @@ def test_display_options_are_read() -> None:
         (b'{"spec": {"domain": {"devices": {"gpus": {"name": "x"}}}}}', "spec.domain.devices.gpus"),
         (b'{"spec": {"domain": {"devices": {"gpus": [{"name": 7}]}}}}', "gpus.0.name"),
         (
-            b'{"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": {"display": {"enabled": "yes"}}}]}}}}',
+            b'{"spec": {"domain": {"devices": {"gpus": [{"name": "g", '
+            b'"virtualGPUOptions": {"display": {"enabled": "yes"}}}]}}}}',
             "display.enabled",
         ),
         (b'{"kind": "VirtualMachine", "spec": {}}', "no spec.template"),

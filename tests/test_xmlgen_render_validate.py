@@ -24,7 +24,14 @@ def run(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = Non
 
 
 def seed_args() -> list[str]:
-    return ["--domain", str(SEED / "domain.xml"), "--vmi", str(SEED / "vmi.json"), "--environ-file", str(SEED / "compute.environ")]
+    return [
+        "--domain",
+        str(SEED / "domain.xml"),
+        "--vmi",
+        str(SEED / "vmi.json"),
+        "--environ-file",
+        str(SEED / "compute.environ"),
+    ]
 
 
 def test_render_seed_example_matches_golden() -> None:
@@ -36,7 +43,7 @@ def test_render_seed_example_matches_golden() -> None:
 def test_render_reads_the_allocation_from_the_process_env_and_the_domain_from_stdin() -> None:
     code, out, _ = run("render", "--domain", "-", env={PCI: "0000:3b:00.0"}, stdin=(SEED / "domain.xml").read_bytes())
     assert code == 0
-    assert "bus=\"0x3b\"" in out and "ua-gpu0" in out
+    assert 'bus="0x3b"' in out and "ua-gpu0" in out
 
 
 def test_environ_file_replaces_the_process_allocation_variables(tmp_path: Path) -> None:
@@ -46,16 +53,16 @@ def test_environ_file_replaces_the_process_allocation_variables(tmp_path: Path) 
         "render", "--environ-file", str(environ), env={PCI: "0000:86:00.0", "MDEV_PCI_RESOURCE_X": "bad"}
     )
     assert code == 0
-    assert "bus=\"0xaf\"" in out and "0x86" not in out
+    assert 'bus="0xaf"' in out and "0x86" not in out
 
 
 def test_render_without_domain_prints_devices_with_options() -> None:
     code, out, _ = run("render", "--managed", "yes", "--driver", "vfio", env={PCI: "0000:86:00.0"})
     assert code == 0
     assert out == (
-        "<devices>\n\t<hostdev mode=\"subsystem\" type=\"pci\" managed=\"yes\">\n\t\t<driver name=\"vfio\"/>\n"
-        "\t\t<source>\n\t\t\t<address domain=\"0x0000\" bus=\"0x86\" slot=\"0x00\" function=\"0x0\"/>\n\t\t</source>\n"
-        "\t\t<alias name=\"ua-gpu0\"/>\n\t</hostdev>\n</devices>\n"
+        '<devices>\n\t<hostdev mode="subsystem" type="pci" managed="yes">\n\t\t<driver name="vfio"/>\n'
+        '\t\t<source>\n\t\t\t<address domain="0x0000" bus="0x86" slot="0x00" function="0x0"/>\n\t\t</source>\n'
+        '\t\t<alias name="ua-gpu0"/>\n\t</hostdev>\n</devices>\n'
     )
 
 
@@ -64,7 +71,11 @@ def test_render_without_domain_prints_devices_with_options() -> None:
     [
         (["--domain", "/nonexistent/domain.xml"], {}, "error: cannot read domain XML '/nonexistent/domain.xml'"),
         (["--vmi", str(SEED / "domain.xml")], {PCI: "0000:86:00.0"}, "error: VMI JSON is not valid JSON"),
-        (["--vmi", str(SEED / "vmi.json")], {}, "error: gpus[0] 'gpu0' (deviceName nvidia.com/TU106_GEFORCE_RTX_2060_REV__A)"),
+        (
+            ["--vmi", str(SEED / "vmi.json")],
+            {},
+            "error: gpus[0] 'gpu0' (deviceName nvidia.com/TU106_GEFORCE_RTX_2060_REV__A)",
+        ),
         (["--vmi", str(SEED / "vmi.json")], {PCI: "0000:86:00.0"}, "error: too few devices"),
         ([], {PCI: "0000:86:00.0,zz"}, f"error: {PCI}: malformed PCI address 'zz'"),
         (["--domain", str(SEED / "vmi.json")], {PCI: "0000:86:00.0"}, "error: domain XML is not well-formed XML"),
@@ -86,7 +97,10 @@ def test_render_warns_when_nothing_was_allocated() -> None:
 def test_the_console_script_keeps_stdout_clean_on_error(tmp_path: Path) -> None:
     env = {**os.environ, PCI: "0000:86:00.0"}
     done = subprocess.run(
-        [sys.executable, "-m", "xmlgen", "render", "--vmi", str(SEED / "vmi.json")], env=env, capture_output=True, check=False
+        [sys.executable, "-m", "xmlgen", "render", "--vmi", str(SEED / "vmi.json")],
+        env=env,
+        capture_output=True,
+        check=False,
     )
     assert done.returncode == 1 and done.stdout == b""
     assert done.stderr.startswith(b"error: too few devices for nvidia.com/TU106_GEFORCE_RTX_2060_REV__A")
@@ -134,12 +148,23 @@ def test_validate_reports_each_problem_on_its_own_line() -> None:
         "line 11: <hostdev> 'ua-gpu.1': source address bus='134' is not 0x hex",
         "line 11: <hostdev> 'ua-gpu.1': source address slot='0x20' is not a number in 0..0x1f",
         "line 13: alias 'ua-gpu.1' has characters outside [a-zA-Z0-9_-]",
-        "line 15: <hostdev> 'ua-gpu-gpu0' fails libvirt's RNG schema (domain.rng)",
+        "line 15: <hostdev> 'ua-gpu-gpu0': ramfb='maybe' must be 'on' or 'off'",
         "line 17: alias 'ua-gpu-gpu0' is used again (first at line 5)",
     ]
     assert len(lines) == len(expected), out
     for line, start in zip(lines, expected, strict=True):
         assert line.startswith(start), (line, start)
+
+
+def test_validate_falls_back_to_the_rng_verdict_for_other_schema_errors() -> None:
+    domain = (
+        b"<domain><devices><hostdev mode='subsystem' type='pci' managed='sometimes'><source>"
+        b"<address domain='0x0000' bus='0x86' slot='0x00' function='0x0'/></source><alias name='ua-gpu0'/></hostdev>"
+        b"</devices></domain>"
+    )
+    code, out, _ = run("validate", "-", stdin=domain)
+    assert code == 1
+    assert out.startswith("line 1: <hostdev> 'ua-gpu0' fails libvirt's RNG schema (domain.rng): ")
 
 
 def test_validate_names_missing_schemas(tmp_path: Path) -> None:
