@@ -1,0 +1,86 @@
+"""Rendering a 16-GPU VM into a KubeVirt-sized domain, against the floor of lxml parsing and serialising it.
+
+Run: ``python -m bench.bench_render [--rounds N]``. Both are timed in the same run, interleaved, on the same
+bytes; the ratio of medians is what matters (goal: at most 1.3x the floor). Prints figures, exits 0; this is
+a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lxml import etree
+
+from launcher_hook import build_domain
+
+GOAL = 1.3
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "seed-node01"
+
+
+def kubevirt_sized_domain() -> bytes:
+    """The seed domain grown to a busy VM's size: 16 disks and 8 interfaces more (about 20 KiB)."""
+    text = (EXAMPLE / "domain.xml").read_text()
+    disk = text[text.index("\t\t<disk ") : text.index("</disk>") + len("</disk>\n")]
+    interface = text[text.index("\t\t<interface ") : text.index("</interface>") + len("</interface>\n")]
+    extra = "".join(
+        disk.replace("ua-containerdisk", f"ua-data{i}").replace('dev="vda"', f'dev="vd{chr(ord("c") + i)}"')
+        for i in range(16)
+    )
+    extra += "".join(interface.replace("ua-default", f"ua-net{i}").replace("tap0", f"tap{i + 1}") for i in range(8))
+    return text.replace("\t</devices>", extra + "\t</devices>").encode()
+
+
+def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
+    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
+    env = {"PCI_RESOURCE_NVIDIA_COM_GA100_A100SXM464GB": ",".join(addresses)}
+    gpus = [{"name": f"gpu{i}", "deviceName": "nvidia.com/GA100_A100SXM464GB"} for i in range(16)]
+    vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
+    return json.dumps(vmi).encode(), env
+
+
+def median_seconds(action: Callable[[], object], rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=2000)
+    rounds = parser.parse_args().rounds
+    domain = kubevirt_sized_domain()
+    vmi, env = sixteen_gpus()
+    parser_options = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
+
+    def floor() -> bytes:
+        return etree.tostring(etree.fromstring(domain, parser_options).getroottree(), encoding="UTF-8")
+
+    def render() -> bytes:
+        return build_domain(domain, vmi, env).domain_xml
+
+    assert render().count(b"<hostdev ") == 16
+    for _ in range(200):  # warm up both
+        floor()
+        render()
+    floors, renders = [], []
+    for _ in range(5):  # interleave so machine noise hits both alike
+        floors.append(median_seconds(floor, rounds // 5))
+        renders.append(median_seconds(render, rounds // 5))
+    floor_s, render_s = statistics.median(floors), statistics.median(renders)
+    ratio = render_s / floor_s
+    print(f"domain: {len(domain)} bytes, 16 GPUs, {rounds} rounds each")
+    print(f"floor  (lxml parse + serialise): {floor_s * 1e6:8.1f} us")
+    print(f"render (build_domain):           {render_s * 1e6:8.1f} us")
+    print(f"ratio: {ratio:.2f}x the floor (goal <= {GOAL}x): {'MET' if ratio <= GOAL else 'NOT MET'}")
+
+
+if __name__ == "__main__":
+    main()
