@@ -10,10 +10,18 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 fi
 extras=${1:-dev}
 if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || {
-        echo "error: could not create .venv; on Debian: apt-get install python3-venv" >&2
-        exit 1
-    }
+    if ! "$PYTHON" -m venv .venv >/dev/null 2>&1; then
+        rm -rf .venv
+        # Debian's python3 needs python3-venv for this; install it when we can.
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            echo "installing python3-venv ..." >&2
+            (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv) >/dev/null
+        fi
+        "$PYTHON" -m venv .venv || {
+            echo "error: could not create .venv; on Debian: apt-get install python3-venv" >&2
+            exit 1
+        }
+    fi
 fi
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 # A dev install also satisfies a runtime one.

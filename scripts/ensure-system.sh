@@ -3,7 +3,7 @@
 # the QEMU driver. As root it installs what is missing; otherwise it says what is missing. Under CI=true
 # anything missing fails (exit 1) instead of letting the libvirt tests skip.
 set -uo pipefail
-packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 pci.ids gcc python3-venv)
+packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 pci.ids gcc python3-venv python3-dev)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
