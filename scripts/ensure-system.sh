@@ -36,14 +36,25 @@ fi
 mkdir -p /var/run/libvirt /var/log/libvirt /var/lib/libvirt/qemu
 getent group libvirt-qemu >/dev/null || groupadd --system libvirt-qemu
 getent passwd libvirt-qemu >/dev/null || useradd --system --no-create-home -g libvirt-qemu libvirt-qemu
-pgrep -x virtlogd >/dev/null || virtlogd -d
-pgrep -x libvirtd >/dev/null || libvirtd -d
-for _ in $(seq 1 100); do
-    if virsh -c qemu:///system version >/dev/null 2>&1; then
+answers() { virsh -c qemu:///system version >/dev/null 2>&1; }
+wait_until() {  # wait_until SECONDS COMMAND...: poll every 0.1 s
+    local tries=$(($1 * 10)); shift
+    for _ in $(seq 1 "$tries"); do "$@" && return 0; sleep 0.1; done
+    return 1
+}
+no_libvirtd() { ! pgrep -x libvirtd >/dev/null; }
+for attempt in 1 2 3; do
+    # A libvirtd that is still shutting down holds its pid file: let it finish before starting another.
+    pgrep -x libvirtd >/dev/null && ! wait_until 5 answers && wait_until 5 no_libvirtd
+    pgrep -x virtlogd >/dev/null || virtlogd -d
+    pgrep -x libvirtd >/dev/null || libvirtd -d
+    if wait_until 10 answers; then
         exit 0
     fi
-    sleep 0.1
+    echo "libvirtd did not answer (attempt $attempt); restarting it" >&2
+    pkill -x libvirtd
+    wait_until 5 no_libvirtd || pkill -9 -x libvirtd
 done
-echo "error: libvirtd did not answer on $socket within 10 s (see /var/log/libvirt)" >&2
+echo "error: libvirtd did not answer on $socket (see /var/log/libvirt)" >&2
 [ "${CI:-}" = true ] && exit 1
 exit 0
