@@ -18,6 +18,7 @@ from pathlib import Path
 from schemas.pci import PciAddress
 
 VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
+_VFIO_CDEV_MAJOR = 236  # dynamic; a typical value
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,9 @@ class Function:
     subsystem_vendor: int = 0
     subsystem_device: int = 0
     revision: int = 0xA1
+    vfio_dev: int | None = None
+    """N of the iommufd cdev (``vfio-dev/vfioN``, ``/dev/vfio/devices/vfioN``) when on a VFIO driver; with
+    :attr:`Node.iommufd` and None, a number is picked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,8 @@ class Mdev:
     type_id: str
     iommu_group: int
     driver: str | None = "vfio_mdev"
+    vfio_dev: int | None = None
+    """N of the iommufd cdev when bound to a driver; with :attr:`Node.iommufd` and None, a number is picked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,10 @@ class Node:
     """Written to ``usr/share/misc/pci.ids`` under the root when set (where Debian keeps it)."""
     vfio_container: bool = True
     """Whether ``dev/vfio/vfio`` exists (the vfio module is loaded)."""
+    iommufd: bool = False
+    """Whether ``dev/iommu`` exists; then every function on a VFIO driver and every bound mdev gets a VFIO
+    device cdev (``<sysfs device>/vfio-dev/vfioN`` and ``dev/vfio/devices/vfioN``), numbered in order unless
+    its ``vfio_dev`` says."""
 
     def function(self, address: str) -> Function:
         for function in self.functions:
@@ -191,11 +201,38 @@ def _write_mdev(mdev: Mdev, parent_dir: Path, sys: Path, vfio_groups: set[int]) 
     _write(mdev_dir / "uevent", _uevent(event))
 
 
+def _vfio_cdevs(node: Node, dirs: dict[str, Path]) -> dict[Path, int]:
+    """Where each VFIO device cdev goes (sysfs device dir → N): explicit numbers first, then the next free."""
+    bound: list[tuple[Path, int | None]] = [
+        (dirs[function.address], function.vfio_dev)
+        for function in node.functions
+        if function.driver in VFIO_DRIVERS and (node.iommufd or function.vfio_dev is not None)
+    ]
+    bound.extend(
+        (dirs[mdev.parent] / mdev.uuid, mdev.vfio_dev)
+        for mdev in node.mdevs
+        if mdev.driver is not None and (node.iommufd or mdev.vfio_dev is not None)
+    )
+    taken = {number for _, number in bound if number is not None}
+    if len(taken) != sum(1 for _, number in bound if number is not None):
+        raise ValueError(f"node {node.name}: two devices share a vfio_dev number")
+    numbers: dict[Path, int] = {}
+    following = 0
+    for path, explicit in bound:
+        if explicit is None:
+            while following in taken:
+                following += 1
+            taken.add(following)
+        numbers[path] = following if explicit is None else explicit
+    return numbers
+
+
 def build(node: Node, root: Path) -> Path:
     """Write ``node`` under ``root`` (created if needed) and return ``root``, usable as a host root.
 
     ``dev/vfio/<N>`` is written for every group with a function on a VFIO driver or a bound mdev, as the
-    kernel creates it; ``dev/vfio/vfio`` when :attr:`Node.vfio_container`.
+    kernel creates it; ``dev/vfio/vfio`` when :attr:`Node.vfio_container`; ``dev/iommu`` and the VFIO device
+    cdevs when :attr:`Node.iommufd` (or a device's ``vfio_dev`` is set).
     """
     sys = root / "sys"
     dirs = _device_dirs(node, sys)
@@ -213,6 +250,12 @@ def build(node: Node, root: Path) -> Path:
         _write(dev_vfio / "vfio", "")
     for group in sorted(vfio_groups):
         _write(dev_vfio / str(group), "")
+    for device_dir, number in _vfio_cdevs(node, dirs).items():
+        cdev_dir = device_dir / "vfio-dev" / f"vfio{number}"
+        _write(cdev_dir / "dev", f"{_VFIO_CDEV_MAJOR}:{number}\n")
+        _write(dev_vfio / "devices" / f"vfio{number}", "")
+    if node.iommufd:
+        _write(root / "dev" / "iommu", "")
     if node.pci_ids is not None:
         _write(root / "usr" / "share" / "misc" / "pci.ids", node.pci_ids)
     return root

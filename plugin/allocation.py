@@ -1,0 +1,214 @@
+"""What one container gets from ``Allocate``: the env var virt-launcher reads and the VFIO device nodes.
+
+This is policy, kept apart from gRPC so that it can be tested on fixture trees and reasoned about alone:
+
+- the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, FACTS.md §4) holds exactly the requested IDs,
+  in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
+- DeviceSpecs: ``/dev/vfio/vfio`` (the legacy container) and each needed ``/dev/vfio/<group>`` once; when the
+  host has iommufd (``/dev/iommu``), also ``/dev/iommu`` and each device's ``/dev/vfio/devices/vfioN`` cdev
+  (a kernel with iommufd but without VFIO device cdevs has no ``vfio-dev`` entry: the group node is enough
+  there). Paths are the node's real paths, never prefixed by the host root the plugin reads through:
+  the container runtime resolves them on the node. Permissions ``mrw``;
+- refusals name the device: an ID the resource does not have is the caller's mistake
+  (``INVALID_ARGUMENT``); a device known to be unhealthy, or whose IOMMU group changed under us since the
+  last scan, cannot be given now (``FAILED_PRECONDITION``).
+
+The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
+stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver link
+(PCI) and the ``/dev/vfio/<group>`` node. A full rescan is the manager's job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
+from schemas.naming import ResourceKind
+
+IOMMU_DEVICE = "/dev/iommu"
+VFIO_CDEV_DIR = "/dev/vfio/devices"
+PERMISSIONS = "mrw"
+VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
+"""Drivers a passthrough GPU may be on when it is handed out (as discovery's default ``vfio_drivers``)."""
+
+
+class AllocationError(Exception):
+    """Allocate must refuse: ``code`` is the gRPC status to answer with, ``message`` names the device."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, device_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.device_id = device_id
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One device node for the container: same path inside and on the node, ``mrw``."""
+
+    container_path: str
+    host_path: str
+    permissions: str = PERMISSIONS
+
+    @classmethod
+    def node(cls, path: str) -> DeviceSpec:
+        return cls(path, path, PERMISSIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One container's answer: env vars and device nodes, in the order they should be sent."""
+
+    envs: Mapping[str, str]
+    device_specs: tuple[DeviceSpec, ...]
+    device_ids: tuple[str, ...] = field(default=())
+
+    @property
+    def devices(self) -> tuple[DeviceSpec, ...]:
+        """Alias of :attr:`device_specs` (the protobuf field is called ``devices``)."""
+        return self.device_specs
+
+
+def _sysfs_dir(device: Device, host_root: str) -> str:
+    bus = "pci" if device.kind is ResourceKind.PCI else "mdev"
+    return f"{host_root}/sys/bus/{bus}/devices/{device.id}"
+
+
+def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozenset[str] = VFIO_DRIVERS) -> str | None:
+    """Is ``device`` still usable as the last scan saw it? None if so, else why not (naming the group).
+
+    Reads, under ``host_root``: the device's ``iommu_group`` link, the group's ``devices`` directory (its
+    members must be the device and the companions the scan saw), the ``driver`` link of a PCI device (still
+    on a VFIO driver) and the existence of ``/dev/vfio/<group>``.
+    """
+    root = os.fspath(host_root)
+    if device.iommu_group is None:
+        return "it has no IOMMU group"
+    sysfs = _sysfs_dir(device, root)
+    try:
+        group_name = os.path.basename(os.readlink(f"{sysfs}/iommu_group"))
+    except OSError:
+        return f"{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
+    if group_name != str(device.iommu_group):
+        return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
+    group = device.iommu_group
+    try:
+        members = set(os.listdir(f"{root}/sys/kernel/iommu_groups/{group}/devices"))
+    except OSError:
+        return f"IOMMU group {group} is gone"
+    expected = {device.id, *(str(companion.address) for companion in device.companions)}
+    if members != expected:
+        added, removed = sorted(members - expected), sorted(expected - members)
+        change = "; ".join(
+            part
+            for part in (
+                f"now also holds {', '.join(added)}" if added else "",
+                f"no longer holds {', '.join(removed)}" if removed else "",
+            )
+            if part
+        )
+        return f"IOMMU group {group} changed since the last scan: {change}"
+    if device.kind is ResourceKind.PCI:
+        try:
+            driver = os.path.basename(os.readlink(f"{sysfs}/driver"))
+        except OSError:
+            driver = None
+        if driver not in vfio_drivers:
+            return f"it is now bound to {driver or 'no driver'}, not to {' or '.join(sorted(vfio_drivers))}"
+    if not os.path.exists(f"{root}{VFIO_DEV_DIR}/{group}"):
+        return f"{VFIO_DEV_DIR}/{group} is missing (IOMMU group {group} is not usable by VFIO)"
+    return None
+
+
+def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
+    """The device's iommufd cdev, ``/dev/vfio/devices/vfioN`` (a node path), or None if it has none.
+
+    The kernel lists it as ``<sysfs device>/vfio-dev/vfioN``; the node must exist under the host root.
+    """
+    root = os.fspath(host_root)
+    try:
+        names = os.listdir(f"{_sysfs_dir(device, root)}/vfio-dev")
+    except OSError:
+        return None
+    for name in sorted(names):
+        if name.startswith("vfio") and name[4:].isdigit():
+            path = f"{VFIO_CDEV_DIR}/{name}"
+            return path if os.path.exists(f"{root}{path}") else None
+    return None
+
+
+def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
+    return AllocationError(
+        grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: unknown device ID {device_id!r}", device_id
+    )
+
+
+def allocate(
+    resource: Resource,
+    device_ids: Sequence[str],
+    host_root: Path | str,
+    vfio_drivers: frozenset[str] = VFIO_DRIVERS,
+) -> Allocation:
+    """Build one container's allocation for ``device_ids`` of ``resource``, re-checking each device on the host.
+
+    Raises :class:`AllocationError`: ``INVALID_ARGUMENT`` for no IDs, an unknown ID or an ID asked twice;
+    ``FAILED_PRECONDITION`` for an unhealthy device (with its reason), a device whose IOMMU group changed or
+    whose ``/dev/vfio/<group>`` is gone, or a host without ``/dev/vfio/vfio``.
+    """
+    root = os.fspath(host_root)
+    if not device_ids:
+        raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: no device IDs in the request")
+    by_id = {device.id: device for device in resource.devices}
+    chosen: list[Device] = []
+    seen: set[str] = set()
+    for device_id in device_ids:
+        device = by_id.get(device_id)
+        if device is None:
+            raise _refuse_unknown(resource, device_id)
+        if device_id in seen:
+            raise AllocationError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: device ID {device_id!r} is asked twice", device_id
+            )
+        seen.add(device_id)
+        chosen.append(device)
+    for device in chosen:
+        if not device.healthy:
+            raise AllocationError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
+                device.id,
+            )
+    for device in chosen:
+        problem = recheck_device(device, root, vfio_drivers)
+        if problem is not None:
+            raise AllocationError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{resource.name}: device {device.id}: {problem}", device.id
+            )
+    if not os.path.exists(f"{root}{VFIO_CONTAINER}"):
+        raise AllocationError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{resource.name}: {VFIO_CONTAINER} is missing on the node (is the vfio module loaded?)",
+        )
+
+    specs = [DeviceSpec.node(VFIO_CONTAINER)]
+    groups: set[int] = set()
+    for device in chosen:
+        group = device.iommu_group
+        if group is not None and group not in groups:
+            groups.add(group)
+            specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
+    if os.path.exists(f"{root}{IOMMU_DEVICE}"):
+        specs.append(DeviceSpec.node(IOMMU_DEVICE))
+        cdevs: set[str] = set()
+        for device in chosen:
+            cdev = vfio_cdev(device, root)
+            if cdev is not None and cdev not in cdevs:
+                cdevs.add(cdev)
+                specs.append(DeviceSpec.node(cdev))
+    ids = tuple(device_ids)
+    return Allocation(envs={resource.env: ",".join(ids)}, device_specs=tuple(specs), device_ids=ids)
