@@ -43,13 +43,14 @@ class BuildResult:
 
 
 def plan_hostdevs(
-    vmi: VirtualMachineInstance | None, env: Mapping[str, str], options: BuildOptions
+    vmi: VirtualMachineInstance | None, env: Mapping[str, str], options: BuildOptions, *, graphics: bool = True
 ) -> tuple[list[HostdevSpec], list[str]]:
-    """The hostdevs the VM gets and any warnings, without touching a domain."""
+    """The hostdevs the VM gets and any warnings, without touching a domain (``graphics``: whether the
+    domain has a ``<graphics>`` device, which a vGPU display needs)."""
     if options.driver is not None and options.driver not in SUPPORTED_DRIVERS:
         raise ValueError(f"unsupported hostdev driver {options.driver!r}; supported: {', '.join(SUPPORTED_DRIVERS)}")
     allocation = allocation_from_env(env)
-    hostdev_options = HostdevOptions(managed=options.managed, driver=options.driver)
+    hostdev_options = HostdevOptions(managed=options.managed, driver=options.driver, graphics=graphics)
     if vmi is None:
         return match_all(allocation, hostdev_options), []
     return match_vmi(vmi, allocation, hostdev_options)
@@ -65,7 +66,8 @@ def build_domain(
     options = options or BuildOptions()
     vmi = parse_vmi(vmi_json, max_bytes=options.max_input_bytes) if vmi_json is not None else None
     parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
-    specs, warnings = plan_hostdevs(vmi, env, options)
+    graphics = parsed is None or parsed.root.find("devices/graphics") is not None
+    specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics)
     if parsed is None:
         return BuildResult(devices_document(specs), specs, warnings, vmi)
     return BuildResult(splice_hostdevs(parsed, specs), specs, warnings, vmi)

@@ -28,6 +28,9 @@ class HostdevOptions:
 
     managed: bool = False
     driver: str | None = None
+    graphics: bool = True
+    """Whether the domain has a ``<graphics>`` device: libvirt's QEMU driver refuses ``display='on'`` on an
+    mdev hostdev without one, so the default display is only turned on with it."""
 
 
 class _Request(NamedTuple):
@@ -133,7 +136,13 @@ def match_vmi(
         if pool.kind is ResourceKind.MDEV:
             is_first_mdev = request.list_name == "gpus" and not first_mdev_seen
             first_mdev_seen |= is_first_mdev
-            display, ramfb = _display_flags(gpu_options, is_first_mdev, bool(any_display))
+            display, ramfb = _display_flags(gpu_options, is_first_mdev and options.graphics, bool(any_display))
+            if display and not options.graphics:
+                raise InputError(
+                    f"{request.label} asks for a vGPU display, but the domain has no <graphics> device and "
+                    "libvirt refuses display='on' without one (keep autoattachGraphicsDevice on, or set "
+                    "virtualGPUOptions.display.enabled: false)"
+                )
             specs.append(
                 HostdevSpec(pool.kind, device_id, request.alias, pool.variable, options.managed, None, display, ramfb)
             )
@@ -158,8 +167,8 @@ def match_all(allocation: Allocation, options: HostdevOptions) -> list[HostdevSp
             if device_id in seen:
                 continue
             seen.add(device_id)
-            on = pool.kind is ResourceKind.MDEV and first_mdev
-            first_mdev &= not on
+            on = pool.kind is ResourceKind.MDEV and first_mdev and options.graphics
+            first_mdev &= pool.kind is not ResourceKind.MDEV
             specs.append(_spec(pool, device_id, f"ua-gpu{len(specs)}", options, on, on))
     return specs
 

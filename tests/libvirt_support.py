@@ -21,16 +21,17 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-def libvirt_verdict(domain_xml: bytes, expected_pci: Mapping[str, str] | None = None) -> LibvirtReport:
-    """Check ``domain_xml`` with the RNG schema, the test driver and (for PCI) QEMU's argv.
+def libvirt_verdict(domain_xml: bytes, expected: Mapping[str, str] | None = None) -> LibvirtReport:
+    """Check ``domain_xml`` with the RNG schema, the test driver and QEMU's argv.
 
-    ``expected_pci`` maps alias → PCI address; each must reach QEMU as ``vfio-pci`` ``host=``/``id=``.
+    ``expected`` maps alias → PCI address or mdev UUID; each must reach QEMU as a vfio device with that
+    ``id=`` (``host=`` for PCI, ``sysfsdev=`` for mdev).
     """
     try:
-        report = check_domain(domain_xml, qemu=bool(expected_pci))
+        report = check_domain(domain_xml, qemu=bool(expected))
     except LibvirtUnavailable as exc:
         missing(str(exc))
         raise  # unreachable
-    if expected_pci:
-        assert_qemu_matches(report, expected_pci)
+    if expected:
+        assert_qemu_matches(report, expected)
     return report

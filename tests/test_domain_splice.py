@@ -8,10 +8,12 @@ from lxml import etree
 from launcher_hook import BuildOptions, build_domain
 from schemas import InputError
 from tests.conftest import EXAMPLES
+from tests.libvirt_support import libvirt_verdict
 
 PCI = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 ENV = {PCI: "0000:86:00.0,0000:af:00.0"}
 SEED = (EXAMPLES / "seed-node01" / "domain.xml").read_bytes()
+BASICS = b"<name>x</name><memory>1048576</memory><os><type arch='x86_64' machine='q35'>hvm</type></os>"
 
 
 def hostdev_aliases(xml: bytes) -> list[str | None]:
@@ -38,14 +40,18 @@ def test_everything_but_the_added_hostdevs_is_kept_byte_for_byte() -> None:
 def test_comments_cdata_and_foreign_namespaces_survive() -> None:
     domain = (
         b"<?xml version='1.0'?>\n<!-- top -->\n<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
-        b"<name>x</name><!-- inside --><description><![CDATA[a <b> & c]]></description>"
-        b"<devices><disk type='file'/></devices><qemu:commandline><qemu:arg value='-s'/></qemu:commandline></domain>"
+        + BASICS
+        + b"<!-- inside --><description><![CDATA[a <b> & c]]></description>"
+        b"<devices><memballoon model='none'/></devices><qemu:commandline><qemu:arg value='-s'/></qemu:commandline>"
+        b"</domain>"
     )
     out = build_domain(domain, None, {PCI: "0000:86:00.0"}).domain_xml
+    libvirt_verdict(out, {"ua-gpu0": "0000:86:00.0"})
     assert out.startswith(b"<?xml version='1.0'?>\n<!-- top -->\n<domain type='kvm' xmlns:qemu=")
     assert b"<!-- inside -->" in out and b"<![CDATA[a <b> & c]]>" in out
     assert b'<qemu:arg value="-s"/></qemu:commandline>' in out
-    assert b'<disk type="file"/><hostdev mode="subsystem" type="pci" managed="no">' in out
+    # comments force the general path, which re-serialises attributes with double quotes
+    assert b'<memballoon model="none"/><hostdev mode="subsystem" type="pci" managed="no">' in out
 
 
 def test_devices_element_is_created_when_absent() -> None:
@@ -56,10 +62,10 @@ def test_devices_element_is_created_when_absent() -> None:
 
 def test_hostdev_with_same_source_is_replaced_not_duplicated() -> None:
     domain = (
-        b"<domain type='kvm'><devices>"
+        b"<domain type='kvm'>" + BASICS + b"<devices>"
         b"<hostdev mode='subsystem' type='pci' managed='no'><source><address type='pci' domain='0' bus='134' slot='0'"
         b" function='0'/></source><alias name='ua-gpu-gpu0'/></hostdev>"
-        b"<interface type='ethernet'/>"
+        b"<interface type='ethernet'><target dev='tap0' managed='no'/></interface>"
         b"<hostdev mode='subsystem' type='pci' managed='no'><source><address domain='0x0000' bus='0x86' slot='0x00'"
         b" function='0x0'/></source></hostdev>"
         b"<hostdev mode='subsystem' type='pci' managed='no'><source><address domain='0x0000' bus='0x3b' slot='0x00'"
@@ -67,6 +73,7 @@ def test_hostdev_with_same_source_is_replaced_not_duplicated() -> None:
         b"</devices></domain>"
     )
     out = build_domain(domain, None, {PCI: "0000:86:00.0"}).domain_xml
+    libvirt_verdict(out, {"ua-gpu0": "0000:86:00.0"})
     root = etree.fromstring(out)
     assert [child.tag for child in root.find("devices")] == ["hostdev", "interface", "hostdev"]  # type: ignore[union-attr]
     assert hostdev_aliases(out) == ["ua-gpu0", "ua-sriov-nic"]
@@ -151,12 +158,13 @@ def test_oversized_domain_is_refused() -> None:
 SPLICE_VARIANTS = [
     SEED,
     SEED.replace(b"\t", b"  "),
-    b"<domain><name>x</name><devices><disk type='file'/></devices></domain>",
-    b"<domain>\n  <devices>\n    <disk type='file'/>\n  </devices>\n</domain>\n",
-    b"<?xml version='1.0' encoding='utf-8'?>\n<domain type='kvm'>\n\t<devices>\n"
-    b'\t\t<disk type="file"></disk>\n\t</devices>\n</domain>',
-    b"<domain> <devices> <disk/> </devices> </domain>",
-    b"<domain xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'><devices><video/></devices><qemu:commandline/></domain>",
+    b"<domain type='kvm'>" + BASICS + b"<devices><memballoon model='none'/></devices></domain>",
+    b"<domain type='kvm'>\n  " + BASICS + b"\n  <devices>\n    <memballoon model='none'/>\n  </devices>\n</domain>\n",
+    b"<?xml version='1.0' encoding='utf-8'?>\n<domain type='kvm'>\n\t" + BASICS + b"\n\t<devices>\n"
+    b'\t\t<memballoon model="none"></memballoon>\n\t</devices>\n</domain>',
+    b"<domain type='kvm'> " + BASICS + b" <devices> <memballoon model='none'/> </devices> </domain>",
+    b'<domain type="kvm" xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0"><name>x</name><memory>1048576</memory>'
+    b'<os><type arch="x86_64" machine="q35">hvm</type></os><devices><video/></devices><qemu:commandline/></domain>',
 ]
 
 
@@ -169,12 +177,37 @@ def test_fast_and_general_splice_give_the_same_bytes(domain: bytes) -> None:
         PCI: "0000:86:00.0,0000:af:00.0",
         "MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q": "4b20d080-1b54-4048-85b3-a6a62d165c01",
     }
-    specs, _ = plan_hostdevs(None, env, BuildOptions(driver="vfio"))
+    graphics = parse_domain(domain, 1 << 20).root.find("devices/graphics") is not None
+    specs, _ = plan_hostdevs(None, env, BuildOptions(driver="vfio"), graphics=graphics)
     fast = splice_hostdevs(parse_domain(domain, 1 << 20), specs)
     general = splice_hostdevs(parse_domain(domain, 1 << 20), specs, allow_fast=False)
+    for output in (fast, general):
+        libvirt_verdict(output, {spec.alias: spec.source_text for spec in specs})
     assert etree.tostring(etree.fromstring(fast), method="c14n") == etree.tostring(
         etree.fromstring(general), method="c14n"
     )
     if b"'" not in domain:  # re-serialising writes attributes with double quotes; the fast path keeps them
         assert fast == general
     assert fast.count(b"<hostdev ") == 3
+
+
+def test_vgpu_display_needs_a_graphics_device() -> None:
+    uuid = "4b20d080-1b54-4048-85b3-a6a62d165c01"
+    env = {"MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q": uuid}
+    headless = b"<domain type='kvm'>" + BASICS + b"<devices><memballoon model='none'/></devices></domain>"
+    with_vnc = headless.replace(b"<memballoon", b"<graphics type='vnc'/><memballoon")
+    # the default display: on with a graphics device, off without one (libvirt refuses it there)
+    assert b'display="on" ramfb="on"' in build_domain(with_vnc, None, env).domain_xml
+    out = build_domain(headless, None, env).domain_xml
+    assert b"display=" not in out
+    libvirt_verdict(out, {"ua-gpu0": uuid})
+    # a display asked for explicitly on a domain without graphics is an error naming the GPU
+    vmi = (
+        b'{"spec": {"domain": {"devices": {"gpus": [{"name": "desk", "deviceName": "nvidia.com/GRID_T4-1Q",'
+        b' "virtualGPUOptions": {"display": {"enabled": true}}}]}}}}'
+    )
+    with pytest.raises(
+        InputError, match=r"gpus\[0\] 'desk' .* asks for a vGPU display, but the domain has no <graphics>"
+    ):
+        build_domain(headless, vmi, env)
+    assert b'display="on"' in build_domain(with_vnc, vmi, env).domain_xml

@@ -16,6 +16,7 @@ from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import parse_environ
 from tests.conftest import FIXTURES
 from tests.libvirt_support import libvirt_verdict
+from xmlgen.libvirt_check import qemu_sources
 
 CASES = sorted(path for path in (FIXTURES / "golden").iterdir() if path.is_dir())
 
@@ -29,8 +30,7 @@ def _build(case: Path) -> tuple[bytes, dict[str, str]]:
         parse_environ((case / "env").read_bytes()),
         BuildOptions(**options),
     )
-    pci = {spec.alias: spec.source_text for spec in result.hostdevs if spec.kind == "pci"}
-    return result.domain_xml, pci
+    return result.domain_xml, result.aliases
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -44,11 +44,10 @@ def test_golden_output(case: Path, regen_golden: bool) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_golden_output_is_accepted_by_libvirt(case: Path) -> None:
-    output, pci = _build(case)
-    report = libvirt_verdict(output, pci)
-    assert set(report.hostdevs) >= set(pci)
-    if pci:
-        assert {device["id"]: device["host"] for device in report.qemu_devices} == pci
+    output, aliases = _build(case)
+    report = libvirt_verdict(output, aliases)
+    assert set(report.hostdevs) == set(aliases)
+    assert qemu_sources(report) == aliases
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -13,6 +13,7 @@ from launcher_hook.domain import parse_domain
 from launcher_hook.validate import hostdev_schema, validate_domain
 from schemas import InputError, PciAddress
 from tests.conftest import EXAMPLES
+from tests.libvirt_support import libvirt_verdict
 
 SEED = (EXAMPLES / "seed-node01" / "domain.xml").read_bytes()
 
@@ -53,6 +54,8 @@ def test_any_valid_allocation_renders_schema_valid_idempotent_xml(
     assert len(result.hostdevs) == len(gpus)
     parsed = parse_domain(result.domain_xml, 1 << 24)
     assert validate_domain(parsed.root, hostdev_schema()) == []
+    report = libvirt_verdict(result.domain_xml, result.aliases)  # test driver define + VALIDATE, QEMU's argv
+    assert set(report.hostdevs) == {spec.alias for spec in result.hostdevs}
     assert build_domain(result.domain_xml, vmi, env, options).domain_xml == result.domain_xml
 
 
@@ -108,3 +111,21 @@ def test_arbitrary_json_as_vmi_builds_or_is_refused_cleanly(value: Any) -> None:
     except InputError as error:
         message = str(error)
         assert message
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=1024), st.sampled_from(["--domain", "--vmi"]))
+def test_xmlgen_render_on_arbitrary_input_prints_a_whole_document_or_nothing(data: bytes, option: str) -> None:
+    from click.testing import CliRunner
+
+    from xmlgen.cli import cli
+
+    args = ["render", option, "-"] + (
+        ["--domain", str(EXAMPLES / "seed-node01" / "domain.xml")] if option == "--vmi" else []
+    )
+    result = CliRunner().invoke(cli, args, input=data, env={"PCI_RESOURCE_NVIDIA_COM_X": "0000:86:00.0"})
+    if result.exit_code == 0:
+        assert result.stdout_bytes.rstrip().endswith(b"</domain>")
+    else:
+        assert (result.exit_code, result.stdout_bytes) == (1, b"")
+        assert result.stderr.startswith("error: ")

@@ -43,7 +43,8 @@ class LibvirtReport:
     hostdevs: dict[str, tuple[str, str]]
     """alias → (kind, source) as libvirt's test driver read them back."""
     qemu_devices: list[dict[str, Any]] = field(default_factory=list)
-    """The ``vfio-pci`` ``-device`` arguments of QEMU's command line (empty when not asked)."""
+    """The ``vfio-pci`` (PCI) and ``vfio-pci-nohotplug`` (mdev) ``-device`` arguments of QEMU's command line
+    (empty when not asked)."""
 
     def qemu_lines(self) -> list[str]:
         return [f"-device {json.dumps(device, separators=(',', ':'))}" for device in self.qemu_devices]
@@ -133,13 +134,13 @@ def check_domain(domain_xml: bytes, *, qemu: bool = True) -> LibvirtReport:
     if read_back != wanted:
         raise LibvirtRejected(f"libvirt read the hostdevs back differently: wrote {wanted}, got {read_back}")
     report = LibvirtReport(read_back)
-    if qemu and any(kind == "pci" for kind, _ in wanted.values()):
+    if qemu and wanted:
         report.qemu_devices = qemu_vfio_devices(etree.tostring(_with_vfio_driver(parsed.root), encoding="unicode"))
     return report
 
 
 def qemu_vfio_devices(domain_xml: str) -> list[dict[str, Any]]:
-    """The ``vfio-pci`` devices of the QEMU command line libvirt would run for ``domain_xml``."""
+    """The vfio devices of the QEMU command line libvirt would run for ``domain_xml``."""
     libvirt = _libvirt()
     try:
         connection = libvirt.open(QEMU_URI)
@@ -154,12 +155,20 @@ def qemu_vfio_devices(domain_xml: str) -> list[dict[str, Any]]:
     finally:
         connection.close()
     devices = [json.loads(match) for match in _DEVICE_ARG.findall(argv)]
-    return [device for device in devices if device.get("driver") == "vfio-pci"]
+    return [device for device in devices if device.get("driver") in ("vfio-pci", "vfio-pci-nohotplug")]
+
+
+def qemu_sources(report: LibvirtReport) -> dict[str, str]:
+    """alias → what QEMU opens: the PCI address (``host=``) or the mdev UUID (from ``sysfsdev=``)."""
+    return {
+        str(device.get("id")): str(device.get("host") or str(device.get("sysfsdev", "")).rpartition("/")[2])
+        for device in report.qemu_devices
+    }
 
 
 def assert_qemu_matches(report: LibvirtReport, expected: Mapping[str, str]) -> None:
-    """Every expected alias → PCI address appears as ``vfio-pci`` with ``host=`` and ``id=``."""
-    got = {device.get("id"): device.get("host") for device in report.qemu_devices}
-    for alias, address in expected.items():
-        if got.get(alias) != address:
-            raise LibvirtRejected(f"QEMU would not get {alias} = {address}: its vfio-pci devices are {got}")
+    """Every expected alias → PCI address or mdev UUID reaches QEMU as a vfio device with that ``id=``."""
+    got = qemu_sources(report)
+    for alias, source in expected.items():
+        if got.get(alias) != source:
+            raise LibvirtRejected(f"QEMU would not get {alias} = {source}: its vfio devices are {got}")
