@@ -1,0 +1,358 @@
+"""One resource's device plugin endpoint: the ``v1beta1.DevicePlugin`` gRPC server on its own unix socket.
+
+The kubelet talks to a device plugin per resource (FACTS.md §1): it dials the plugin's socket inside
+``Register``, so the server here must serve before :meth:`ResourceServer.register` is called; it keeps one
+``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every device
+unhealthy". This module is protocol only:
+
+- :class:`ResourceState` holds the resource as last discovered and a version; each ``ListAndWatch`` stream
+  blocks on its condition variable (no polling) and sends the whole list whenever what the kubelet sees
+  (IDs, health, NUMA) changes;
+- :class:`DevicePluginServicer` is a thin adapter: ``Allocate`` and ``GetPreferredAllocation`` hand the
+  request to :mod:`plugin.allocation` and :mod:`plugin.preferred` (policy) and turn their answers into
+  messages; bad input becomes a gRPC status, never a crash;
+- :class:`ResourceServer` owns the gRPC server, its socket file (removed on stop only if it is still ours)
+  and the ``Register`` call.
+
+Deciding *what* to serve (discovery, rescans, kubelet restarts) is :mod:`plugin.manager`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from plugin import allocation, preferred
+from plugin.inventory import Device, Resource
+from plugin.log import log_event
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
+MAX_UNIX_SOCKET_PATH = 107
+REGISTER_TIMEOUT = 15.0
+"""Seconds a ``Register`` call may take: the kubelet gives its dial-back to us 10 s inside it."""
+MAX_DEVICES_PER_REQUEST = 4096
+"""More IDs than any node has; a longer request is refused rather than processed."""
+MAX_STATUS_MESSAGE = 512
+"""Status messages quote the request; a bigger one would break gRPC's metadata limit (8 KiB), so cut it."""
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
+    context.abort(code, message)
+
+
+def _shown(ids: Sequence[str], limit: int = 16) -> list[str]:
+    """The IDs for a log line: at most ``limit``, each cut to 63 characters (a kubelet device ID's maximum)."""
+    return [device_id[:63] for device_id in ids[:limit]]
+
+
+def plugin_options() -> pb.DevicePluginOptions:
+    """What this plugin offers: preferred allocation yes, ``PreStartContainer`` not needed."""
+    return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+def device_message(device: Device) -> pb.Device:
+    """The kubelet's view of one device: its ID, exactly ``Healthy``/``Unhealthy``, and its NUMA node if known."""
+    message = pb.Device(ID=device.id, health=device.health)
+    if device.numa_node is not None:
+        message.topology.nodes.append(pb.NUMANode(ID=device.numa_node))
+    return message
+
+
+def list_response(resource: Resource) -> pb.ListAndWatchResponse:
+    """The whole device list, as every ``ListAndWatch`` message must carry it."""
+    return pb.ListAndWatchResponse(devices=[device_message(device) for device in resource.devices])
+
+
+def kubelet_view(resource: Resource) -> tuple[tuple[str, bool, int | None], ...]:
+    """What the kubelet can see of a resource; a new ``ListAndWatch`` message is sent only when this changes."""
+    return tuple((device.id, device.healthy, device.numa_node) for device in resource.devices)
+
+
+class ResourceState:
+    """The resource as last discovered, a version bumped on every kubelet-visible change, and the waiters."""
+
+    def __init__(self, resource: Resource) -> None:
+        self.changed = threading.Condition()
+        self._resource = resource
+        self._version = 0
+
+    @property
+    def resource(self) -> Resource:
+        with self.changed:
+            return self._resource
+
+    def snapshot(self) -> tuple[Resource, int]:
+        with self.changed:
+            return self._resource, self._version
+
+    def update(self, resource: Resource) -> bool:
+        """Take the newly discovered ``resource``; wake the streams and return True if the kubelet's view changed."""
+        with self.changed:
+            visible = kubelet_view(resource) != kubelet_view(self._resource)
+            self._resource = resource
+            if visible:
+                self._version += 1
+                self.changed.notify_all()
+            return visible
+
+
+class DevicePluginServicer:
+    """``v1beta1.DevicePlugin`` for one resource (one instance per gRPC server generation)."""
+
+    def __init__(self, state: ResourceState, host_root: Path, vfio_drivers: frozenset[str]) -> None:
+        self._state = state
+        self._host_root = host_root
+        self._vfio_drivers = vfio_drivers
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End every open ``ListAndWatch`` stream of this generation (they return; the handlers finish)."""
+        with self._state.changed:
+            self._stopped = True
+            self._state.changed.notify_all()
+
+    # -- the five methods ------------------------------------------------------------------------------
+
+    def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
+        return plugin_options()
+
+    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
+        state = self._state
+        active = [True]
+
+        def on_done() -> None:  # the client went away or the server is stopping: wake this stream
+            with state.changed:
+                active[0] = False
+                state.changed.notify_all()
+
+        context.add_callback(on_done)
+        sent: int | None = None
+        while True:
+            with state.changed:
+                while True:
+                    if not active[0] or self._stopped:
+                        return
+                    resource, version = state.snapshot()
+                    if version != sent:
+                        break
+                    state.changed.wait()
+            if sent is None:
+                log_event("list_and_watch", resource=resource.name, devices=len(resource.devices))
+            yield list_response(resource)
+            sent = version
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        resource = self._state.resource
+        responses = []
+        for container in request.container_requests:
+            if len(container.available_deviceIDs) > MAX_DEVICES_PER_REQUEST:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "too many available device IDs")
+            try:
+                chosen = preferred.preferred_allocation(
+                    resource.devices,
+                    list(container.available_deviceIDs),
+                    list(container.must_include_deviceIDs),
+                    container.allocation_size,
+                )
+            except ValueError as exc:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: {exc}")
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        resource = self._state.resource
+        responses = []
+        for container in request.container_requests:
+            ids = list(container.devices_ids)
+            if len(ids) > MAX_DEVICES_PER_REQUEST:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
+            try:
+                responses.append(allocation_response(resource, ids, self._host_root, self._vfio_drivers))
+            except allocation.AllocationError as exc:
+                log_event(
+                    "allocate_refused",
+                    resource=resource.name,
+                    ids=_shown(ids),
+                    code=exc.code.name,
+                    error=exc.message[:512],
+                )
+                _abort(context, exc.code, exc.message)
+            log_event("allocate", resource=resource.name, ids=ids)
+        return pb.AllocateResponse(container_responses=responses)
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+def allocation_response(
+    resource: Resource, ids: Sequence[str], host_root: Path, vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS
+) -> pb.ContainerAllocateResponse:
+    """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
+    result = allocation.allocate(resource, ids, host_root, vfio_drivers)
+    return pb.ContainerAllocateResponse(
+        envs=dict(result.envs),
+        devices=[
+            pb.DeviceSpec(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
+            for spec in result.device_specs
+        ],
+    )
+
+
+class SocketInUse(Exception):
+    """The socket path is taken by something that is not a socket, is too long, or cannot be bound."""
+
+
+class ResourceServer:
+    """One resource's gRPC server on ``<kubelet_dir>/<resource.socket>``: start, restart, register, stop.
+
+    Not thread-safe by itself: :mod:`plugin.manager` drives it from one thread. :meth:`update` may be called
+    from any thread.
+    """
+
+    def __init__(
+        self,
+        resource: Resource,
+        kubelet_dir: Path,
+        host_root: Path,
+        *,
+        vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
+        max_workers: int = 8,
+    ) -> None:
+        self.name = resource.name
+        self.vfio_drivers = vfio_drivers
+        self.kubelet_dir = kubelet_dir.absolute()
+        self.socket_path = self.kubelet_dir / resource.socket
+        self.host_root = host_root
+        self.state = ResourceState(resource)
+        self.generation = 0
+        """Bumped by every (re)start; a registration answer for an older generation is stale."""
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self._servicer: DevicePluginServicer | None = None
+        self._inode: tuple[int, int] | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    def update(self, resource: Resource) -> bool:
+        """Serve ``resource``'s devices from now on; True if the kubelet's view changed (streams were woken)."""
+        return self.state.update(resource)
+
+    def _prepare_path(self) -> None:
+        path = self.socket_path
+        if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
+            raise SocketInUse(f"socket path {path} is longer than {MAX_UNIX_SOCKET_PATH} bytes, the unix socket limit")
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
+        path.unlink()  # stale, from an earlier run of ours
+
+    def start(self) -> None:
+        """Serve on the socket (replacing a stale one); the old server, if any, must be stopped first.
+
+        gRPC binds a temporary name in the same directory and the socket is renamed into place once the
+        server listens: the kubelet never sees a socket nobody answers on, and since gRPC unlinks the path
+        it bound when it stops, binding elsewhere keeps a stopping server from deleting a newer socket.
+        """
+        self._prepare_path()
+        servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}")
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+        temporary = self.kubelet_dir / f".kp-{os.getpid()}-{id(self):x}-{self.generation + 1}.sock"
+        if not server.add_insecure_port(f"unix:{temporary}"):
+            raise SocketInUse(f"could not listen on {temporary}")
+        server.start()
+        try:
+            os.rename(temporary, self.socket_path)
+        except OSError:
+            server.stop(0).wait()
+            raise
+        self._server, self._servicer = server, servicer
+        self._inode = _identity(self.socket_path)
+        self.generation += 1
+        log_event("serving", resource=self.name, socket=str(self.socket_path), generation=self.generation)
+
+    def socket_intact(self) -> bool:
+        """True while the socket file we bound is still in place (the kubelet deletes it when it restarts)."""
+        return self._inode is not None and _identity(self.socket_path) == self._inode
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """End the streams, stop the server (in-flight unary calls get ``grace`` s) and remove our socket."""
+        server, servicer = self._server, self._servicer
+        self._server = self._servicer = None
+        if servicer is not None:
+            servicer.stop()
+        if server is not None:
+            server.stop(grace).wait()
+        if self._inode is not None and _identity(self.socket_path) == self._inode:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        self._inode = None
+
+    def restart(self) -> None:
+        """Serve anew on a fresh socket (ours was deleted): the old streams end, the kubelet must re-dial."""
+        self.stop(grace=0)
+        self.start()
+
+    def register(self, kubelet_socket: Path, done: Callable[[BaseException | None, grpc.Channel], None]) -> None:
+        """Call ``Register`` on ``kubelet_socket`` without blocking.
+
+        ``done(error or None, channel)`` runs on a gRPC thread when the call ends; the receiver closes the
+        channel from its own thread (closing it inside the callback could deadlock).
+        """
+        request = pb.RegisterRequest(
+            version=API_VERSION, endpoint=self.socket_path.name, resource_name=self.name, options=plugin_options()
+        )
+        channel = grpc.insecure_channel(f"unix:{kubelet_socket}")
+        call: Any = pb_grpc.RegistrationStub(channel).Register.future(request, timeout=REGISTER_TIMEOUT)
+
+        def finished(future: Any) -> None:
+            error: BaseException | None = None
+            try:
+                future.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                error = exc
+            done(error, channel)
+
+        call.add_done_callback(finished)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file is at ``path`` (inode and modification time), or None: tells a recreated socket apart."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_mtime_ns
+
+
+def describe_rpc_error(error: BaseException) -> str:
+    """A short text for a failed call: ``CODE: details`` for gRPC errors."""
+    if isinstance(error, grpc.Call):
+        code = error.code()
+        return f"{code.name if code is not None else 'UNKNOWN'}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
