@@ -1,0 +1,111 @@
+"""``gpu-device-plugin serve``: the DaemonSet's entry point; run the device plugin until SIGTERM or SIGINT.
+
+The command only wires things together (options and ``GPU_PLUGIN_*`` env → :class:`~plugin.config.PluginConfig`
+→ :class:`~plugin.manager.PluginManager`) and owns the process-level edges: logging to stderr, signal
+handlers and the exit code (0 after a clean stop; 1 with a message for bad options or configuration).
+
+Every flag can also come from the environment, as a DaemonSet sets it: ``GPU_PLUGIN_HOST_ROOT``,
+``GPU_PLUGIN_PCI_IDS`` and ``GPU_PLUGIN_CONFIG`` are :mod:`plugin.config`'s own variables (read there, with
+its precedence: defaults < file < env < flags); ``GPU_PLUGIN_KUBELET_DIR`` and ``GPU_PLUGIN_SCAN_INTERVAL``
+belong to the process, not the node's configuration, so they are read here and hidden from the config loader.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from plugin.config import load_config
+from plugin.log import configure_logging, log_event
+from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager
+from plugin.server import DEFAULT_KUBELET_DIR
+from schemas.errors import InputError
+
+PROCESS_ENV = ("GPU_PLUGIN_KUBELET_DIR", "GPU_PLUGIN_SCAN_INTERVAL")
+"""Variables for the process that :func:`plugin.config.load_config` must not see (it refuses unknown ones)."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="kubevirt-gpu-passthrough")
+def cli() -> None:
+    """The node side of kubevirt-gpu-passthrough: a kubelet device plugin offering GPUs and vGPUs to KubeVirt VMs."""
+
+
+@cli.command()
+@click.option(
+    "--host-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the node's / is mounted (sysfs and /dev/vfio are read under it). [env GPU_PLUGIN_HOST_ROOT; default /]",
+)
+@click.option(
+    "--kubelet-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_KUBELET_DIR,
+    show_default=True,
+    envvar="GPU_PLUGIN_KUBELET_DIR",
+    show_envvar=True,
+    help="The kubelet's device-plugin directory (kubelet.sock and our sockets).",
+)
+@click.option(
+    "--pci-ids",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="pci.ids to name devices by. [env GPU_PLUGIN_PCI_IDS; default: the host's, then the image's]",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="YAML/JSON configuration file (see schemas/plugin-config.schema.json). [env GPU_PLUGIN_CONFIG]",
+)
+@click.option(
+    "--scan-interval",
+    type=click.FloatRange(min=0.05, max=3600),
+    default=DEFAULT_SCAN_INTERVAL,
+    show_default=True,
+    envvar="GPU_PLUGIN_SCAN_INTERVAL",
+    show_envvar=True,
+    help="Seconds between full sysfs rescans (driver changes, hot-plug, new mdevs); /dev/vfio changes are "
+    "seen at once.",
+)
+def serve(
+    host_root: Path | None, kubelet_dir: Path, pci_ids: Path | None, config_file: Path | None, scan_interval: float
+) -> None:
+    """Serve one device plugin per GPU/vGPU resource and keep them registered until SIGTERM or SIGINT."""
+    configure_logging()
+    env = {key: value for key, value in os.environ.items() if key not in PROCESS_ENV}
+    try:
+        config = load_config(
+            config_file,
+            env,
+            host_root=None if host_root is None else str(host_root),
+            pci_ids=None if pci_ids is None else str(pci_ids),
+        )
+        if not Path(config.host_root).is_dir():
+            raise InputError(f"host root {config.host_root!r} is not a directory")
+        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval)
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    received: list[str] = []
+
+    def on_signal(number: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(number).name)  # no logging here: the handler may interrupt a log call
+        manager.request_stop()
+
+    # Handlers before any socket exists: a SIGTERM as soon as we serve must still end us cleanly.
+    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        manager.run()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if received:
+        log_event("signal", signal=received[0])
+
+
+def main() -> None:
+    cli(prog_name="gpu-device-plugin")

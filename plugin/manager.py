@@ -1,0 +1,426 @@
+"""The device plugin's lifecycle: keep one registered server per resource, true to the node, until told to stop.
+
+NVIDIA's plugin scans once, never recovers a device, gives up when the kubelet is late and leaves its sockets
+behind (FACTS.md §7). :class:`PluginManager` is the answer, one loop in one thread that blocks on file
+descriptors (no busy polling):
+
+- inotify on ``<host-root>/dev/vfio``: a group node removed or restored triggers a rescan at once, so the
+  group's devices turn Unhealthy (or Healthy) in the kubelet well within a second;
+- a full rescan every ``scan_interval`` seconds catches what inotify cannot see in sysfs (driver rebinds,
+  group viability, hot-added cards, new or removed mdevs): a new resource gets its own server and
+  registration, a resource with no devices left has its server stopped and its socket removed;
+- inotify on the kubelet's device-plugin directory: a new ``kubelet.sock`` (a kubelet restart) or our own
+  socket deleted makes us serve again and re-register; with no kubelet we simply wait for its socket;
+- :meth:`PluginManager.request_stop` (SIGTERM in the CLI) ends the loop; every server stops and its socket
+  is removed.
+
+Registration is asynchronous (the kubelet dials us back inside ``Register``), so its answers come back
+through a queue and a wake-up pipe into the same loop. All decisions about sockets and registrations are
+made in :meth:`PluginManager._reconcile`, which is idempotent: it compares what is (socket files, the
+kubelet socket's identity) with what we last did, so a missed or duplicated event cannot mislead it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import select
+import stat
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from plugin.config import PluginConfig
+from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
+from plugin.inventory import Inventory, Resource
+from plugin.log import log_event
+from plugin.pciids import PciIds, locate_pci_ids
+from plugin.server import KUBELET_SOCKET, ResourceServer, SocketInUse, describe_rpc_error
+from plugin.sysfs import scan
+from schemas.errors import InputError
+
+DEFAULT_SCAN_INTERVAL = 5.0
+RETRY_FIRST = 0.25
+"""Seconds before retrying a failed registration to the same kubelet socket; doubles up to the scan interval."""
+STOP_GRACE = 0.5
+"""Seconds in-flight unary calls get when the plugin stops (streams end at once)."""
+
+Identity = tuple[int, int]
+
+
+def socket_identity(path: Path) -> Identity | None:
+    """Inode and mtime of the unix socket at ``path``, or None when there is none: a new kubelet = a new identity."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(info.st_mode):
+        return None
+    return info.st_ino, info.st_mtime_ns
+
+
+@dataclass(eq=False)
+class _Served:
+    """One resource's server and where its registration stands."""
+
+    server: ResourceServer
+    registered: Identity | None = None
+    """The kubelet socket we are registered with (None: not registered with the current server)."""
+    pending: bool = False
+    """A ``Register`` call is in flight."""
+    failed: Identity | None = None
+    """The kubelet socket the last failed registration went to; retries to it wait for ``retry_at``."""
+    failures: int = 0
+    retry_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    served: _Served
+    generation: int
+    kubelet: Identity
+    error: BaseException | None
+    channel: grpc.Channel
+
+
+class PluginManager:
+    """Runs the plugin: :meth:`run` blocks until :meth:`request_stop`; safe to drive from a thread in tests."""
+
+    def __init__(
+        self,
+        config: PluginConfig,
+        kubelet_dir: Path,
+        *,
+        scan_interval: float = DEFAULT_SCAN_INTERVAL,
+        pci_ids: PciIds | None = None,
+        warnings: Iterable[str] = (),
+    ) -> None:
+        if scan_interval <= 0:
+            raise ValueError("scan_interval must be positive")
+        self.config = config
+        self.host_root = Path(config.host_root).absolute()
+        self.kubelet_dir = kubelet_dir.absolute()
+        self.kubelet_socket = self.kubelet_dir / KUBELET_SOCKET
+        self.vfio_dir = self.host_root / "dev" / "vfio"
+        self.scan_interval = scan_interval
+        self.pci_ids = pci_ids
+        self._base_warnings = tuple(warnings)
+        self.ready = threading.Event()
+        """Set once the first scan is done and every resource's server is serving."""
+        self.scans = 0
+        self._served: dict[str, _Served] = {}
+        self._answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller = select.poll()
+        self._poller.register(self._wake_read, select.POLLIN)
+        self._vfio_watch: DirectoryWatch | None = None
+        self._kubelet_watch: DirectoryWatch | None = None
+        self._next_scan = 0.0
+        self._last_problem: str | None = None
+        self._last_warnings: tuple[str, ...] = ()
+        self._last_ignored: dict[str, str] = {}
+        self._kubelet_missing = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: PluginConfig,
+        kubelet_dir: Path,
+        *,
+        scan_interval: float = DEFAULT_SCAN_INTERVAL,
+        image_root: Path = Path("/"),
+    ) -> PluginManager:
+        """Locate pci.ids once (``config.pci_ids``, else under the host root, else the image) and build the manager."""
+        explicit = Path(config.pci_ids) if config.pci_ids else None
+        choice = locate_pci_ids(explicit, Path(config.host_root), image_root)
+        warnings = []
+        if choice.database is None:
+            warnings.append(
+                f"no pci.ids found (looked at {', '.join(choice.searched)}): resources are named by hex device ID; "
+                "pass --pci-ids or set name_overrides"
+            )
+        return cls(config, kubelet_dir, scan_interval=scan_interval, pci_ids=choice.database, warnings=warnings)
+
+    # -- control from other threads ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop everything and return; safe from any thread and from a signal handler."""
+        self._stop.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # a full pipe means a wake-up is pending anyway
+            os.write(self._wake_write, b"x")
+
+    def served(self) -> tuple[str, ...]:
+        """Names of the resources being served now."""
+        return tuple(sorted(self._served))
+
+    def registered(self) -> tuple[str, ...]:
+        """Names of the resources registered with the current kubelet socket."""
+        return tuple(sorted(name for name, served in list(self._served.items()) if served.registered is not None))
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve, register and keep the truth until :meth:`request_stop`; then stop servers and remove sockets."""
+        log_event(
+            "starting",
+            host_root=str(self.host_root),
+            kubelet_dir=str(self.kubelet_dir),
+            scan_interval=self.scan_interval,
+            pci_ids=self.pci_ids.path if self.pci_ids else None,
+            pid=os.getpid(),
+        )
+        try:
+            self.kubelet_dir.mkdir(parents=True, exist_ok=True)
+            self._ensure_watches()
+            self._rescan()
+            self._reconcile()
+            self.ready.set()
+            while not self._stop.is_set():
+                rescan = False
+                for descriptor, _ in self._poller.poll(self._timeout_ms()):
+                    if descriptor == self._wake_read:
+                        self._drain_wake()
+                    elif self._vfio_watch is not None and descriptor == self._vfio_watch.fileno():
+                        self._vfio_watch = self._drain_watch(self._vfio_watch)
+                        rescan = True
+                    elif self._kubelet_watch is not None and descriptor == self._kubelet_watch.fileno():
+                        self._kubelet_watch = self._drain_watch(self._kubelet_watch)
+                self._take_answers()
+                if self._stop.is_set():
+                    break
+                if rescan or time.monotonic() >= self._next_scan:
+                    self._ensure_watches()
+                    self._rescan()
+                self._reconcile()
+        finally:
+            self._shutdown()
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        deadline = self._next_scan
+        for served in self._served.values():
+            if not served.pending and served.failed is not None and served.retry_at > now:
+                deadline = min(deadline, served.retry_at)
+        return max(0, int((deadline - now) * 1000) + 1)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # -- watches -----------------------------------------------------------------------------------------
+
+    def _ensure_watches(self) -> None:
+        """(Re)open the inotify watches whose directory exists now (it may appear late, or be recreated)."""
+        if self._vfio_watch is None:
+            self._vfio_watch = self._open_watch(self.vfio_dir)
+        if self._kubelet_watch is None:
+            self._kubelet_watch = self._open_watch(self.kubelet_dir)
+
+    def _open_watch(self, directory: Path) -> DirectoryWatch | None:
+        if not directory.is_dir():
+            return None
+        try:
+            watch = DirectoryWatch(directory, ENTRIES_CHANGED)
+        except OSError as exc:
+            log_event("watch_failed", directory=str(directory), error=str(exc))
+            return None
+        self._poller.register(watch.fileno(), select.POLLIN)
+        return watch
+
+    def _drain_watch(self, watch: DirectoryWatch) -> DirectoryWatch | None:
+        """Read the pending events (we only need to know that something changed); drop a watch whose dir went.
+
+        Which entry changed does not matter: a rescan or :meth:`_reconcile` looks at everything anyway, so a
+        lost event (queue overflow) costs nothing either.
+        """
+        try:
+            watch.read(0)
+            failed = False
+        except OSError as exc:
+            log_event("watch_failed", directory=str(watch.path), error=str(exc))
+            failed = True
+        if failed or watch.ended or not watch.path.is_dir():
+            self._poller.unregister(watch.fileno())
+            watch.close()
+            return None
+        return watch
+
+    # -- discovery ---------------------------------------------------------------------------------------
+
+    def _rescan(self) -> None:
+        self._next_scan = time.monotonic() + self.scan_interval
+        self.scans += 1
+        try:
+            inventory = scan(self.host_root, self.config, self.pci_ids, self._base_warnings)
+        except InputError as exc:
+            self._problem(str(exc))
+            return
+        except Exception as exc:  # a half-written sysfs must not end the plugin: keep the last truth
+            self._problem(f"scan failed: {type(exc).__name__}: {exc}")
+            return
+        self._problem(None)
+        self._note_inventory(inventory)
+        current = {resource.name: resource for resource in inventory.resources}
+        for name in [name for name in self._served if name not in current]:
+            served = self._served.pop(name)
+            self._log_changes(served.server.state.resource, None, inventory)
+            self._retire(served)
+            log_event("resource_withdrawn", resource=name, socket=str(served.server.socket_path))
+        for name, resource in current.items():
+            existing = self._served.get(name)
+            if existing is not None:
+                old = existing.server.state.resource
+                if existing.server.update(resource):
+                    self._log_changes(old, resource, inventory)
+                continue
+            server = ResourceServer(
+                resource, self.kubelet_dir, self.host_root, vfio_drivers=frozenset(self.config.vfio_drivers)
+            )
+            try:
+                server.start()
+            except (SocketInUse, OSError) as exc:
+                log_event("serve_failed", resource=name, socket=str(server.socket_path), error=str(exc))
+                server.stop(grace=0)
+                continue
+            self._served[name] = _Served(server)
+            log_event(
+                "resource_added",
+                resource=name,
+                kind=resource.kind.value,
+                env=resource.env,
+                devices={device.id: device.health for device in resource.devices},
+            )
+
+    def _problem(self, problem: str | None) -> None:
+        if problem != self._last_problem and problem is not None:
+            log_event("scan_problem", error=problem)
+        self._last_problem = problem
+
+    def _note_inventory(self, inventory: Inventory) -> None:
+        """Log warnings and not-offered functions when they change (not on every scan)."""
+        if inventory.warnings != self._last_warnings:
+            for warning in inventory.warnings:
+                if warning not in self._last_warnings:
+                    log_event("warning", message=warning)
+            self._last_warnings = inventory.warnings
+        ignored = {item.id: item.reason for item in inventory.ignored}
+        for device_id, reason in ignored.items():
+            if self._last_ignored.get(device_id) != reason:
+                log_event("not_offered", device=device_id, reason=reason)
+        self._last_ignored = ignored
+
+    def _log_changes(self, old: Resource, new: Resource | None, inventory: Inventory) -> None:
+        before = {device.id: device for device in old.devices}
+        after = {} if new is None else {device.id: device for device in new.devices}
+        for device_id, device in after.items():
+            previous = before.get(device_id)
+            if previous is None:
+                log_event("device_added", resource=old.name, device=device_id, health=device.health)
+            elif previous.healthy != device.healthy:
+                log_event(
+                    "health_changed", resource=old.name, device=device_id, health=device.health, reason=device.reason
+                )
+        ignored = {item.id: item.reason for item in inventory.ignored}
+        for device_id in before.keys() - after.keys():
+            log_event("device_removed", resource=old.name, device=device_id, reason=ignored.get(device_id, "gone"))
+
+    # -- sockets and registration ------------------------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        """Make what is match what should be: our sockets in place, each server registered with this kubelet."""
+        now = time.monotonic()
+        kubelet = socket_identity(self.kubelet_socket)
+        if (kubelet is None) != self._kubelet_missing:
+            self._kubelet_missing = kubelet is None
+            if kubelet is None:
+                log_event("waiting_for_kubelet", socket=str(self.kubelet_socket))
+        for served in self._served.values():
+            server = served.server
+            if not server.socket_intact():
+                log_event("socket_gone", resource=server.name, socket=str(server.socket_path))
+                try:
+                    server.restart()
+                except (SocketInUse, OSError) as exc:
+                    log_event("serve_failed", resource=server.name, error=str(exc))
+                    server.stop(grace=0)
+                    continue
+                served.registered = served.failed = None
+                served.failures = 0
+            if kubelet is None or served.pending or served.registered == kubelet:
+                continue
+            if served.failed == kubelet and now < served.retry_at:
+                continue
+            self._register(served, kubelet)
+
+    def _register(self, served: _Served, kubelet: Identity) -> None:
+        generation = served.server.generation
+
+        def done(error: BaseException | None, channel: grpc.Channel) -> None:
+            self._answers.put(_Answer(served, generation, kubelet, error, channel))
+            self._wake()
+
+        served.pending = True  # set before the call: its answer may come before register() returns
+        served.server.register(self.kubelet_socket, done)
+
+    def _take_answers(self) -> None:
+        while True:
+            try:
+                answer = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            answer.channel.close()
+            served = answer.served
+            served.pending = False
+            if self._served.get(served.server.name) is not served or answer.generation != served.server.generation:
+                continue  # for a server since stopped or restarted; _reconcile registers the new one
+            if answer.error is None:
+                served.registered, served.failed, served.failures = answer.kubelet, None, 0
+                log_event("registered", resource=served.server.name, endpoint=served.server.socket_path.name)
+                continue
+            served.failures = served.failures + 1 if served.failed == answer.kubelet else 1
+            served.failed = answer.kubelet
+            delay = min(RETRY_FIRST * 2 ** (served.failures - 1), max(self.scan_interval, RETRY_FIRST))
+            served.retry_at = time.monotonic() + delay
+            log_event(
+                "registration_failed",
+                resource=served.server.name,
+                error=describe_rpc_error(answer.error),
+                attempt=served.failures,
+                retry_in=round(delay, 3),
+            )
+
+    # -- stopping ----------------------------------------------------------------------------------------
+
+    def _retire(self, served: _Served) -> None:
+        served.server.stop(grace=STOP_GRACE)
+
+    def _shutdown(self) -> None:
+        for served in self._served.values():
+            self._retire(served)
+        names = sorted(self._served)
+        pending = [served for served in self._served.values() if served.pending]
+        self._served.clear()
+        # Registrations in flight end fast once our servers are gone; collect them to close their channels.
+        deadline = time.monotonic() + STOP_GRACE
+        while any(served.pending for served in pending) and time.monotonic() < deadline:
+            self._poller.poll(max(1, int((deadline - time.monotonic()) * 1000)))
+            self._drain_wake()
+            self._take_answers()
+        self._take_answers()
+        for watch in (self._vfio_watch, self._kubelet_watch):
+            if watch is not None:
+                watch.close()
+        self._vfio_watch = self._kubelet_watch = None
+        log_event("stopped", resources=names)
