@@ -1,0 +1,142 @@
+"""Which devices to hand a container when the kubelet asks (``GetPreferredAllocation``): topology policy.
+
+A VM with several GPUs runs best when they share a NUMA node (with its vCPUs and memory) and, better still,
+a PCIe root complex (peer-to-peer traffic stays below one root). The kubelet asks the plugin to choose
+``size`` of the ``available`` IDs, ``must_include`` first; it treats the answer as a hint and takes the rest
+itself, so the answer must be exactly ``size`` IDs out of what it offered.
+
+The choice, for the IDs left after ``must_include``:
+
+1. healthy devices the plugin knows, before unhealthy ones and before IDs it does not know (a rescan may lag
+   behind the kubelet): those come only when nothing else is left;
+2. all on one NUMA node when one can hold them: the must-include devices' node first, then a node where one
+   PCIe root can hold them all, then the node with the fewest candidates (best fit, which keeps large nodes
+   whole for large VMs), then the lower node number; devices with unknown NUMA node only after known nodes;
+3. within that node, under one PCIe root when one can hold them (same order of preference); otherwise whole
+   roots, largest first;
+4. when no node can hold them, whole nodes, must-include's and then the largest first, the last one partly.
+
+The result is the must-include IDs then the chosen ones, each part sorted by ID: the same answer for the
+same sets whatever order they came in. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TypeVar
+
+from plugin.inventory import Device
+
+K = TypeVar("K", bound=Hashable)
+
+
+class PreferenceError(ValueError):
+    """The request cannot be answered (size out of range, more must-include IDs than the size)."""
+
+
+def _unique(ids: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(ids))
+
+
+def _groups(devices: Iterable[Device], key: Callable[[Device], K]) -> dict[K, list[Device]]:
+    grouped: dict[K, list[Device]] = {}
+    for device in devices:
+        grouped.setdefault(key(device), []).append(device)
+    return grouped
+
+
+def _root_of(device: Device) -> str:
+    return device.pcie_root or ""
+
+
+def _best_root_fit(devices: list[Device], count: int, anchors: set[str]) -> list[Device] | None:
+    """``count`` devices under one PCIe root, if one root has that many (anchored, then best fit, then name)."""
+    roots = _groups(devices, _root_of)
+    fitting = [root for root, members in roots.items() if root and len(members) >= count]
+    if not fitting:
+        return None
+    root = min(fitting, key=lambda name: (name not in anchors, len(roots[name]), name))
+    return sorted(roots[root], key=lambda device: device.id)[:count]
+
+
+def _fill_by_roots(devices: list[Device], count: int, anchors: set[str]) -> list[Device]:
+    """``count`` of ``devices``, under one root if possible, else whole roots (anchored, largest first)."""
+    if count >= len(devices):
+        return list(devices)
+    single = _best_root_fit(devices, count, anchors)
+    if single is not None:
+        return single
+    roots = _groups(devices, _root_of)
+    order = sorted(roots, key=lambda name: (name not in anchors, name == "", -len(roots[name]), name))
+    chosen: list[Device] = []
+    for root in order:
+        members = sorted(roots[root], key=lambda device: device.id)
+        chosen.extend(members[: count - len(chosen)])
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def _choose(candidates: list[Device], count: int, numa_anchors: set[int], root_anchors: set[str]) -> list[Device]:
+    """``count`` of the healthy known ``candidates`` (``count`` ≤ their number), topology first."""
+    if count <= 0:
+        return []
+    nodes = _groups(candidates, lambda device: device.numa_node)
+
+    def node_order(node: int | None) -> tuple[bool, bool, bool, int, int]:
+        members = nodes[node]
+        return (
+            node is None,
+            node not in numa_anchors,
+            _best_root_fit(members, count, root_anchors) is None,
+            len(members),
+            -1 if node is None else node,
+        )
+
+    fitting = [node for node, members in nodes.items() if len(members) >= count]
+    if fitting:
+        node = min(fitting, key=node_order)
+        return _fill_by_roots(nodes[node], count, root_anchors)
+    spill = sorted(
+        nodes,
+        key=lambda node: (node is None, node not in numa_anchors, -len(nodes[node]), -1 if node is None else node),
+    )
+    chosen: list[Device] = []
+    for node in spill:
+        chosen.extend(_fill_by_roots(nodes[node], count - len(chosen), root_anchors))
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def preferred_allocation(
+    devices: Sequence[Device], available: Sequence[str], must_include: Sequence[str], size: int
+) -> list[str]:
+    """Exactly ``size`` IDs of ``available`` and ``must_include``: must-include first, then by topology (see module).
+
+    ``devices`` are the resource's devices as the plugin knows them (health, NUMA node, PCIe root).
+    Repeated IDs count once. Raises :class:`PreferenceError` when ``size`` is negative, smaller than the
+    must-include IDs, or larger than the IDs offered.
+    """
+    must = sorted(_unique(must_include))
+    offered = _unique([*available, *must])
+    if size < 0:
+        raise PreferenceError(f"allocation size {size} is negative")
+    if len(must) > size:
+        raise PreferenceError(f"{len(must)} must-include device IDs do not fit an allocation of {size}")
+    if len(offered) < size:
+        raise PreferenceError(f"allocation size {size} is more than the {len(offered)} available device IDs")
+    known = {device.id: device for device in devices}
+    must_set = set(must)
+    rest = sorted(device_id for device_id in offered if device_id not in must_set)
+    healthy = [known[device_id] for device_id in rest if device_id in known and known[device_id].healthy]
+    count = size - len(must)
+    anchors = [known[device_id] for device_id in must if device_id in known]
+    numa_anchors = {device.numa_node for device in anchors if device.numa_node is not None}
+    root_anchors = {device.pcie_root for device in anchors if device.pcie_root}
+    chosen = [device.id for device in _choose(healthy, min(count, len(healthy)), numa_anchors, root_anchors)]
+    if len(chosen) < count:
+        unhealthy = [device_id for device_id in rest if device_id in known and not known[device_id].healthy]
+        unknown = [device_id for device_id in rest if device_id not in known]
+        chosen.extend((unhealthy + unknown)[: count - len(chosen)])
+    return must + sorted(chosen)
