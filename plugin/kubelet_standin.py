@@ -234,6 +234,9 @@ class KubeletStandIn:
         stub = pb_grpc.DevicePluginStub(channel)
         try:
             options = self._dial_back(stub)
+        except grpc.FutureCancelledError:
+            channel.close()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet is stopping")
         except grpc.RpcError as error:
             channel.close()
             code = error.code() if isinstance(error, grpc.Call) else None

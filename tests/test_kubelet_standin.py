@@ -382,6 +382,42 @@ def test_stop_joins_its_threads_and_closes_its_channels(kubelet_dir: Path) -> No
     assert len(_fds() - fds_before) == 0
 
 
+def test_stop_during_a_dial_back_cancels_it_and_leaks_nothing(kubelet_dir: Path) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Slow(FakePlugin):
+        def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
+            entered.set()
+            release.wait(30)
+            return self.answer_options
+
+    errors: list[grpc.RpcError] = []
+
+    def call_register() -> None:
+        try:
+            register(kubelet_dir)
+        except grpc.RpcError as error:
+            errors.append(error)
+
+    with serving(Slow(), kubelet_dir / ENDPOINT):
+        standin = KubeletStandIn(kubelet_dir)
+        standin.start()
+        caller = threading.Thread(target=call_register)
+        caller.start()
+        try:
+            assert entered.wait(5)
+            standin.stop()  # returns without waiting for the plugin's answer (the dial is cancelled)
+            caller.join(5)
+            assert not caller.is_alive()
+            assert len(errors) == 1
+            assert standin.registrations == []
+            assert standin.threads() == []
+        finally:
+            release.set()
+            caller.join()
+
+
 def test_register_while_stopped_is_impossible_and_start_twice_is_an_error(kubelet_dir: Path) -> None:
     standin = KubeletStandIn(kubelet_dir, dial_timeout=0.5)
     standin.start()
