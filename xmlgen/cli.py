@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from xmlgen.discover_cmd import discover
+from xmlgen.doctor_cmd import doctor
 from xmlgen.render_cmd import render
 from xmlgen.validate_cmd import validate
 
@@ -21,6 +22,7 @@ def cli() -> None:
 cli.add_command(render)
 cli.add_command(validate)
 cli.add_command(discover)
+cli.add_command(doctor)
 
 
 def main() -> None:
