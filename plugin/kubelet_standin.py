@@ -77,6 +77,7 @@ class _ResourceState:
     devices: dict[str, str] = field(default_factory=dict)
     last: tuple[pb.Device, ...] = ()
     updates: int = 0
+    updated_at: float | None = None
     endpoint: _Endpoint | None = None
 
 
@@ -298,6 +299,7 @@ class KubeletStandIn:
                     state.devices = {device.ID: device.health for device in devices}
                     state.last = devices
                     state.updates += 1
+                    state.updated_at = time.monotonic()
                     self._changed.notify_all()
         except grpc.RpcError:
             pass
@@ -308,6 +310,7 @@ class KubeletStandIn:
                 if state.endpoint is endpoint:
                     state.devices = dict.fromkeys(state.devices, UNHEALTHY)
                     state.updates += 1
+                    state.updated_at = time.monotonic()
                 self._changed.notify_all()
 
     # -- what the kubelet knows --------------------------------------------------------------------------
@@ -352,6 +355,12 @@ class KubeletStandIn:
         with self._changed:
             state = self._resources.get(resource)
             return 0 if state is None else state.updates
+
+    def updated_at(self, resource: str) -> float | None:
+        """``time.monotonic()`` when the kubelet's view of the resource last changed hands (for benchmarks)."""
+        with self._changed:
+            state = self._resources.get(resource)
+            return None if state is None else state.updated_at
 
     def capacity(self, resource: str) -> int:
         """Healthy plus unhealthy devices."""

@@ -248,6 +248,10 @@ def test_every_message_replaces_the_list_and_only_exact_healthy_counts(
         assert (kubelet.capacity(RESOURCE), kubelet.allocatable(RESOURCE)) == (2, 1)
         assert kubelet.healthy(RESOURCE) == [GPU_B]
         assert [device.ID for device in kubelet.device_messages(RESOURCE)] == [GPU_A, GPU_B]
+        assert kubelet.updates(RESOURCE) == 3
+        stamp = kubelet.updated_at(RESOURCE)
+        assert stamp is not None and stamp >= kubelet.wait_for_registration(RESOURCE).time
+    assert kubelet.updated_at("example.com/none") is None
 
 
 def test_a_stream_the_handler_ends_makes_every_device_unhealthy(kubelet: KubeletStandIn, kubelet_dir: Path) -> None:
