@@ -25,7 +25,7 @@ from plugin.fixture_nodes import (
     tu106_card,
 )
 from plugin.kubelet_standin import KubeletStandIn
-from plugin.sysfs_fixture import Function
+from plugin.sysfs_fixture import Function, Node
 from tests.plugin_support import (
     WAIT,
     add_mdev,
@@ -209,3 +209,43 @@ def test_stop_ends_streams_and_removes_only_our_sockets(base: Path) -> None:
         kubelet.wait_for_stream_end("nvidia.com/GRID_T4-1Q")
         kubelet.wait_for_devices("nvidia.com/GRID_T4-2Q", lambda devices: set(devices.values()) == {"Unhealthy"})
     assert WAIT > 0
+
+
+def test_unreadable_sysfs_keeps_the_last_truth_and_vfio_dir_recreated(base: Path) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    devices_dir = root / "sys" / "bus" / "pci" / "devices"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)) as manager:
+        kubelet.wait_for_devices(TU106, lambda devices: devices == _all("Healthy"))
+        scans = manager.scans
+        devices_dir.rename(root / "sys" / "bus" / "pci" / "hidden")  # a scan now fails: nothing to read
+        wait_until(lambda: manager.scans >= scans + 3, what="a few failed rescans")
+        assert manager.served() == (TU106,)
+        assert kubelet.devices(TU106) == _all("Healthy")
+        assert kubelet.stream_open(TU106)
+        (root / "sys" / "bus" / "pci" / "hidden").rename(devices_dir)
+        # vfio unloaded and loaded again: every group node goes, then the directory comes back (new watch).
+        vfio = root / "dev" / "vfio"
+        saved = sorted(entry.name for entry in vfio.iterdir())
+        for name in saved:
+            (vfio / name).unlink()
+        vfio.rmdir()
+        kubelet.wait_for_devices(TU106, lambda devices: devices == _all("Unhealthy"))
+        vfio.mkdir()
+        for name in saved:
+            (vfio / name).write_text("")
+        kubelet.wait_for_devices(TU106, lambda devices: devices == _all("Healthy"))
+        remove_group_node(root, 50)  # the new watch works: 0000:5e:00.0
+        kubelet.wait_for_devices(TU106, lambda devices: devices.get("0000:5e:00.0") == "Unhealthy")
+        assert kubelet.registration_count(TU106) == 1
+
+
+def test_node_without_gpus_waits_then_serves_a_hot_added_card(base: Path) -> None:
+    root = build_tree(Node(name="empty", functions=(root_port(0x17),)), base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)) as manager:
+        assert manager.served() == ()
+        assert sockets(kubelet_dir) == ["kubelet.sock"]
+        hot_add(root, *tu106_card(0x3A))
+        kubelet.wait_for_registration("nvidia.com/1f08")  # this tree has no pci.ids: hex names
+        assert kubelet.wait_for_devices("nvidia.com/1f08", bool) == {"0000:3b:00.0": "Healthy"}
