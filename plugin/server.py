@@ -139,7 +139,8 @@ class DevicePluginServicer:
                 active[0] = False
                 state.changed.notify_all()
 
-        context.add_callback(on_done)
+        if not context.add_callback(on_done):
+            return  # the call already ended
         sent: int | None = None
         while True:
             with state.changed:
