@@ -10,6 +10,7 @@ import click
 from xmlgen.discover_cmd import discover
 from xmlgen.doctor_cmd import doctor
 from xmlgen.render_cmd import render
+from xmlgen.simulate_cmd import simulate_command
 from xmlgen.validate_cmd import validate
 
 
@@ -23,6 +24,7 @@ cli.add_command(render)
 cli.add_command(validate)
 cli.add_command(discover)
 cli.add_command(doctor)
+cli.add_command(simulate_command, name="simulate")
 
 
 def main() -> None:

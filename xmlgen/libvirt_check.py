@@ -42,6 +42,8 @@ class LibvirtRejected(AssertionError):
 class LibvirtReport:
     hostdevs: dict[str, tuple[str, str]]
     """alias → (kind, source) as libvirt's test driver read them back."""
+    qemu_unavailable: str | None = None
+    """Why QEMU's argv was not asked for (libvirtd not reachable), when the QEMU check was optional."""
     qemu_devices: list[dict[str, Any]] = field(default_factory=list)
     """The ``vfio-pci`` (PCI) and ``vfio-pci-nohotplug`` (mdev) ``-device`` arguments of QEMU's command line
     (empty when not asked)."""
@@ -94,8 +96,11 @@ def _renamed(root: etree._Element) -> etree._Element:
     return clone
 
 
-def check_domain(domain_xml: bytes, *, qemu: bool = True) -> LibvirtReport:
-    """libvirt's verdict on ``domain_xml``; raises LibvirtRejected or LibvirtUnavailable."""
+def check_domain(domain_xml: bytes, *, qemu: bool = True, qemu_optional: bool = False) -> LibvirtReport:
+    """libvirt's verdict on ``domain_xml``; raises LibvirtRejected or LibvirtUnavailable.
+
+    With ``qemu_optional``, a libvirtd that cannot be reached is noted in the report instead of raised.
+    """
     libvirt = _libvirt()
     parsed = parse_domain(domain_xml, DEFAULT_MAX_INPUT_BYTES)
     try:
@@ -135,7 +140,12 @@ def check_domain(domain_xml: bytes, *, qemu: bool = True) -> LibvirtReport:
         raise LibvirtRejected(f"libvirt read the hostdevs back differently: wrote {wanted}, got {read_back}")
     report = LibvirtReport(read_back)
     if qemu and wanted:
-        report.qemu_devices = qemu_vfio_devices(etree.tostring(_with_vfio_driver(parsed.root), encoding="unicode"))
+        try:
+            report.qemu_devices = qemu_vfio_devices(etree.tostring(_with_vfio_driver(parsed.root), encoding="unicode"))
+        except LibvirtUnavailable as exc:
+            if not qemu_optional:
+                raise
+            report.qemu_unavailable = str(exc)
     return report
 
 
