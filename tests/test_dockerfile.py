@@ -29,7 +29,9 @@ from pathlib import Path, PurePosixPath
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-SEED = ROOT / "examples" / "seed-node01"
+SEED = next(  # the bundled seed example (moving into the xmlgen package)
+    path for path in (ROOT / "xmlgen" / "examples" / "seed-node01", ROOT / "examples" / "seed-node01") if path.is_dir()
+)
 
 
 # -- a small Dockerfile reader ------------------------------------------------------------------------------
