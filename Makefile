@@ -1,0 +1,14 @@
+# Shortcuts; the scripts are the source of truth (and work without make).
+.PHONY: demo test soak bench
+
+demo:   ## the main job on the bundled example
+	bash scripts/demo.sh
+
+test:   ## every test (short reliability runs included), lint and types
+	bash scripts/test.sh
+
+soak:   ## the reliability suites at full length, printing their figures
+	bash scripts/test.sh -m soak --soak -s -q
+
+bench:  ## every benchmark, printing ratios against floors measured in the same run
+	for b in bench_render hook_sidecar discovery_scale plugin_device; do .venv/bin/python -m bench.$$b || exit 1; done
