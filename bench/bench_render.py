@@ -8,39 +8,16 @@ a measurement, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from lxml import etree
 
+from bench.workloads import kubevirt_sized_domain, sixteen_gpus
 from launcher_hook import build_domain
 
 GOAL = 1.3
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "seed-node01"
-
-
-def kubevirt_sized_domain() -> bytes:
-    """The seed domain grown to a busy VM's size: 16 disks and 8 interfaces more (about 20 KiB)."""
-    text = (EXAMPLE / "domain.xml").read_text()
-    disk = text[text.index("\t\t<disk ") : text.index("</disk>") + len("</disk>\n")]
-    interface = text[text.index("\t\t<interface ") : text.index("</interface>") + len("</interface>\n")]
-    extra = "".join(
-        disk.replace("ua-containerdisk", f"ua-data{i}").replace('dev="vda"', f'dev="vd{chr(ord("c") + i)}"')
-        for i in range(16)
-    )
-    extra += "".join(interface.replace("ua-default", f"ua-net{i}").replace("tap0", f"tap{i + 1}") for i in range(8))
-    return text.replace("\t</devices>", extra + "\t</devices>").encode()
-
-
-def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
-    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
-    env = {"PCI_RESOURCE_NVIDIA_COM_GA100_A100SXM464GB": ",".join(addresses)}
-    gpus = [{"name": f"gpu{i}", "deviceName": "nvidia.com/GA100_A100SXM464GB"} for i in range(16)]
-    vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
-    return json.dumps(vmi).encode(), env
 
 
 def median_seconds(action: Callable[[], object], rounds: int) -> float:

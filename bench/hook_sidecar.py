@@ -14,7 +14,6 @@ Prints figures and ratios and exits 0; a measurement, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -30,35 +29,13 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
+from bench.workloads import kubevirt_sized_domain, sixteen_gpus
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 
 LATENCY_GOAL = 1.5
 MEMORY_GOAL = 1.6
 ROOT = Path(__file__).resolve().parent.parent
-SEED = ROOT / "examples" / "seed-node01"
 FLOOR_SERVER = Path(__file__).resolve().parent / "hook_floor_server.py"
-RESOURCE = "nvidia.com/GA100_A100SXM464GB"
-VARIABLE = "PCI_RESOURCE_NVIDIA_COM_GA100_A100SXM464GB"
-
-
-def kubevirt_sized_domain() -> bytes:
-    """The seed domain grown to a busy VM's size: 16 more disks and 8 more interfaces (about 10 KiB)."""
-    text = (SEED / "domain.xml").read_text()
-    disk = text[text.index("\t\t<disk ") : text.index("</disk>") + len("</disk>\n")]
-    interface = text[text.index("\t\t<interface ") : text.index("</interface>") + len("</interface>\n")]
-    extra = "".join(
-        disk.replace("ua-containerdisk", f"ua-data{i}").replace('dev="vda"', f'dev="vdx{i}"') for i in range(16)
-    )
-    extra += "".join(interface.replace("ua-default", f"ua-net{i}").replace("tap0", f"tap{i + 1}") for i in range(8))
-    return text.replace("\t</devices>", extra + "\t</devices>").encode()
-
-
-def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
-    """A VMI asking for 16 GPUs of one resource, and the allocation env the device plugin would give."""
-    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
-    gpus = [{"name": f"gpu{i}", "deviceName": RESOURCE} for i in range(16)]
-    vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
-    return json.dumps(vmi).encode(), {VARIABLE: ",".join(addresses)}
 
 
 def rss_kib(pid: int) -> int:

@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 import click
 
 from schemas import InputError
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,3 +59,13 @@ def write_stdout(data: bytes) -> None:
     """Write the whole result at once (nothing is written before the result is complete)."""
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
+
+
+max_input_bytes_option = click.option(
+    "--max-input-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_INPUT_BYTES,
+    show_default=True,
+    help="Refuse larger inputs.",
+)
+"""The input size cap every command that reads documents takes."""

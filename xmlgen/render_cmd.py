@@ -8,8 +8,7 @@ import click
 
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
-from schemas.limits import DEFAULT_MAX_INPUT_BYTES
-from xmlgen.io import read_input, user_errors, write_stdout
+from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
 
 
 @click.command()
@@ -35,13 +34,7 @@ from xmlgen.io import read_input, user_errors, write_stdout
     "--managed", type=click.Choice(["yes", "no"]), default="no", show_default=True, help="managed= on PCI hostdevs."
 )
 @click.option("--driver", type=click.Choice(["vfio"]), help="Write <driver name='vfio'/> on PCI hostdevs.")
-@click.option(
-    "--max-input-bytes",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_INPUT_BYTES,
-    show_default=True,
-    help="Refuse larger inputs.",
-)
+@max_input_bytes_option
 @user_errors
 def render(
     domain_path: str | None,

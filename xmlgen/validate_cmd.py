@@ -6,19 +6,12 @@ import click
 
 from launcher_hook.domain import parse_domain
 from launcher_hook.validate import SchemaNotFound, hostdev_schema, validate_domain
-from schemas.limits import DEFAULT_MAX_INPUT_BYTES
-from xmlgen.io import fail, read_input, user_errors
+from xmlgen.io import fail, max_input_bytes_option, read_input, user_errors
 
 
 @click.command()
 @click.argument("source", metavar="FILE|-")
-@click.option(
-    "--max-input-bytes",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_INPUT_BYTES,
-    show_default=True,
-    help="Refuse larger inputs.",
-)
+@max_input_bytes_option
 @user_errors
 def validate(source: str, max_input_bytes: int) -> None:
     """Check every <hostdev> against libvirt's RNG schema, its alias (ua- prefix, characters, unique) and that

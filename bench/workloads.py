@@ -1,0 +1,30 @@
+"""The workloads the benchmarks share: a KubeVirt-sized domain and a VM asking for 16 GPUs."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+RESOURCE = "nvidia.com/GA100_A100SXM464GB"
+VARIABLE = "PCI_RESOURCE_NVIDIA_COM_GA100_A100SXM464GB"
+
+
+def kubevirt_sized_domain() -> bytes:
+    """The seed domain grown to a busy VM's size: 16 more disks and 8 more interfaces (about 10 KiB)."""
+    text = resources.files("xmlgen").joinpath("examples", "seed-node01", "domain.xml").read_text()
+    disk = text[text.index("\t\t<disk ") : text.index("</disk>") + len("</disk>\n")]
+    interface = text[text.index("\t\t<interface ") : text.index("</interface>") + len("</interface>\n")]
+    extra = "".join(
+        disk.replace("ua-containerdisk", f"ua-data{i}").replace('dev="vda"', f'dev="vd{chr(ord("c") + i)}"')
+        for i in range(16)
+    )
+    extra += "".join(interface.replace("ua-default", f"ua-net{i}").replace("tap0", f"tap{i + 1}") for i in range(8))
+    return text.replace("\t</devices>", extra + "\t</devices>").encode()
+
+
+def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
+    """A VMI asking for 16 GPUs of one resource, and the allocation env the device plugin would give."""
+    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
+    gpus = [{"name": f"gpu{i}", "deviceName": RESOURCE} for i in range(16)]
+    vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
+    return json.dumps(vmi).encode(), {VARIABLE: ",".join(addresses)}
