@@ -2,15 +2,14 @@
 
 The command only wires things together (options → allocation source → ``HookService`` → ``HookServer``) and
 owns the process-level edges: logging to stderr, signal handlers and the exit code. The allocation options
-are shared with the ``onDefineDomain`` shim, which reads them from ``LAUNCHER_HOOK_*`` env variables.
+and ``--log-format`` are shared with the ``onDefineDomain`` shim, which reads them from ``LAUNCHER_HOOK_*``
+env variables.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
@@ -20,7 +19,7 @@ import click
 
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
 from launcher_hook.server import DEFAULT_SOCKET, DEFAULT_SOCKET_MODE, HookServer, SocketInUse
-from launcher_hook.service import HookService, log_call
+from launcher_hook.service import LOG_FORMAT_ENV, HookService, configure_logging, log_call
 from launcher_hook.sources import (
     DEFAULT_CONTAINER,
     AllocationSource,
@@ -28,6 +27,7 @@ from launcher_hook.sources import (
     PodResourcesSource,
     ProcessEnvSource,
 )
+from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,14 +83,17 @@ def make_source(
     return ProcessEnvSource(env)
 
 
-def configure_logging() -> None:
-    """Log lines (one JSON object each) go to stderr, where kubelet/virt-launcher collect them."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("launcher_hook")
-    logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+def log_format_option(function: F) -> F:
+    """``--log-format json|text`` (env ``LAUNCHER_HOOK_LOG_FORMAT``), shared by ``serve`` and the shim."""
+    return click.option(
+        "--log-format",
+        type=click.Choice(LOG_FORMATS),
+        default=DEFAULT_LOG_FORMAT,
+        show_default=True,
+        envvar=LOG_FORMAT_ENV,
+        show_envvar=True,
+        help="Log lines on stderr: one JSON object each, or readable text.",
+    )(function)
 
 
 def _octal(context: click.Context, parameter: click.Parameter, value: str) -> int:
@@ -126,6 +129,7 @@ def cli() -> None:
     help="Octal mode of the socket (virt-launcher may run as another user than this sidecar).",
 )
 @allocation_options
+@log_format_option
 def serve(
     socket_path: Path,
     socket_mode: int,
@@ -133,9 +137,10 @@ def serve(
     environ_file: Path | None,
     container: str,
     driver: str | None,
+    log_format: LogFormat,
 ) -> None:
     """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
-    configure_logging()
+    configure_logging(log_format)
     mode = socket_mode
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from launcher_hook.builder import BuildOptions, BuildResult, build_domain
 from launcher_hook.sources import AllocationSource, SourceUnavailable
 from schemas import InputError
+from schemas.logformat import DEFAULT_LOG_FORMAT, LogFormat, configure, event_extra, event_message
 
 LOGGER = logging.getLogger("launcher_hook")
+LOGGER.addHandler(logging.NullHandler())  # unconfigured (xmlgen, tests): no "last resort" stderr lines
+COMPONENT = "launcher_hook"
+LOG_FORMAT_ENV = "LAUNCHER_HOOK_LOG_FORMAT"
 
 FaultCode = Literal["INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL"]
 """gRPC status code names (``grpc.StatusCode[code]``); the shim only prints them."""
@@ -51,9 +56,15 @@ def _vmi_label(vmi_json: bytes | None) -> str:
         return "-"
 
 
-def log_call(event: str, **fields: object) -> None:
-    """One JSON object per line on the ``launcher_hook`` logger: easy to grep and to ship to a log pipeline."""
-    LOGGER.info(json.dumps({"event": event, **fields}, separators=(",", ":"), default=str))
+def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> None:
+    """One event per line on the ``launcher_hook`` logger (JSON or text, see :func:`configure_logging`)."""
+    LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
+
+
+def configure_logging(log_format: LogFormat = DEFAULT_LOG_FORMAT, stream: TextIO | None = None) -> None:
+    """The hook's one log setup (``serve`` and the shim): lines in ``log_format`` to ``stream`` (default
+    stderr, which the kubelet or virt-launcher's sidecar-shim collects)."""
+    configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream)
 
 
 class HookService:
@@ -93,6 +104,7 @@ class HookService:
             return DefineOutcome(result.domain_xml, result, source)
         log_call(
             "OnDefineDomain",
+            level=logging.ERROR if fault.code == "INTERNAL" else logging.WARNING,
             via=via,
             vmi=_vmi_label(vmi_json),
             gpus={},

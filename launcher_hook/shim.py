@@ -7,7 +7,8 @@ stdout and exit 0, or the error on stderr, exit 1 (2 for a usage error) and noth
 
 The shim passes no other arguments, so the allocation source is chosen by env variables
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
-``LAUNCHER_HOOK_DRIVER``), with the same precedence as ``launcher-hook serve``.
+``LAUNCHER_HOOK_DRIVER``), with the same precedence as ``launcher-hook serve``; so is the log line format
+(``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or ``text``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from pathlib import Path
 import click
 
 from launcher_hook.builder import BuildOptions
-from launcher_hook.cli import allocation_options, configure_logging, make_source
-from launcher_hook.service import HookFault, HookService
+from launcher_hook.cli import allocation_options, log_format_option, make_source
+from launcher_hook.service import HookFault, HookService, configure_logging
+from schemas.logformat import LogFormat
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--vmi", "vmi_json", required=True, help="The VirtualMachineInstance as JSON.")
 @click.option("--domain", "domain_xml", required=True, help="The libvirt domain XML virt-launcher will define.")
 @allocation_options
+@log_format_option
 def on_define_domain(
     vmi_json: str,
     domain_xml: str,
@@ -34,9 +37,10 @@ def on_define_domain(
     environ_file: Path | None,
     container: str,
     driver: str | None,
+    log_format: LogFormat,
 ) -> None:
     """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
-    configure_logging()
+    configure_logging(log_format)
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).

@@ -1,30 +1,44 @@
-"""The device plugin's event log: one JSON object per line on the ``plugin`` logger, written to stderr.
+"""The device plugin's event log: one line per event on the ``plugin`` logger, written to stderr.
 
 Every notable event (serving, registration, health change, allocation, rescan trouble, stop) goes through
-:func:`log_event`, so a later ``--log-format`` or a metrics counter per event has exactly one place to hook
-into. Nothing here decides behaviour; callers never need the log to succeed.
+:func:`log_event`, the one place that decides an event's level; :func:`configure_logging` picks the line
+format (``--log-format json|text``, shared with the hook through :mod:`schemas.logformat`). Nothing here
+decides behaviour; callers never need the log to succeed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import TextIO
 
+from schemas.logformat import DEFAULT_LOG_FORMAT, LogFormat, configure, event_extra, event_message
+
 LOGGER = logging.getLogger("plugin")
+LOGGER.addHandler(logging.NullHandler())  # unconfigured (xmlgen simulate, tests): no "last resort" stderr lines
+COMPONENT = "plugin"
+
+LEVELS: dict[str, int] = {
+    "warning": logging.WARNING,
+    "scan_problem": logging.WARNING,
+    "watch_failed": logging.WARNING,
+    "registration_failed": logging.WARNING,
+    "allocate_refused": logging.WARNING,
+    "socket_gone": logging.WARNING,
+    "serve_failed": logging.ERROR,
+    "metrics_failed": logging.ERROR,
+}
+"""Events above INFO; every other event is INFO."""
 
 
 def log_event(event: str, **fields: object) -> None:
-    """Log ``{"event": event, **fields}`` as one compact JSON line (non-JSON values via ``str``)."""
-    if LOGGER.isEnabledFor(logging.INFO):
-        LOGGER.info(json.dumps({"event": event, **fields}, separators=(",", ":"), default=str))
+    """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level."""
+    level = LEVELS.get(event, logging.INFO)
+    if LOGGER.isEnabledFor(level):
+        LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
 
 
-def configure_logging(stream: TextIO | None = None) -> None:
-    """Send the ``plugin`` logger's lines, bare, to ``stream`` (default stderr, where the kubelet collects them)."""
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    LOGGER.handlers[:] = [handler]
-    LOGGER.setLevel(logging.INFO)
-    LOGGER.propagate = False
+def configure_logging(stream: TextIO | None = None, log_format: LogFormat = DEFAULT_LOG_FORMAT) -> None:
+    """Send the ``plugin`` logger's lines in ``log_format`` to ``stream`` (default stderr, where the kubelet
+    collects them)."""
+    configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream)

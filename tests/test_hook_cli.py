@@ -60,7 +60,10 @@ def start_serve(socket_path: Path, *args: str, **env: str) -> subprocess.Popen[b
 
 def finish(process: subprocess.Popen[bytes]) -> tuple[int, list[dict[str, object]]]:
     _, err = process.communicate(timeout=20)
-    return process.returncode, [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    for line in lines:  # the envelope every line carries; the tests below look at the event and its fields
+        assert line.pop("component") == "launcher_hook" and line.pop("level") and line.pop("time"), line
+    return process.returncode, lines
 
 
 def test_serve_answers_and_exits_0_on_shutdown(directory: Path) -> None:

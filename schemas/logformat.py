@@ -1,0 +1,115 @@
+"""The log line both components write: one event per line, as JSON (the default) or as readable text.
+
+The device plugin and the hook sidecar are separate programs that must never import each other, yet a log
+pipeline (or a person running ``kubectl logs``) should read their lines the same way. So the line's shape is
+a shared contract and lives here, with the rest of what both sides share:
+
+- ``json``: one compact object per line, ``{"time", "level", "component", "event", **fields}``; ``time`` is
+  RFC 3339 UTC with milliseconds (``2026-11-30T06:20:01.123Z``), ``level`` lower case (``info``,
+  ``warning``, ``error``);
+- ``text``: ``2026-11-30T06:20:01.123Z INFO plugin registered resource=nvidia.com/X endpoint=kubevirt-X.sock``;
+  a value is written bare when it is a plain word, JSON-quoted otherwise (spaces, quotes, ``=``, newlines),
+  and lists, mappings, numbers, booleans and ``null`` as compact JSON.
+
+Each component's logging module (``plugin.log``, ``launcher_hook.service``) attaches the event name and its
+fields to the ``logging.LogRecord`` (:func:`event_extra`) and installs :class:`EventFormatter` on its logger;
+the record's message stays the old compact ``{"event", **fields}`` JSON, so code that reads records directly
+(pytest's ``caplog``) sees what it always saw.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Literal, TextIO, get_args
+
+LogFormat = Literal["json", "text"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+DEFAULT_LOG_FORMAT: LogFormat = "json"
+RESERVED = ("time", "level", "component", "event")
+"""Keys every JSON line starts with; a field of the same name is written as ``<name>_``."""
+
+_EVENT = "kgp_event"
+_FIELDS = "kgp_fields"
+_BARE = re.compile(r"[A-Za-z0-9_.:/@+,\-\[\]()]+")
+
+
+def event_extra(event: str, fields: Mapping[str, object]) -> dict[str, object]:
+    """The ``extra=`` for a ``logging`` call that records ``event`` with ``fields``."""
+    return {_EVENT: event, _FIELDS: dict(fields)}
+
+
+def event_message(event: str, fields: Mapping[str, object]) -> str:
+    """The record's message: ``{"event": event, **fields}`` as compact JSON (what the logs held before formats)."""
+    return json.dumps({"event": event, **fields}, separators=(",", ":"), default=str)
+
+
+def rfc3339(created: float) -> str:
+    """``created`` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
+    seconds = int(created)
+    millis = min(int((created - seconds) * 1000), 999)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def text_value(value: object) -> str:
+    """One field's value in a text line: a plain word bare, anything else JSON-quoted or compact JSON."""
+    if isinstance(value, str):
+        return value if _BARE.fullmatch(value) else _compact(value)
+    if value is None or isinstance(value, bool | int | float | list | tuple | dict):
+        return _compact(value)
+    return text_value(str(value))
+
+
+class EventFormatter(logging.Formatter):
+    """Formats a record as one ``json`` or ``text`` line for ``component``.
+
+    Records logged without :func:`event_extra` (a stray ``logger.warning("...")``) become the event
+    ``message`` with a ``message`` field, so nothing on the logger ever breaks the one-object-per-line rule.
+    """
+
+    def __init__(self, component: str, log_format: LogFormat = DEFAULT_LOG_FORMAT) -> None:
+        super().__init__()
+        if log_format not in LOG_FORMATS:
+            raise ValueError(f"log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
+        self.component = component
+        self.log_format: LogFormat = log_format
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = getattr(record, _EVENT, None)
+        fields: dict[str, object]
+        if isinstance(event, str):
+            fields = dict(getattr(record, _FIELDS, {}))
+        else:
+            event, fields = "message", {"message": record.getMessage()}
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        stamp = rfc3339(record.created)
+        if self.log_format == "text":
+            words = [stamp, record.levelname, self.component, event]
+            words.extend(f"{key}={text_value(value)}" for key, value in fields.items())
+            return " ".join(words)
+        line: dict[str, object] = {
+            "time": stamp,
+            "level": record.levelname.lower(),
+            "component": self.component,
+            "event": event,
+        }
+        for key, value in fields.items():
+            line[f"{key}_" if key in RESERVED else key] = value
+        return _compact(line)
+
+
+def configure(logger: logging.Logger, component: str, log_format: LogFormat, stream: TextIO) -> None:
+    """Make ``logger`` write its events (INFO and up), formatted, to ``stream`` only (no propagation)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(EventFormatter(component, log_format))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
