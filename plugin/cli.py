@@ -6,8 +6,12 @@ handlers and the exit code (0 after a clean stop; 1 with a message for bad optio
 
 Every flag can also come from the environment, as a DaemonSet sets it: ``GPU_PLUGIN_HOST_ROOT``,
 ``GPU_PLUGIN_PCI_IDS`` and ``GPU_PLUGIN_CONFIG`` are :mod:`plugin.config`'s own variables (read there, with
-its precedence: defaults < file < env < flags); ``GPU_PLUGIN_KUBELET_DIR`` and ``GPU_PLUGIN_SCAN_INTERVAL``
-belong to the process, not the node's configuration, so they are read here and hidden from the config loader.
+its precedence: defaults < file < env < flags); ``GPU_PLUGIN_KUBELET_DIR``, ``GPU_PLUGIN_SCAN_INTERVAL``,
+``GPU_PLUGIN_METRICS_ADDRESS`` and ``GPU_PLUGIN_LOG_FORMAT`` belong to the process, not the node's
+configuration, so they are read here and hidden from the config loader.
+
+``--metrics-address`` is off by default: a command run by hand (or in tests) opens no TCP port unasked; the
+DaemonSet sets it, and its probes use the ``/healthz`` and ``/readyz`` served there (:mod:`plugin.metrics`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,32 @@ from pathlib import Path
 from types import FrameType
 
 import click
+import prometheus_client
 
 from plugin.config import load_config
 from plugin.log import configure_logging, log_event
-from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager
+from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
+from plugin.metrics import MetricsServer, parse_address
 from plugin.server import DEFAULT_KUBELET_DIR
 from schemas.errors import InputError
+from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
 
-PROCESS_ENV = ("GPU_PLUGIN_KUBELET_DIR", "GPU_PLUGIN_SCAN_INTERVAL")
+PROCESS_ENV = (
+    "GPU_PLUGIN_KUBELET_DIR",
+    "GPU_PLUGIN_SCAN_INTERVAL",
+    "GPU_PLUGIN_METRICS_ADDRESS",
+    "GPU_PLUGIN_LOG_FORMAT",
+)
 """Variables for the process that :func:`plugin.config.load_config` must not see (it refuses unknown ones)."""
+
+
+def _address(context: click.Context, parameter: click.Parameter, value: str | None) -> tuple[str, int] | None:
+    if value is None or value == "":
+        return None
+    try:
+        return parse_address(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -71,11 +92,35 @@ def cli() -> None:
     help="Seconds between full sysfs rescans (driver changes, hot-plug, new mdevs); /dev/vfio changes are "
     "seen at once.",
 )
+@click.option(
+    "--metrics-address",
+    metavar="HOST:PORT",
+    envvar="GPU_PLUGIN_METRICS_ADDRESS",
+    show_envvar=True,
+    callback=_address,
+    help="Serve Prometheus /metrics, /healthz and /readyz over HTTP here (':9498' = every interface, port 0 = "
+    "any free port). [default: off]",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default=DEFAULT_LOG_FORMAT,
+    show_default=True,
+    envvar="GPU_PLUGIN_LOG_FORMAT",
+    show_envvar=True,
+    help="Log lines on stderr: one JSON object each, or readable text.",
+)
 def serve(
-    host_root: Path | None, kubelet_dir: Path, pci_ids: Path | None, config_file: Path | None, scan_interval: float
+    host_root: Path | None,
+    kubelet_dir: Path,
+    pci_ids: Path | None,
+    config_file: Path | None,
+    scan_interval: float,
+    metrics_address: tuple[str, int] | None,
+    log_format: LogFormat,
 ) -> None:
     """Serve one device plugin per GPU/vGPU resource and keep them registered until SIGTERM or SIGINT."""
-    configure_logging()
+    configure_logging(log_format=log_format)
     env = {key: value for key, value in os.environ.items() if key not in PROCESS_ENV}
     try:
         config = load_config(
@@ -98,9 +143,28 @@ def serve(
 
     # Handlers before any socket exists: a SIGTERM as soon as we serve must still end us cleanly.
     previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    http: MetricsServer | None = None
     try:
+        if metrics_address is not None:
+            prometheus_client.disable_created_metrics()  # process-wide: no *_created series beside each counter
+            try:
+                http = MetricsServer(*metrics_address, manager.metrics, manager.liveness, manager.readiness)
+            except OSError as exc:
+                host, port = metrics_address
+                raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from None
+            http.start()
+            host, port = http.address
+            log_event(
+                "metrics_serving",
+                address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                port=port,
+                paths=["/metrics", "/healthz", "/readyz"],
+                liveness_bound=liveness_bound(scan_interval),
+            )
         manager.run()
     finally:
+        if http is not None:
+            http.stop()
         for number, handler in previous.items():
             signal.signal(number, handler)
     if received:

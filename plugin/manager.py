@@ -14,6 +14,10 @@ descriptors (no busy polling):
 - :meth:`PluginManager.request_stop` (SIGTERM in the CLI) ends the loop; every server stops and its socket
   is removed.
 
+The loop records what it learns in :class:`~plugin.metrics.PluginMetrics` (scans, devices by health,
+registrations) and beats a heartbeat on every turn, which :meth:`PluginManager.liveness` (``/healthz``)
+compares with :func:`liveness_bound`.
+
 Registration is asynchronous (the kubelet dials us back inside ``Register``), so its answers come back
 through a queue and a wake-up pipe into the same loop. All decisions about sockets and registrations are
 made in :meth:`PluginManager._reconcile`, which is idempotent: it compares what is (socket files, the
@@ -39,6 +43,7 @@ from plugin.config import PluginConfig
 from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
+from plugin.metrics import PluginMetrics
 from plugin.pciids import PciIds, locate_pci_ids
 from plugin.server import KUBELET_SOCKET, ResourceServer, SocketInUse, describe_rpc_error
 from plugin.sysfs import scan
@@ -49,6 +54,19 @@ RETRY_FIRST = 0.25
 """Seconds before retrying a failed registration to the same kubelet socket; doubles up to the scan interval."""
 STOP_GRACE = 0.5
 """Seconds in-flight unary calls get when the plugin stops (streams end at once)."""
+LIVENESS_SLACK = 10.0
+"""Seconds a loop turn may take beyond the scan interval's wait before ``/healthz`` calls the loop stuck."""
+
+
+def liveness_bound(scan_interval: float) -> float:
+    """How old the loop's heartbeat may get while it is alive: ``2 * scan_interval + 10 s``.
+
+    The loop wakes at least once per scan interval (its poll timeout is the next scan's deadline) and a scan
+    of a large node takes a fraction of a second, so only a loop that is stuck (a hung sysfs read, a
+    deadlock) or dead misses the bound. 20 s with the default interval of 5 s.
+    """
+    return 2 * scan_interval + LIVENESS_SLACK
+
 
 Identity = tuple[int, int]
 
@@ -99,6 +117,7 @@ class PluginManager:
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         pci_ids: PciIds | None = None,
         warnings: Iterable[str] = (),
+        metrics: PluginMetrics | None = None,
     ) -> None:
         if scan_interval <= 0:
             raise ValueError("scan_interval must be positive")
@@ -113,6 +132,10 @@ class PluginManager:
         self.ready = threading.Event()
         """Set once the first scan is done and every resource's server is serving."""
         self.scans = 0
+        self.metrics = metrics if metrics is not None else PluginMetrics()
+        self._heartbeat: float | None = None
+        """``time.monotonic()`` of the loop's last turn; None before :meth:`run`."""
+        self._finished = False
         self._served: dict[str, _Served] = {}
         self._answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -135,6 +158,7 @@ class PluginManager:
         *,
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         image_root: Path = Path("/"),
+        metrics: PluginMetrics | None = None,
     ) -> PluginManager:
         """Locate pci.ids once (``config.pci_ids``, else under the host root, else the image) and build the manager."""
         explicit = Path(config.pci_ids) if config.pci_ids else None
@@ -145,7 +169,14 @@ class PluginManager:
                 f"no pci.ids found (looked at {', '.join(choice.searched)}): resources are named by hex device ID; "
                 "pass --pci-ids or set name_overrides"
             )
-        return cls(config, kubelet_dir, scan_interval=scan_interval, pci_ids=choice.database, warnings=warnings)
+        return cls(
+            config,
+            kubelet_dir,
+            scan_interval=scan_interval,
+            pci_ids=choice.database,
+            warnings=warnings,
+            metrics=metrics,
+        )
 
     # -- control from other threads ----------------------------------------------------------------------
 
@@ -166,6 +197,30 @@ class PluginManager:
         """Names of the resources registered with the current kubelet socket."""
         return tuple(sorted(name for name, served in list(self._served.items()) if served.registered is not None))
 
+    def liveness(self) -> str | None:
+        """None while the loop turns (``/healthz`` 200); else why not (``/healthz`` 503). Any thread."""
+        heartbeat = self._heartbeat
+        if self._finished:
+            return "stopped: the plugin's loop has ended"
+        if heartbeat is None:
+            return "not started: the plugin's loop has not run yet"
+        age, bound = time.monotonic() - heartbeat, liveness_bound(self.scan_interval)
+        if age > bound:
+            return f"stuck: the plugin's loop last turned {age:.1f} s ago (bound {bound:.1f} s)"
+        return None
+
+    def readiness(self) -> str | None:
+        """None once the first scan is served and every resource is registered with the current kubelet."""
+        problem = self.liveness()
+        if problem is not None:
+            return problem
+        if not self.ready.is_set():
+            return "starting: the first scan is not served yet"
+        waiting = sorted(set(self.served()) - set(self.registered()))
+        if waiting:
+            return f"not registered with the kubelet: {', '.join(waiting)}"
+        return None
+
     # -- the loop ----------------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -178,6 +233,8 @@ class PluginManager:
             pci_ids=self.pci_ids.path if self.pci_ids else None,
             pid=os.getpid(),
         )
+        self._finished = False
+        self._heartbeat = time.monotonic()
         try:
             self.kubelet_dir.mkdir(parents=True, exist_ok=True)
             self._ensure_watches()
@@ -185,6 +242,7 @@ class PluginManager:
             self._reconcile()
             self.ready.set()
             while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
                 rescan = False
                 for descriptor, _ in self._poller.poll(self._timeout_ms()):
                     if descriptor == self._wake_read:
@@ -202,6 +260,7 @@ class PluginManager:
                     self._rescan()
                 self._reconcile()
         finally:
+            self._finished = True
             self._shutdown()
 
     def _timeout_ms(self) -> int:
@@ -262,14 +321,18 @@ class PluginManager:
     def _rescan(self) -> None:
         self._next_scan = time.monotonic() + self.scan_interval
         self.scans += 1
+        started = time.perf_counter()
         try:
             inventory = scan(self.host_root, self.config, self.pci_ids, self._base_warnings)
         except InputError as exc:
+            self.metrics.record_scan(time.perf_counter() - started, ok=False)
             self._problem(str(exc))
             return
         except Exception as exc:  # a half-written sysfs must not end the plugin: keep the last truth
+            self.metrics.record_scan(time.perf_counter() - started, ok=False)
             self._problem(f"scan failed: {type(exc).__name__}: {exc}")
             return
+        self.metrics.record_scan(time.perf_counter() - started, ok=True)
         self._problem(None)
         self._note_inventory(inventory)
         current = {resource.name: resource for resource in inventory.resources}
@@ -286,7 +349,11 @@ class PluginManager:
                     self._log_changes(old, resource, inventory)
                 continue
             server = ResourceServer(
-                resource, self.kubelet_dir, self.host_root, vfio_drivers=frozenset(self.config.vfio_drivers)
+                resource,
+                self.kubelet_dir,
+                self.host_root,
+                vfio_drivers=frozenset(self.config.vfio_drivers),
+                metrics=self.metrics,
             )
             try:
                 server.start()
@@ -302,6 +369,7 @@ class PluginManager:
                 env=resource.env,
                 devices={device.id: device.health for device in resource.devices},
             )
+        self.metrics.observe_devices(served.server.state.resource for served in self._served.values())
 
     def _problem(self, problem: str | None) -> None:
         if problem != self._last_problem and problem is not None:
@@ -385,6 +453,7 @@ class PluginManager:
             served.pending = False
             if self._served.get(served.server.name) is not served or answer.generation != served.server.generation:
                 continue  # for a server since stopped or restarted; _reconcile registers the new one
+            self.metrics.record_registration(served.server.name, ok=answer.error is None)
             if answer.error is None:
                 served.registered, served.failed, served.failures = answer.kubelet, None, 0
                 log_event("registered", resource=served.server.name, endpoint=served.server.socket_path.name)

@@ -10,7 +10,8 @@ unhealthy". This module is protocol only:
   (IDs, health, NUMA) changes;
 - :class:`DevicePluginServicer` is a thin adapter: ``Allocate`` and ``GetPreferredAllocation`` hand the
   request to :mod:`plugin.allocation` and :mod:`plugin.preferred` (policy) and turn their answers into
-  messages; bad input becomes a gRPC status, never a crash;
+  messages; bad input becomes a gRPC status, never a crash; each ``Allocate`` outcome is one counter
+  increment in :mod:`plugin.metrics`;
 - :class:`ResourceServer` owns the gRPC server, its socket file (removed on stop only if it is still ours)
   and the ``Register`` call.
 
@@ -33,6 +34,7 @@ import grpc
 from plugin import allocation, preferred
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
+from plugin.metrics import PluginMetrics
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
@@ -113,11 +115,22 @@ class ResourceState:
 class DevicePluginServicer:
     """``v1beta1.DevicePlugin`` for one resource (one instance per gRPC server generation)."""
 
-    def __init__(self, state: ResourceState, host_root: Path, vfio_drivers: frozenset[str]) -> None:
+    def __init__(
+        self,
+        state: ResourceState,
+        host_root: Path,
+        vfio_drivers: frozenset[str],
+        metrics: PluginMetrics | None = None,
+    ) -> None:
         self._state = state
         self._host_root = host_root
         self._vfio_drivers = vfio_drivers
+        self._metrics = metrics
         self._stopped = False
+
+    def _count(self, resource: str, code: grpc.StatusCode) -> None:
+        if self._metrics is not None:
+            self._metrics.record_allocation(resource, code)
 
     def stop(self) -> None:
         """End every open ``ListAndWatch`` stream of this generation (they return; the handlers finish)."""
@@ -182,6 +195,7 @@ class DevicePluginServicer:
         for container in request.container_requests:
             ids = list(container.devices_ids)
             if len(ids) > MAX_DEVICES_PER_REQUEST:
+                self._count(resource.name, grpc.StatusCode.INVALID_ARGUMENT)
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
             try:
                 responses.append(allocation_response(resource, ids, self._host_root, self._vfio_drivers))
@@ -193,8 +207,13 @@ class DevicePluginServicer:
                     code=exc.code.name,
                     error=exc.message[:512],
                 )
+                self._count(resource.name, exc.code)
                 _abort(context, exc.code, exc.message)
+            except Exception:
+                self._count(resource.name, grpc.StatusCode.UNKNOWN)  # gRPC answers UNKNOWN for what escapes
+                raise
             log_event("allocate", resource=resource.name, ids=ids)
+        self._count(resource.name, grpc.StatusCode.OK)
         return pb.AllocateResponse(container_responses=responses)
 
     def PreStartContainer(
@@ -236,8 +255,10 @@ class ResourceServer:
         *,
         vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
         max_workers: int = 8,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.name = resource.name
+        self.metrics = metrics
         self.vfio_drivers = vfio_drivers
         self.kubelet_dir = kubelet_dir.absolute()
         self.socket_path = self.kubelet_dir / resource.socket
@@ -278,7 +299,7 @@ class ResourceServer:
         it bound when it stops, binding elsewhere keeps a stopping server from deleting a newer socket.
         """
         self._prepare_path()
-        servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers)
+        servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers, self.metrics)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}")
         )
