@@ -146,7 +146,7 @@ def serve(
     http: MetricsServer | None = None
     try:
         if metrics_address is not None:
-            prometheus_client.disable_created_metrics()  # process-wide: no *_created series beside each counter
+            prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide: no *_created
             try:
                 http = MetricsServer(*metrics_address, manager.metrics, manager.liveness, manager.readiness)
             except OSError as exc:
