@@ -58,6 +58,12 @@ LIVENESS_SLACK = 10.0
 """Seconds a loop turn may take beyond the scan interval's wait before ``/healthz`` calls the loop stuck."""
 
 
+KUBELET_MISSING_BOUND = 60.0
+"""Seconds without ``kubelet.sock`` after which ``/healthz`` fails: the node's device-plugins directory was
+replaced under our bind mount (the socket never comes back there) and only a restart of the pod cures it. A
+kubelet restart takes far less, and the kubelet runs no probes while it is down anyway."""
+
+
 def liveness_bound(scan_interval: float) -> float:
     """How old the loop's heartbeat may get while it is alive: ``2 * scan_interval + 10 s``.
 
@@ -118,6 +124,7 @@ class PluginManager:
         pci_ids: PciIds | None = None,
         warnings: Iterable[str] = (),
         metrics: PluginMetrics | None = None,
+        kubelet_missing_bound: float = KUBELET_MISSING_BOUND,
     ) -> None:
         if scan_interval <= 0:
             raise ValueError("scan_interval must be positive")
@@ -149,6 +156,8 @@ class PluginManager:
         self._last_warnings: tuple[str, ...] = ()
         self._last_ignored: dict[str, str] = {}
         self._kubelet_missing = False
+        self._kubelet_missing_since: float | None = None
+        self.kubelet_missing_bound = kubelet_missing_bound
 
     @classmethod
     def from_config(
@@ -198,15 +207,27 @@ class PluginManager:
         return tuple(sorted(name for name, served in list(self._served.items()) if served.registered is not None))
 
     def liveness(self) -> str | None:
-        """None while the loop turns (``/healthz`` 200); else why not (``/healthz`` 503). Any thread."""
+        """None while the plugin is alive (``/healthz`` 200); else why not (``/healthz`` 503). Any thread.
+
+        Alive: :meth:`run` is running, its loop turned within :func:`liveness_bound`, and ``kubelet.sock``
+        has not been missing for longer than ``kubelet_missing_bound`` (the failure only a pod restart cures).
+        Registration is not part of it: the loop retries that by itself (see :meth:`readiness`).
+        """
         heartbeat = self._heartbeat
         if self._finished:
             return "stopped: the plugin's loop has ended"
         if heartbeat is None:
             return "not started: the plugin's loop has not run yet"
-        age, bound = time.monotonic() - heartbeat, liveness_bound(self.scan_interval)
+        now = time.monotonic()
+        age, bound = now - heartbeat, liveness_bound(self.scan_interval)
         if age > bound:
             return f"stuck: the plugin's loop last turned {age:.1f} s ago (bound {bound:.1f} s)"
+        missing_since = self._kubelet_missing_since
+        if missing_since is not None and now - missing_since > self.kubelet_missing_bound:
+            return (
+                f"no kubelet: {self.kubelet_socket} missing for {now - missing_since:.0f} s "
+                f"(bound {self.kubelet_missing_bound:.0f} s); was the device-plugins directory replaced?"
+            )
         return None
 
     def readiness(self) -> str | None:
@@ -412,6 +433,7 @@ class PluginManager:
         kubelet = socket_identity(self.kubelet_socket)
         if (kubelet is None) != self._kubelet_missing:
             self._kubelet_missing = kubelet is None
+            self._kubelet_missing_since = now if kubelet is None else None
             if kubelet is None:
                 log_event("waiting_for_kubelet", socket=str(self.kubelet_socket))
         for served in self._served.values():

@@ -10,8 +10,9 @@ increments a counter; everything else is recorded from the manager's single thre
 server answering
 
 - ``GET /metrics``: the registry in Prometheus' text format;
-- ``GET /healthz``: ``200 ok`` while the manager's loop is alive (its heartbeat is younger than the bound,
-  see :meth:`plugin.manager.PluginManager.liveness`), else ``503`` with the reason — the liveness probe;
+- ``GET /healthz``: ``200 ok`` while the manager's loop is alive (its heartbeat is younger than the bound and
+  ``kubelet.sock`` has not been gone for a minute, see :meth:`plugin.manager.PluginManager.liveness`), else
+  ``503`` with the reason — the liveness probe;
 - ``GET /readyz``: ``200 ok`` once the first scan is served and every resource is registered with the
   current kubelet, else ``503`` with the reason — the readiness probe.
 
