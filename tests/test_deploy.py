@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from plugin.cli import serve
+from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
 from plugin.fixture_nodes import NODE01, VGPU_NODE
 from schemas.vmi import parse_vmi
 from tests.discovery_support import build_node, discover
@@ -37,6 +38,7 @@ OLDEST_KUBERNETES = "1.31"  # recursiveReadOnly (the /sys mount) is beta and on 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 GPU_NODE_VALUES = ["vm-passthrough", "vm-vgpu"]
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
+METRICS_PORT = 9498
 HOOK_ANNOTATION = "hooks.kubevirt.io/hookSidecars"
 KUBEVIRT_API = "kubevirt.io/v1"
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -361,9 +363,18 @@ def test_daemonset_args_are_the_plugins_and_match_the_mounts(built: list[Doc]) -
     daemonset = one(built, "DaemonSet", "gpu-device-plugin")
     main = container(daemonset)
     assert main["command"] == ["gpu-device-plugin"]
-    assert main["args"] == ["serve", "--host-root", "/host", "--kubelet-dir", KUBELET_DIR]
+    assert main["args"] == [
+        "serve",
+        "--host-root",
+        "/host",
+        "--kubelet-dir",
+        KUBELET_DIR,
+        "--metrics-address",
+        f":{METRICS_PORT}",
+    ]
     params = serve.make_context("serve", list(main["args"][1:])).params
     assert (str(params["host_root"]), str(params["kubelet_dir"])) == ("/host", KUBELET_DIR)
+    assert params["metrics_address"] == ("", METRICS_PORT)  # every interface of the pod's own network
     volumes = {volume["name"]: volume for volume in daemonset["spec"]["template"]["spec"]["volumes"]}
     mounts = {
         mount["mountPath"]: (volumes[mount["name"]]["hostPath"], mount.get("readOnly", False), mount)
@@ -415,15 +426,25 @@ def test_daemonset_is_not_privileged(built: list[Doc]) -> None:
     assert daemonset["spec"]["template"]["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def test_daemonset_has_resources_and_a_liveness_probe(built: list[Doc]) -> None:
-    main = container(one(built, "DaemonSet", "gpu-device-plugin"))
+def test_daemonset_has_resources_and_http_probes_on_the_metrics_port(built: list[Doc]) -> None:
+    daemonset = one(built, "DaemonSet", "gpu-device-plugin")
+    main = container(daemonset)
     for kind in ("requests", "limits"):
         assert set(main["resources"][kind]) == {"cpu", "memory"}
-    probe = main["livenessProbe"]
-    command = probe["exec"]["command"]
-    assert command == ["test", "-S", f"{KUBELET_DIR}/kubelet.sock"]
-    assert any(command[-1].startswith(mount["mountPath"] + "/") for mount in main["volumeMounts"])
-    assert probe["periodSeconds"] * probe["failureThreshold"] >= 60  # never trips on a kubelet restart
+    assert main["ports"] == [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    # The plugin's own /healthz (loop alive, kubelet.sock not gone for a minute) replaced the exec probe.
+    liveness, readiness = main["livenessProbe"], main["readinessProbe"]
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "metrics"} and "exec" not in liveness
+    assert readiness["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert liveness["failureThreshold"] >= 2  # one slow answer does not restart the plugin
+    # Restarting on a kubelet restart is the plugin's decision (60 s without kubelet.sock), not the probe's.
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= liveness_bound(DEFAULT_SCAN_INTERVAL)
+    annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def test_the_kubevirt_cr_permits_the_plugins_resources(built: list[Doc], tmp_path: Path) -> None:
