@@ -14,8 +14,8 @@ This is policy, kept apart from gRPC so that it can be tested on fixture trees a
   last scan, cannot be given now (``FAILED_PRECONDITION``).
 
 The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
-stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver link
-(PCI) and the ``/dev/vfio/<group>`` node. A full rescan is the manager's job.
+stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver links
+(the GPU's and its companions') and the ``/dev/vfio/<group>`` node. A full rescan is the manager's job.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozense
 
     Reads, under ``host_root``: the device's ``iommu_group`` link, the group's ``devices`` directory (its
     members must be the device and the companions the scan saw), the ``driver`` link of a PCI device (still
-    on a VFIO driver) and the existence of ``/dev/vfio/<group>``.
+    on a VFIO driver), each companion's ``driver`` link (none, a VFIO driver, or the allowed driver the scan
+    saw: a companion rebound to a host driver since the scan makes the group not viable) and the existence of
+    ``/dev/vfio/<group>``.
     """
     root = os.fspath(host_root)
     if device.iommu_group is None:
@@ -120,6 +122,13 @@ def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozense
             driver = None
         if driver not in vfio_drivers:
             return f"it is now bound to {driver or 'no driver'}, not to {' or '.join(sorted(vfio_drivers))}"
+    for companion in device.companions:
+        try:
+            bound = os.path.basename(os.readlink(f"{root}/sys/bus/pci/devices/{companion.address}/driver"))
+        except OSError:
+            bound = None
+        if bound is not None and bound not in vfio_drivers and not (companion.viable and bound == companion.driver):
+            return f"IOMMU group {group} is not viable: {companion.address} is now bound to {bound}"
     if not os.path.exists(f"{root}{VFIO_DEV_DIR}/{group}"):
         return f"{VFIO_DEV_DIR}/{group} is missing (IOMMU group {group} is not usable by VFIO)"
     return None
