@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from plugin.cli import serve
-from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
 from plugin.fixture_nodes import NODE01, VGPU_NODE
+from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
 from schemas.vmi import parse_vmi
 from tests.discovery_support import build_node, discover
 
