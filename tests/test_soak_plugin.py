@@ -18,6 +18,7 @@ Waits are bounded but generous (the machine is shared); time goals are asserted 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import threading
@@ -75,7 +76,7 @@ def base() -> Iterator[Path]:
 def percentile(values: list[float], fraction: float) -> float:
     """Nearest-rank percentile of ``values`` (``fraction`` in (0, 1])."""
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(fraction * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(fraction * len(ordered))))
     return ordered[rank - 1]
 
 
