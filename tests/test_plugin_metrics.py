@@ -12,19 +12,23 @@ import http.client
 import json
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from plugin import manager as manager_module
 from plugin.fixture_nodes import NODE01
 from plugin.kubelet_standin import KubeletStandIn
 from plugin.manager import PluginManager
 from plugin.metrics import MetricsServer, PluginMetrics, parse_address
 from plugin.server import MAX_DEVICES_PER_REQUEST
+from plugin.sysfs import scan as real_scan
 from tests.plugin_support import (
     WAIT,
     build_tree,
@@ -212,6 +216,30 @@ def test_healthz_200_while_running_503_after_stop_then_refused(base: Path) -> No
         assert get(server.port, "/readyz")[0] == 503
         port = server.port
     assert refused(port)
+
+
+def test_healthz_503_while_the_loop_is_stuck_in_a_scan(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    gate = threading.Event()
+    gate.set()
+
+    def scan(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(WAIT), "the test never opened the gate"
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "scan", scan)  # a sysfs read that hangs, on demand
+    monkeypatch.setattr(manager_module, "LIVENESS_SLACK", 0.0)  # bound: 2 x 0.05 s
+    manager = manager_for(root, kubelet_dir, scan_interval=0.05)
+    with running(manager), endpoint(manager) as server:
+        assert get(server.port, "/healthz")[0] == 200
+        gate.clear()
+        try:
+            wait_until(lambda: get(server.port, "/healthz")[0] == 503, what="/healthz 503 while a scan hangs")
+            assert get(server.port, "/healthz")[2].startswith("stuck: the plugin's loop last turned")
+        finally:
+            gate.set()
+        wait_until(lambda: get(server.port, "/healthz")[0] == 200, what="/healthz 200 once the scan returns")
 
 
 def test_readyz_waits_for_the_kubelet_and_healthz_fails_when_it_stays_away(base: Path) -> None:
