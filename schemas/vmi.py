@@ -97,6 +97,8 @@ def parse_vmi(data: bytes, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Virtu
         raise InputError(f"VMI JSON is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise InputError("VMI JSON is nested too deeply") from None
+    except ValueError as exc:  # not a JSONDecodeError: an integer literal over Python's 4300-digit limit
+        raise InputError(f"VMI JSON has a value Python cannot read: {exc}") from None
     if not isinstance(document, dict):
         raise InputError(f"VMI JSON must be an object, not {type(document).__name__}")
     if document.get("kind") == "VirtualMachine":
