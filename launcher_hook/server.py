@@ -41,10 +41,22 @@ DEFAULT_SOCKET_MODE = 0o666
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 """Room for the builder's largest domain and VMI (8 MiB each, ``schemas.limits``) in one message."""
 MAX_UNIX_SOCKET_PATH = 107
+MAX_STATUS_MESSAGE = 512
+"""Longest status message sent, in characters (as the device plugin's). gRPC sends it percent-encoded in the
+trailers, and a client drops trailers over its metadata limit (16 KiB hard) with RESOURCE_EXHAUSTED instead of
+the real status; 512 characters stay under 8 KiB even when every one is a 4-byte character."""
+
+
+def status_message(message: str) -> str:
+    """``message`` fit for a gRPC status: at most ``MAX_STATUS_MESSAGE`` characters, and encodable as UTF-8
+    (a VMI's JSON may carry lone surrogates such as ``\\ud800`` into a message; they are written escaped)."""
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _abort(context: grpc.ServicerContext, fault: HookFault) -> None:
-    context.abort(grpc.StatusCode[fault.code], fault.message)
+    context.abort(grpc.StatusCode[fault.code], status_message(fault.message))
 
 
 class InfoServicer:
