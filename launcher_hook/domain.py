@@ -27,7 +27,8 @@ from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, render_h
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.limits import check_utf8
 
-_DECLARED_ENCODING = re.compile(rb"""^\s*<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9._-]+)["']""")
+# A UTF-8 byte order mark may precede the declaration; it must not hide the encoding it declares.
+_DECLARED_ENCODING = re.compile(rb"""^(?:\xef\xbb\xbf)?\s*<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9._-]+)["']""")
 _UTF8_NAMES = {"utf-8", "utf8", "us-ascii", "ascii"}
 _parsers = threading.local()
 
