@@ -210,10 +210,19 @@ def _indent_unit(root: etree._Element) -> str:
 
 def _child_slots(parent: etree._Element, unit: str) -> tuple[str | None, str | None]:
     """The indentation before a new last child of ``parent`` and before ``parent``'s end tag (None: compact)."""
+    if not _is_layout(parent[-1].tail if len(parent) else parent.text):
+        # Text where the indentation would go (``<devices>text</devices>``, a CDATA section) is content, not
+        # layout: append compactly rather than overwrite it.
+        return None, None
     if len(parent):
         return _newline_whitespace(parent.text), _newline_whitespace(parent[-1].tail)
     parent_indent = _indent_of(parent)
     return (parent_indent + unit, parent_indent) if parent_indent else (None, None)
+
+
+def _is_layout(text: str | None) -> bool:
+    """True when ``text`` is only whitespace (or absent): indentation the splicer may rewrite."""
+    return text is None or not text.strip()
 
 
 def _append(parent: etree._Element, child: etree._Element, before: str | None, closing: str | None) -> None:
@@ -324,10 +333,17 @@ def _remove_keeping_layout(element: etree._Element) -> None:
         return
     previous = element.getprevious()
     if previous is not None:
-        previous.tail = element.tail
+        previous.tail = _kept_text(previous.tail, element.tail)
     else:
-        parent.text = element.tail
+        parent.text = _kept_text(parent.text, element.tail)
     parent.remove(element)
+
+
+def _kept_text(before: str | None, removed_tail: str | None) -> str | None:
+    """What goes where an element and its tail are removed: the tail's layout, but never lose text."""
+    if _is_layout(before):
+        return removed_tail
+    return before if _is_layout(removed_tail) else f"{before}{removed_tail}"
 
 
 def devices_document(specs: Sequence[HostdevSpec]) -> bytes:
