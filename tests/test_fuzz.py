@@ -795,12 +795,15 @@ def test_hook_reading_pod_resources_on_random_vmis(soak: bool) -> None:
                     mutations(SEED_VMI) | st.binary(max_size=256) | json_values.map(json.dumps).map(str.encode),
                 )
                 @example("v1alpha3", SEED_VMI)
+                @example("v1alpha1", SEED_VMI.replace(b'"devices"', b'"<devices"', 1))  # a VMI without GPUs
                 @example("v1alpha2", SEED_VMI.replace(b'"vm-with-gpu"', b'"vm-\\ud800"', 1))
                 def check(version: str, vmi: bytes) -> None:
                     output, code, details = call(channel, version, SEED_DOMAIN, vmi)
                     if code is grpc.StatusCode.OK:
-                        assert output is not None
-                        assert_whole_domain(output, SEED_DOMAIN, SEED_PCI)
+                        # What the kubelet reports turns into the env the builder would get in compute.
+                        direct = build_domain(SEED_DOMAIN, vmi, {RTX_VAR: ",".join(SEED_PCI.values())})
+                        assert output == direct.domain_xml
+                        assert_whole_domain(output, SEED_DOMAIN, direct.aliases)
                         return
                     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), details
                     assert output is None
