@@ -56,6 +56,16 @@ def _vmi_label(vmi_json: bytes | None) -> str:
         return "-"
 
 
+MAX_LOGGED_ERROR = 4096
+"""Longest error message a log line carries (a VMI with 100,000 bad GPUs makes a message of megabytes)."""
+
+
+def _cut(message: str) -> str:
+    return (
+        message if len(message) <= MAX_LOGGED_ERROR else f"{message[:MAX_LOGGED_ERROR]}... ({len(message)} characters)"
+    )
+
+
 def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> None:
     """One event per line on the ``launcher_hook`` logger (JSON or text, see :func:`configure_logging`)."""
     LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
@@ -110,7 +120,7 @@ class HookService:
             gpus={},
             source=source,
             status=fault.code,
-            error=fault.message,
+            error=_cut(fault.message),
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
             **details,
         )

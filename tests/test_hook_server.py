@@ -283,3 +283,18 @@ def test_a_too_long_socket_path_is_refused_clearly(socket_path: Path) -> None:
     server = HookServer(socket_path.parent / ("x" * 120) / "s.sock", HookService(ProcessEnvSource({})))
     with pytest.raises(SocketInUse, match="longer than 107 bytes"):
         server.start()
+
+
+def test_a_huge_error_is_cut_in_the_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    from launcher_hook.service import MAX_LOGGED_ERROR, HookFault, HookService
+    from launcher_hook.sources import ProcessEnvSource
+
+    gpus = [{"name": "g" * 100_000, "deviceName": "example.com/r"}]  # its name goes into the message
+    vmi = json.dumps({"spec": {"domain": {"devices": {"gpus": gpus}}}}).encode()
+    service = HookService(ProcessEnvSource({}))
+    with caplog.at_level("INFO", logger="launcher_hook"), pytest.raises(HookFault) as fault:
+        service.define_domain(b"<domain/>", vmi, via="test")
+    assert len(fault.value.message) > MAX_LOGGED_ERROR
+    logged = json.loads(caplog.records[-1].getMessage())
+    assert logged["error"].endswith(f"... ({len(fault.value.message)} characters)")
+    assert len(logged["error"]) < MAX_LOGGED_ERROR + 40
