@@ -64,6 +64,7 @@ def test_node01_seed_vm_gets_two_gpus_into_qemus_argv() -> None:
         assert step in done.stderr
     assert "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A=" in done.stderr
     assert "not offered: 0000:d8:00.0" in done.stderr  # the T4 left on nvidia
+    assert "kubelet sees capacity 4, allocatable 4" in done.stderr
     assert '"driver":"vfio-pci"' in done.stderr
 
 

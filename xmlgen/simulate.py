@@ -219,6 +219,7 @@ def simulate(
             raise SimulationError("the device plugin did not start serving within 10 s")
         for name in inventory.resource_names:
             registration = standin.wait_for_registration(name, timeout=_WAIT_SECONDS)
+            standin.wait_for_devices(name, bool, timeout=_WAIT_SECONDS)  # the first ListAndWatch message
             log(
                 f"  registered {name} at {registration.endpoint}; kubelet sees capacity "
                 f"{standin.capacity(name)}, allocatable {standin.allocatable(name)}"
