@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 from lxml import etree
 
-from bench.workloads import kubevirt_sized_domain, sixteen_gpus
+from bench.workloads import kubevirt_sized_domain, median_seconds, sixteen_gpus
 from launcher_hook import build_domain
 
 GOAL = 1.3
-
-
-def median_seconds(action: Callable[[], object], rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
-from bench.workloads import kubevirt_sized_domain, sixteen_gpus
+from bench.workloads import kubevirt_sized_domain, median_seconds, sixteen_gpus
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 
 LATENCY_GOAL = 1.5
@@ -67,15 +67,6 @@ def hook_command(socket_path: Path) -> list[str]:
 
 def floor_command(socket_path: Path, mode: str) -> list[str]:
     return [sys.executable, str(FLOOR_SERVER), "--socket", str(socket_path), "--mode", mode]
-
-
-def median_seconds(action: Callable[[], object], rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
-"""The workloads the benchmarks share: a KubeVirt-sized domain and a VM asking for 16 GPUs."""
+"""What the benchmarks share: a KubeVirt-sized domain, a VM asking for 16 GPUs, and a timer."""
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
+from collections.abc import Callable
 from importlib import resources
 
 RESOURCE = "nvidia.com/GA100_A100SXM464GB"
@@ -28,3 +31,13 @@ def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
     gpus = [{"name": f"gpu{i}", "deviceName": RESOURCE} for i in range(16)]
     vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
     return json.dumps(vmi).encode(), {VARIABLE: ",".join(addresses)}
+
+
+def median_seconds(action: Callable[[], object], rounds: int) -> float:
+    """The median wall time of ``rounds`` calls of ``action``."""
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

@@ -140,7 +140,21 @@ def serve(
     log_format: LogFormat,
 ) -> None:
     """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
-    configure_logging(log_format)
+    flush_logs = configure_logging(log_format, background=True)
+    try:
+        _serve(socket_path, socket_mode, pod_resources_socket, environ_file, container, driver)
+    finally:
+        flush_logs()
+
+
+def _serve(
+    socket_path: Path,
+    socket_mode: int,
+    pod_resources_socket: Path | None,
+    environ_file: Path | None,
+    container: str,
+    driver: str | None,
+) -> None:
     mode = socket_mode
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)

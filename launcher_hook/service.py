@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
@@ -71,10 +72,13 @@ def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> N
     LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
 
 
-def configure_logging(log_format: LogFormat = DEFAULT_LOG_FORMAT, stream: TextIO | None = None) -> None:
+def configure_logging(
+    log_format: LogFormat = DEFAULT_LOG_FORMAT, stream: TextIO | None = None, *, background: bool = False
+) -> Callable[[], None]:
     """The hook's one log setup (``serve`` and the shim): lines in ``log_format`` to ``stream`` (default
-    stderr, which the kubelet or virt-launcher's sidecar-shim collects)."""
-    configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream)
+    stderr, which the kubelet or virt-launcher's sidecar-shim collects). ``background`` writes the lines from a
+    thread, off the OnDefineDomain path; the returned function writes what is left (call it before exiting)."""
+    return configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream, background=background)
 
 
 class HookService:

@@ -120,7 +120,21 @@ def serve(
     log_format: LogFormat,
 ) -> None:
     """Serve one device plugin per GPU/vGPU resource and keep them registered until SIGTERM or SIGINT."""
-    configure_logging(log_format=log_format)
+    flush_logs = configure_logging(log_format=log_format, background=True)
+    try:
+        _serve(host_root, kubelet_dir, pci_ids, config_file, scan_interval, metrics_address)
+    finally:
+        flush_logs()
+
+
+def _serve(
+    host_root: Path | None,
+    kubelet_dir: Path,
+    pci_ids: Path | None,
+    config_file: Path | None,
+    scan_interval: float,
+    metrics_address: tuple[str, int] | None,
+) -> None:
     env = {key: value for key, value in os.environ.items() if key not in PROCESS_ENV}
     try:
         config = load_config(

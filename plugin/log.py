@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from schemas.logformat import DEFAULT_LOG_FORMAT, LogFormat, configure, event_extra, event_message
@@ -38,7 +39,10 @@ def log_event(event: str, **fields: object) -> None:
         LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
 
 
-def configure_logging(stream: TextIO | None = None, log_format: LogFormat = DEFAULT_LOG_FORMAT) -> None:
+def configure_logging(
+    stream: TextIO | None = None, log_format: LogFormat = DEFAULT_LOG_FORMAT, *, background: bool = False
+) -> Callable[[], None]:
     """Send the ``plugin`` logger's lines in ``log_format`` to ``stream`` (default stderr, where the kubelet
-    collects them)."""
-    configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream)
+    collects them); ``background`` writes them from a thread, off the Allocate path. Returns the function
+    that writes what is left (call it before exiting)."""
+    return configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream, background=background)

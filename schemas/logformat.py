@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
+import queue
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal, TextIO, get_args
 
 LogFormat = Literal["json", "text"]
@@ -42,9 +44,26 @@ def event_extra(event: str, fields: Mapping[str, object]) -> dict[str, object]:
     return {_EVENT: event, _FIELDS: dict(fields)}
 
 
-def event_message(event: str, fields: Mapping[str, object]) -> str:
-    """The record's message: ``{"event": event, **fields}`` as compact JSON (what the logs held before formats)."""
-    return json.dumps({"event": event, **fields}, separators=(",", ":"), default=str)
+class EventMessage:
+    """The record's message: ``{"event": event, **fields}`` as compact JSON (what the logs held before formats).
+
+    Rendered only when something asks (``LogRecord.getMessage()``: pytest's caplog, a plain formatter): the
+    :class:`EventFormatter` writes from the fields, and a disabled level renders nothing.
+    """
+
+    __slots__ = ("event", "fields")
+
+    def __init__(self, event: str, fields: Mapping[str, object]) -> None:
+        self.event = event
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return json.dumps({"event": self.event, **self.fields}, separators=(",", ":"), default=str)
+
+
+def event_message(event: str, fields: Mapping[str, object]) -> EventMessage:
+    """The record's message for ``event`` (see :class:`EventMessage`)."""
+    return EventMessage(event, fields)
 
 
 def rfc3339(created: float) -> str:
@@ -106,10 +125,36 @@ class EventFormatter(logging.Formatter):
         return _compact(line)
 
 
-def configure(logger: logging.Logger, component: str, log_format: LogFormat, stream: TextIO) -> None:
-    """Make ``logger`` write its events (INFO and up), formatted, to ``stream`` only (no propagation)."""
+class _HandOver(logging.handlers.QueueHandler):
+    """Puts the record on the queue as it is: formatting happens on the writer thread, not the caller's."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+def configure(
+    logger: logging.Logger, component: str, log_format: LogFormat, stream: TextIO, *, background: bool = False
+) -> Callable[[], None]:
+    """Make ``logger`` write its events (INFO and up), formatted, to ``stream`` only (no propagation).
+
+    With ``background``, a thread formats and writes the lines, so a server's request path (OnDefineDomain,
+    Allocate) only hands the record over; call the returned function before exiting to write what is left.
+    Without it, lines are written at once and the returned function does nothing.
+    """
     handler = logging.StreamHandler(stream)
     handler.setFormatter(EventFormatter(component, log_format))
-    logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    if not background:
+        logger.handlers[:] = [handler]
+        return lambda: None
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    writer = logging.handlers.QueueListener(records, handler)
+    writer.start()
+    logger.handlers[:] = [_HandOver(records)]
+
+    def flush_and_stop() -> None:
+        writer.stop()  # writes every record already queued, then ends the thread
+        logger.handlers[:] = [handler]
+
+    return flush_and_stop

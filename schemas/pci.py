@@ -80,7 +80,7 @@ class PciAddress(_Fields):
         ]
 
     def __str__(self) -> str:
-        return f"{self.domain:04x}:{self.bus:02x}:{self.slot:02x}.{self.function:x}"
+        return "%04x:%02x:%02x.%x" % self  # noqa: UP031 - formats the tuple in C; it is on the hot paths
 
     def __repr__(self) -> str:
         return f"PciAddress({str(self)!r})"

@@ -378,3 +378,33 @@ def test_formatter_keeps_reserved_names_and_stray_records_on_one_line() -> None:
 )
 def test_text_values(given: object, written: str) -> None:
     assert text_value(given) == written
+
+
+def test_background_logging_formats_off_the_callers_thread_and_loses_nothing_at_flush() -> None:
+    import threading
+
+    from schemas.logformat import configure, event_extra, event_message
+
+    formatted_on: list[str] = []
+
+    class Where:
+        """A field value that notes which thread turns it into text (the formatter does, via str())."""
+
+        def __str__(self) -> str:
+            formatted_on.append(threading.current_thread().name)
+            return "here"
+
+    logger = logging.getLogger("kgp-background-test")
+    stream = io.StringIO()
+    flush = configure(logger, "test", "json", stream, background=True)
+    for number in range(500):
+        fields = {"n": number, "where": Where()}
+        logger.info(event_message("tick", fields), extra=event_extra("tick", fields))
+    flush()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["n"] for line in lines] == list(range(500))
+    assert {line["where"] for line in lines} == {"here"}
+    assert len(formatted_on) == 500
+    assert threading.current_thread().name not in formatted_on
+    logger.info(event_message("after", {}), extra=event_extra("after", {}))  # after flush: written at once
+    assert json.loads(stream.getvalue().splitlines()[-1])["event"] == "after"
