@@ -23,9 +23,32 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
 fi
 
+# /dev/kvm as Debian's udev rule leaves it (group kvm, 0660) with libvirt-qemu in that group. Without udev
+# (containers) it can stay root:root 0600: QEMU run as libvirt-qemu cannot open it, libvirtd keeps re-probing
+# QEMU's capabilities and every domxml-to-native call waits forever.
+kvm_fixed=0
+if [ -e /dev/kvm ] && [ $is_root = 1 ]; then
+    getent group kvm >/dev/null || groupadd --system kvm
+    if [ "$(stat -c %G:%a /dev/kvm)" != kvm:660 ]; then
+        chgrp kvm /dev/kvm && chmod 0660 /dev/kvm && kvm_fixed=1
+    fi
+    if getent passwd libvirt-qemu >/dev/null && ! id -nG libvirt-qemu | tr ' ' '\n' | grep -qx kvm; then
+        usermod -a -G kvm libvirt-qemu && kvm_fixed=1
+    fi
+elif [ -e /dev/kvm ] && [ ! -r /dev/kvm ]; then
+    echo "warning: /dev/kvm is $(stat -c %U:%G:%a /dev/kvm); libvirt's QEMU probe may hang (run this script as root)" >&2
+fi
+virsh_answers() { timeout 15 virsh -c qemu:///system version >/dev/null 2>&1; }
 socket=/var/run/libvirt/libvirt-sock
-if [ -S "$socket" ] && virsh -c qemu:///system version >/dev/null 2>&1; then
+if [ -S "$socket" ] && [ $kvm_fixed = 0 ] && virsh_answers; then
     exit 0
+fi
+if [ $kvm_fixed = 1 ] && pgrep -x libvirtd >/dev/null; then
+    # libvirtd cached a QEMU probe made without /dev/kvm access: restart it so it probes again.
+    echo "/dev/kvm made usable for libvirt-qemu; restarting libvirtd" >&2
+    pkill -x libvirtd
+    for _ in $(seq 1 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
+    pgrep -x libvirtd >/dev/null && pkill -9 -x libvirtd
 fi
 if [ $is_root != 1 ]; then
     echo "libvirtd is not running and only root can start it here; the QEMU argv checks will be skipped" >&2
@@ -35,8 +58,8 @@ fi
 # libvirtd in a container: no systemd, so create its runtime folders and start it by hand.
 mkdir -p /var/run/libvirt /var/log/libvirt /var/lib/libvirt/qemu
 getent group libvirt-qemu >/dev/null || groupadd --system libvirt-qemu
-getent passwd libvirt-qemu >/dev/null || useradd --system --no-create-home -g libvirt-qemu libvirt-qemu
-answers() { virsh -c qemu:///system version >/dev/null 2>&1; }
+getent passwd libvirt-qemu >/dev/null || useradd --system --no-create-home -g libvirt-qemu $(getent group kvm >/dev/null && echo -G kvm) libvirt-qemu
+answers() { virsh_answers; }
 wait_until() {  # wait_until SECONDS COMMAND...: poll every 0.1 s
     local tries=$(($1 * 10)); shift
     for _ in $(seq 1 "$tries"); do "$@" && return 0; sleep 0.1; done
