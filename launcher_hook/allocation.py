@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from schemas import MDEV_ENV_PREFIX, PCI_ENV_PREFIX, InputError, PciAddress, ResourceKind, parse_mdev_uuid
+from schemas import MDEV_ENV_PREFIX, PCI_ENV_PREFIX, InputError, PciAddress, ResourceKind, env_var_for, parse_mdev_uuid
+
+USB_ENV_PREFIX = "USB_RESOURCE"
+"""KubeVirt's prefix for USB host devices (``USB_RESOURCE_<NAME>=<bus>:<device>``): virt-launcher renders those
+itself as ``<hostdev type='usb'>``; the hook only notes them."""
 
 DeviceId = PciAddress | str
 """A PCI function (passthrough) or an mdev UUID (vGPU, canonical lower case)."""
@@ -30,9 +34,16 @@ class Allocation:
     """Every allocation variable found, keyed by variable name."""
 
     pools: Mapping[str, Pool] = field(default_factory=dict)
+    usb_variables: frozenset[str] = frozenset()
+    """The ``USB_RESOURCE_*`` names in the env (their values are virt-launcher's business, not parsed here)."""
 
     def pool(self, variable: str) -> Pool | None:
         return self.pools.get(variable)
+
+
+def usb_env_var_for(resource_name: str) -> str:
+    """The ``USB_RESOURCE_<NAME>`` variable virt-launcher reads for a USB resource (same name rules as PCI)."""
+    return USB_ENV_PREFIX + env_var_for(resource_name, ResourceKind.PCI).removeprefix(PCI_ENV_PREFIX)
 
 
 def is_allocation_variable(name: str) -> bool:
@@ -68,7 +79,8 @@ def parse_pool(variable: str, value: str) -> Pool:
 def allocation_from_env(env: Mapping[str, str]) -> Allocation:
     """Collect and validate every allocation variable in ``env``; other variables are ignored."""
     return Allocation(
-        {name: parse_pool(name, value) for name, value in sorted(env.items()) if is_allocation_variable(name)}
+        {name: parse_pool(name, value) for name, value in sorted(env.items()) if is_allocation_variable(name)},
+        frozenset(name for name in env if name.startswith(f"{USB_ENV_PREFIX}_")),
     )
 
 

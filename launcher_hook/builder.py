@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher_hook.allocation import allocation_from_env
-from launcher_hook.domain import devices_document, parse_domain, splice_hostdevs
+from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
-from launcher_hook.matching import HostdevOptions, match_all, match_vmi
+from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 
@@ -27,12 +27,16 @@ class BuildOptions:
     driver: str | None = None
     """``vfio`` writes ``<driver name='vfio'/>`` on PCI hostdevs (needed by libvirt on hosts without IOMMU)."""
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    force_gpu_aliases: bool = False
+    """Give every GPU the hook's ``ua-gpuN`` alias, also those virt-launcher rendered as ``ua-gpu-<name>``
+    (KubeVirt's lookups by alias then miss them; each renamed one is a warning)."""
 
 
 @dataclass(frozen=True)
 class BuildResult:
     domain_xml: bytes
     hostdevs: list[HostdevSpec]
+    """The hostdevs the hook owns in the output, with the aliases they have there."""
     warnings: list[str] = field(default_factory=list)
     vmi: VirtualMachineInstance | None = None
 
@@ -43,17 +47,22 @@ class BuildResult:
 
 
 def plan_hostdevs(
-    vmi: VirtualMachineInstance | None, env: Mapping[str, str], options: BuildOptions, *, graphics: bool = True
+    vmi: VirtualMachineInstance | None,
+    env: Mapping[str, str],
+    options: BuildOptions,
+    *,
+    graphics: bool = True,
+    existing: DomainHostdevs = NO_HOSTDEVS,
 ) -> tuple[list[HostdevSpec], list[str]]:
     """The hostdevs the VM gets and any warnings, without touching a domain (``graphics``: whether the
-    domain has a ``<graphics>`` device, which a vGPU display needs)."""
+    domain has a ``<graphics>`` device, which a vGPU display needs; ``existing``: its hostdevs)."""
     if options.driver is not None and options.driver not in SUPPORTED_DRIVERS:
         raise ValueError(f"unsupported hostdev driver {options.driver!r}; supported: {', '.join(SUPPORTED_DRIVERS)}")
     allocation = allocation_from_env(env)
-    hostdev_options = HostdevOptions(managed=options.managed, driver=options.driver, graphics=graphics)
+    hostdev_options = HostdevOptions(options.managed, options.driver, graphics, options.force_gpu_aliases)
     if vmi is None:
-        return match_all(allocation, hostdev_options), []
-    return match_vmi(vmi, allocation, hostdev_options)
+        return match_all(allocation, hostdev_options, existing)
+    return match_vmi(vmi, allocation, hostdev_options, existing)
 
 
 def build_domain(
@@ -66,8 +75,12 @@ def build_domain(
     options = options or BuildOptions()
     vmi = parse_vmi(vmi_json, max_bytes=options.max_input_bytes) if vmi_json is not None else None
     parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
-    graphics = parsed is None or parsed.root.find("devices/graphics") is not None
-    specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics)
     if parsed is None:
+        specs, warnings = plan_hostdevs(vmi, env, options)
         return BuildResult(devices_document(specs), specs, warnings, vmi)
-    return BuildResult(splice_hostdevs(parsed, specs), specs, warnings, vmi)
+    # libvirt reads the devices of every <devices> element; so does the hook (graphics and hostdevs).
+    graphics = parsed.root.find("devices/graphics") is not None
+    existing = read_hostdevs(parsed)
+    specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics, existing=existing.view)
+    spliced = merge_hostdevs(parsed, specs, existing)
+    return BuildResult(spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings, vmi)

@@ -15,6 +15,7 @@ Tests assert both give the same bytes wherever both apply.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import threading
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from lxml import etree
 
 from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, render_hostdev
+from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, SourceKey
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.limits import check_utf8
 
@@ -235,55 +237,295 @@ def _append(parent: etree._Element, child: etree._Element, before: str | None, c
     parent.append(child)
 
 
-def _check_aliases(parsed: ParsedDomain, specs: Sequence[HostdevSpec], doomed: set[int]) -> None:
-    ours = {spec.alias for spec in specs}
-    prefixes = {alias.rstrip("0123456789").encode() for alias in ours}
+@dataclass(frozen=True)
+class HostdevsInDomain:
+    """The hostdevs of every ``<devices>`` (libvirt's parser reads them all), indexed for the merge."""
+
+    by_source: dict[SourceKey, list[etree._Element]]
+    view: DomainHostdevs
+
+
+def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
+    name = f" {alias!r}" if alias else ""
+    return f"<hostdev>{name} at line {hostdev.sourceline}"
+
+
+def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
+    """Index the domain's hostdevs by source, and tell the matcher their aliases and ramfb state."""
+    if b"<hostdev" not in parsed.source:
+        return HostdevsInDomain({}, NO_HOSTDEVS)
+    by_source: dict[SourceKey, list[etree._Element]] = {}
+    alias_sources: dict[str, SourceKey | None] = {}
+    ramfb_on: dict[SourceKey, str] = {}
+    for hostdev in parsed.root.iterfind("devices/hostdev"):
+        key = hostdev_source_key(hostdev)
+        if key is not None:
+            by_source.setdefault(key, []).append(hostdev)
+        alias = hostdev.find("alias")
+        name = alias.get("name") if alias is not None else None
+        if name:
+            alias_sources.setdefault(name, key)
+        if key is not None and key[0] == "mdev" and hostdev.get("ramfb") == "on":
+            ramfb_on.setdefault(key, _hostdev_label(hostdev, name))
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, ramfb_on))
+
+
+@dataclass(frozen=True)
+class Spliced:
+    """The new domain, the hostdevs the hook owns in it (with the aliases they have there) and warnings."""
+
+    domain_xml: bytes
+    hostdevs: list[HostdevSpec]
+    warnings: list[str]
+
+
+def _set_switch(hostdev: etree._Element, attribute: str, on: bool) -> bool:
+    """Make ``attribute`` say ``on``/not on; True if the element changed (an existing ``'off'`` stays)."""
+    current = hostdev.get(attribute)
+    if on and current != "on":
+        hostdev.set(attribute, "on")
+        return True
+    if not on and current == "on":
+        del hostdev.attrib[attribute]
+        return True
+    return False
+
+
+def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]) -> tuple[str, bool]:
+    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, and whether the
+    element changed. Everything libvirt accepts is kept: alias, guest address, boot order, rom, acpi, driver."""
+    changed = False
+    alias_element = hostdev.find("alias")
+    current = alias_element.get("name") if alias_element is not None else None
+    alias = current or spec.alias
+    if current is None or _USER_ALIAS.fullmatch(current) is None:
+        alias = spec.alias
+        if current is not None:
+            warnings.append(
+                f"{spec.label}: alias {current!r} is not one libvirt keeps ('ua-' then [a-zA-Z0-9_-]); "
+                f"it is now {alias!r}"
+            )
+    elif spec.force_alias and current != spec.alias:
+        alias = spec.alias
+        warnings.append(
+            f"{spec.label}: alias {current!r} renamed {alias!r} (--force-gpu-aliases); KubeVirt looks the device "
+            f"up by {current!r} and will not find it"
+        )
+    if alias != current:
+        if alias_element is None:
+            _append(hostdev, etree.Element("alias", name=alias), *_child_slots(hostdev, unit))
+        else:
+            alias_element.set("name", alias)
+        changed = True
+    address = hostdev.find("source/address")
+    if address is not None and "type" in address.attrib:
+        del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
+        changed = True
+    if spec.kind is ResourceKind.PCI:
+        if address is not None and isinstance(spec.source, PciAddress):
+            changed |= _hex_source_address(address, spec.source)
+        dropped = [attribute for attribute in ("display", "ramfb") if attribute in hostdev.attrib]
+        for attribute in dropped:
+            del hostdev.attrib[attribute]
+        if dropped:
+            changed = True
+            warnings.append(
+                f"{spec.label}: {'/'.join(dropped)} removed from the PCI hostdev {alias!r} (libvirt's schema has "
+                "them on mdev hostdevs only and its parser drops them)"
+            )
+        if spec.driver is not None and hostdev.find("driver") is None:
+            driver = etree.Element("driver", name=spec.driver)
+            driver.tail = _newline_whitespace(hostdev.text)
+            hostdev.insert(0, driver)
+            changed = True
+    else:
+        changed |= _set_switch(hostdev, "display", spec.display)
+        changed |= _set_switch(hostdev, "ramfb", spec.ramfb)
+    return alias, changed
+
+
+_PCI_FIELDS = ("domain", "bus", "slot", "function")
+
+
+def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:
+    """Write a source address given in decimal or octal (which libvirt reads C-style) in ``0x`` hex, the same
+    numbers in the one unambiguous form; an address already all ``0x`` stays as written."""
+    if all((address.get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
+        return False
+    for field, value in zip(_PCI_FIELDS, ("0x%04x", "0x%02x", "0x%02x", "0x%x"), strict=True):
+        address.set(field, value % getattr(source, field))
+    return True
+
+
+def _check_aliases(
+    parsed: ParsedDomain, introduced: dict[str, etree._Element | None], doomed: Sequence[etree._Element]
+) -> None:
+    """Each alias the hook writes (on a new hostdev, None, or on the hostdev given) is held by nothing else."""
+    if not introduced:
+        return
+    prefixes = {alias.rstrip("0123456789").encode() for alias in introduced}
     if b"&" not in parsed.source and not any(prefix in parsed.source for prefix in prefixes):
         return  # no alias of ours can be in the document (a character reference could hide one)
+    skipped = {id(element) for element in doomed}
     for element in parsed.root.iter("alias"):
+        name = element.get("name")
+        if name not in introduced:
+            continue
         holder = element.getparent()
-        if element.get("name") in ours and holder is not None and id(holder) not in doomed:
-            raise InputError(
-                f"alias {element.get('name')!r} is already used by <{holder.tag}> at line {element.sourceline} "
-                "of the domain; it would collide with a GPU written by this hook"
+        if holder is None or id(holder) in skipped or holder is introduced[name]:
+            continue
+        raise InputError(
+            f"alias {name!r} is already used by <{holder.tag}> at line {element.sourceline} "
+            "of the domain; it would collide with a GPU written by this hook"
+        )
+
+
+def merge_hostdevs(
+    parsed: ParsedDomain,
+    specs: Sequence[HostdevSpec],
+    existing: HostdevsInDomain | None = None,
+    *,
+    allow_fast: bool = True,
+) -> Spliced:
+    """The domain with one ``<hostdev>`` per spec: a hostdev already there for the same source (virt-launcher's)
+    is kept and only corrected (``_merge_into``); the others are added to the last ``<devices>``. A second
+    hostdev for one source is removed (libvirt refuses it). Untouched elements keep their bytes.
+
+    An alias the hook writes that another element holds is an error, raised before anything is produced.
+    """
+    existing = existing if existing is not None else read_hostdevs(parsed)
+    unit = _indent_unit(parsed.root)
+    warnings: list[str] = []
+    final: list[HostdevSpec] = []
+    new: list[HostdevSpec] = []
+    touched: list[etree._Element] = []
+    doomed: list[etree._Element] = []
+    introduced: dict[str, etree._Element | None] = {}
+    for spec in specs:
+        found = existing.by_source.get(spec_source_key(spec))
+        if not found:
+            new.append(spec)
+            final.append(spec)
+            introduced[spec.alias] = None
+            continue
+        hostdev, *extra = found
+        for duplicate in extra:
+            warnings.append(
+                f"{spec.label}: {spec.source_text} is passed by {_hostdev_label(hostdev, None)} and again by "
+                f"{_hostdev_label(duplicate, None)}; libvirt refuses that, so the second is removed"
             )
+            doomed.append(duplicate)
+        before = hostdev.find("alias")
+        old_alias = before.get("name") if before is not None else None
+        alias, changed = _merge_into(hostdev, spec, unit, warnings)
+        if alias != old_alias:
+            introduced[alias] = hostdev
+        if changed:
+            touched.append(hostdev)
+        final.append(spec._replace(alias=alias))
+    _check_aliases(parsed, introduced, doomed)
+    if not (new or touched or doomed):
+        return Spliced(parsed.source, final, warnings)
+    devices_elements = parsed.root.findall("devices")
+    if allow_fast and not doomed and len(devices_elements) == 1 and parsed.has_only_elements_and_text:
+        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit)
+        if patched is not None:
+            return Spliced(patched, final, warnings)
+    _splice_tree(parsed, devices_elements, new, doomed, unit)
+    return Spliced(parsed.serialize(), final, warnings)
 
 
 def splice_hostdevs(parsed: ParsedDomain, specs: Sequence[HostdevSpec], *, allow_fast: bool = True) -> bytes:
-    """The domain with one ``<hostdev>`` per spec in ``/domain/devices``; a hostdev with the same source is
-    replaced, which makes the build idempotent and absorbs hostdevs virt-launcher already rendered.
-
-    An alias already held by any other element is an error, raised before anything is produced.
-    """
-    root = parsed.root
-    devices = root.find("devices")
-    replaced: dict[tuple[str, str], list[etree._Element]] = {}
-    if devices is not None and devices.find("hostdev") is not None:
-        wanted = {spec_source_key(spec) for spec in specs}
-        for hostdev in devices.iterfind("hostdev"):
-            key = hostdev_source_key(hostdev)
-            if key is not None and key in wanted:
-                replaced.setdefault(key, []).append(hostdev)
-    _check_aliases(parsed, specs, {id(element) for elements in replaced.values() for element in elements})
-    unit = _indent_unit(root)
-    if allow_fast and not replaced and devices is not None:
-        spliced = _splice_bytes(parsed, devices, specs, unit)
-        if spliced is not None:
-            return spliced
-    _splice_tree(parsed, devices, specs, replaced, unit)
-    return parsed.serialize()
+    """``merge_hostdevs``'s document alone."""
+    return merge_hostdevs(parsed, specs, allow_fast=allow_fast).domain_xml
 
 
-def _splice_bytes(
-    parsed: ParsedDomain, devices: etree._Element, specs: Sequence[HostdevSpec], unit: str
+_USER_ALIAS = re.compile(r"ua-[a-zA-Z0-9_-]+")
+"""The aliases libvirt keeps on an inactive domain; it silently drops others (the device becomes hostdevN)."""
+_HOSTDEV_START = re.compile(rb"<(?:[A-Za-z_][\w.-]*:)?hostdev[\s/>]")
+_HOSTDEV_END = re.compile(rb"</hostdev\s*>")
+
+
+def _patch_bytes(
+    parsed: ParsedDomain,
+    devices: etree._Element,
+    touched: Sequence[etree._Element],
+    new: Sequence[HostdevSpec],
+    unit: str,
 ) -> bytes | None:
-    """Insert the rendered hostdevs before ``</devices>`` in the original bytes, when that is unambiguous.
+    """The original bytes with each touched hostdev re-serialised in place and the new ones inserted before
+    ``</devices>``, when every position is unambiguous (the caller checked: no comment, CDATA section or
+    processing instruction, one ``<devices>``); None otherwise."""
+    source = parsed.source
+    edits: list[tuple[int, int, bytes]] = []
+    if touched:
+        spans = _hostdev_spans(parsed, touched)
+        if spans is None:
+            return None
+        edits += spans
+    if new:
+        insertion = _insertion(parsed, devices, new, unit)
+        if insertion is None:
+            return None
+        edits.append(insertion)
+    edits.sort(key=lambda edit: edit[0])
+    pieces: list[bytes] = []
+    position = 0
+    for start, end, text in edits:
+        if start < position:
+            return None
+        pieces += (source[position:start], text)
+        position = end
+    pieces.append(source[position:])
+    return b"".join(pieces)
 
-    Unambiguous: ``<devices>`` has children (so it is not written ``<devices/>``), ``</devices>`` occurs
-    once, and no comment, CDATA section or processing instruction could hold a fake one.
+
+def _hostdev_spans(parsed: ParsedDomain, touched: Sequence[etree._Element]) -> list[tuple[int, int, bytes]] | None:
+    """Where each touched hostdev is in the bytes, and its new text.
+
+    Without comments, CDATA or PIs every ``<hostdev`` / ``<p:hostdev`` in the bytes is a start tag (``<`` is
+    not allowed raw in text or attribute values), so the n-th one is the n-th element named hostdev.
     """
     source = parsed.source
-    if not len(devices) or not parsed.has_only_elements_and_text or source.count(b"</devices>") != 1:
+    starts = [match.start() for match in _HOSTDEV_START.finditer(source)]
+    elements = list(parsed.root.iter("{*}hostdev"))
+    if len(starts) != len(elements):
+        return None
+    index = {id(element): position for position, element in enumerate(elements)}
+    spans: list[tuple[int, int, bytes]] = []
+    for hostdev in touched:
+        position = index[id(hostdev)]
+        start = starts[position]
+        end_tag = _HOSTDEV_END.search(source, start)
+        if end_tag is None or (position + 1 < len(starts) and starts[position + 1] < end_tag.start()):
+            return None
+        segment = source[start : end_tag.end()]
+        expanded = b"/>" not in segment and (b"></" in segment or parsed.expanded_empty)
+        spans.append((start, end_tag.end(), _element_bytes(hostdev, expanded)))
+    return spans
+
+
+def _element_bytes(element: etree._Element, expanded_empty: bool) -> bytes:
+    clone = copy.deepcopy(element)  # detached: no namespace declarations of its ancestors
+    clone.tail = None
+    if expanded_empty:
+        for child in clone.iter():
+            if isinstance(child.tag, str) and len(child) == 0 and child.text is None:
+                child.text = ""
+    text: bytes = etree.tostring(clone, encoding="UTF-8", xml_declaration=False)
+    return text
+
+
+def _insertion(
+    parsed: ParsedDomain, devices: etree._Element, specs: Sequence[HostdevSpec], unit: str
+) -> tuple[int, int, bytes] | None:
+    """Where and what to insert for ``specs`` before ``</devices>``, when that is unambiguous.
+
+    Unambiguous: ``<devices>`` has children (so it is not written ``<devices/>``) and ``</devices>`` occurs
+    once.
+    """
+    source = parsed.source
+    if not len(devices) or source.count(b"</devices>") != 1:
         return None
     before, closing = _child_slots(devices, unit)
     if (before is None) != (closing is None):
@@ -295,36 +537,32 @@ def _splice_bytes(
         return None
     layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
     render = HostdevRenderer(layout)
-    text = "".join(layout.indent + render(spec) for spec in specs)
-    return source[:insert_at] + text.encode() + source[insert_at:]
+    return insert_at, insert_at, "".join(layout.indent + render(spec) for spec in specs).encode()
 
 
 def _splice_tree(
     parsed: ParsedDomain,
-    devices: etree._Element | None,
-    specs: Sequence[HostdevSpec],
-    replaced: dict[tuple[str, str], list[etree._Element]],
+    devices_elements: Sequence[etree._Element],
+    new: Sequence[HostdevSpec],
+    doomed: Sequence[etree._Element],
     unit: str,
 ) -> None:
+    """The general path: remove the doomed hostdevs, append the new ones to the last ``<devices>``."""
+    for duplicate in doomed:
+        _remove_keeping_layout(duplicate)
+    if not new:
+        return
     root = parsed.root
     expanded = parsed.expanded_empty
-    if devices is None:
+    if devices_elements:
+        devices = devices_elements[-1]
+    else:
         devices = etree.Element("devices")
         _append(root, devices, *_child_slots(root, unit))
-    for spec in specs:
-        existing = replaced.get(spec_source_key(spec), [])
-        if existing:
-            first, *extra = existing
-            indent = _indent_of(first)
-            element = etree.fromstring(render_hostdev(spec, Layout(indent or "", unit if indent else "", expanded)))
-            element.tail = first.tail
-            devices.replace(first, element)
-            for duplicate in extra:
-                _remove_keeping_layout(duplicate)
-        else:
-            before, closing = _child_slots(devices, unit)
-            element = etree.fromstring(render_hostdev(spec, Layout(before or "", unit if before else "", expanded)))
-            _append(devices, element, before, closing)
+    for spec in new:
+        before, closing = _child_slots(devices, unit)
+        element = etree.fromstring(render_hostdev(spec, Layout(before or "", unit if before else "", expanded)))
+        _append(devices, element, before, closing)
 
 
 def _remove_keeping_layout(element: etree._Element) -> None:

@@ -30,6 +30,11 @@ class HostdevSpec(NamedTuple):
     driver: str | None = None
     display: bool = False
     ramfb: bool = False
+    label: str = ""
+    """Which VMI entry (or variable) asked for the device, for messages: ``gpus[0] 'gpu0' (deviceName …)``."""
+    force_alias: bool = False
+    """Give a hostdev already in the domain for this source ``alias`` too (``--force-gpu-aliases``); without it,
+    such a hostdev keeps the alias it has (virt-launcher's ``ua-gpu-<name>``, which KubeVirt looks devices up by)."""
 
     @property
     def source_text(self) -> str:

@@ -1,25 +1,38 @@
-"""Which allocated device becomes which of the VM's devices, and with what alias.
+"""Which allocated device becomes which of the VM's devices, with what alias and display flags.
 
-Follows virt-launcher (FACTS.md §4): each ``gpus[]`` entry takes the next unused ID of its
-``deviceName``, the PCI variable first and then the mdev one, an ID being used once across all
-variables; ``hostDevices[]`` entries the same way. Where KubeVirt only logs a missing variable and fails
-later with a count mismatch, this names the GPU, the resource and the variables looked for.
+Follows virt-launcher (docs/kubevirt-hostdevs.md): each ``gpus[]`` entry takes the next unused ID of its
+``deviceName``, the PCI variable first and then the mdev one, an ID being used once across all variables;
+``hostDevices[]`` entries the same way. When virt-launcher has already rendered an entry (its alias
+``ua-gpu-<name>`` / ``ua-hostdevice-<name>`` is in the domain) and that device is in the allocation, the entry
+keeps virt-launcher's device, so both agree even when the hook reads the IDs in another order.
 
-Aliases are ``ua-gpuN`` / ``ua-hostdevN`` with N the entry's index in its list, so they never depend on
-user-chosen names (which may hold characters libvirt silently drops from aliases).
+The hook acts only on entries whose allocation arrives in ``PCI_RESOURCE_*`` / ``MDEV_PCI_RESOURCE_*``. An
+entry without such a variable is left to virt-launcher, with a warning, when virt-launcher has rendered it
+(or, for ``hostDevices[]``, when it is a USB device: ``USB_RESOURCE_*``); otherwise virt-launcher itself
+would have refused the VMI (its device count check), and so does the hook, naming the entry.
+
+Aliases of hostdevs the hook creates are ``ua-gpuN`` / ``ua-hostdevN`` with N the entry's index in its list,
+so they never depend on user-chosen names (which may hold characters libvirt silently drops from aliases).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from launcher_hook.allocation import Allocation, DeviceId, Pool
+from launcher_hook.allocation import Allocation, DeviceId, Pool, usb_env_var_for
 from launcher_hook.hostdev import HostdevSpec
 from schemas import InputError, ResourceKind, env_var_for
 from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
+
+SourceKey = tuple[str, str]
+"""What a hostdev passes through: ``("pci", "0000:86:00.0")`` or ``("mdev", "<uuid>")``."""
+
+KUBEVIRT_ALIAS_PREFIX = {"gpus": "ua-gpu-", "hostDevices": "ua-hostdevice-"}
+"""virt-launcher's alias for an entry: this prefix and the entry's name."""
+KUBEVIRT_USB_ALIAS_PREFIX = "ua-usb-host-"
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,21 @@ class HostdevOptions:
     graphics: bool = True
     """Whether the domain has a ``<graphics>`` device: libvirt's QEMU driver refuses ``display='on'`` on an
     mdev hostdev without one, so the default display is only turned on with it."""
+    force_gpu_aliases: bool = False
+    """Rename GPUs virt-launcher already rendered to ``ua-gpuN`` too."""
+
+
+@dataclass(frozen=True)
+class DomainHostdevs:
+    """What the matcher needs to know of the hostdevs already in the domain (``domain.read_hostdevs``)."""
+
+    alias_sources: Mapping[str, SourceKey | None] = field(default_factory=dict)
+    """Each hostdev alias → what that hostdev passes (None: a source the hook does not read, e.g. USB)."""
+    ramfb_on: Mapping[SourceKey, str] = field(default_factory=dict)
+    """mdev hostdevs with ``ramfb='on'``: source → how to name the hostdev in a message."""
+
+
+NO_HOSTDEVS = DomainHostdevs()
 
 
 class _Request(NamedTuple):
@@ -45,6 +73,10 @@ class _Request(NamedTuple):
     @property
     def alias(self) -> str:
         return f"ua-gpu{self.position}" if self.list_name == "gpus" else f"ua-hostdev{self.position}"
+
+    @property
+    def kubevirt_alias(self) -> str:
+        return KUBEVIRT_ALIAS_PREFIX[self.list_name] + self.name
 
     @property
     def label(self) -> str:
@@ -75,15 +107,25 @@ def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
     ]
 
 
-def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Pool]]) -> None:
-    """Every requested resource has a variable with enough IDs; otherwise say exactly what is missing."""
-    for request in requests:
-        if not pools_by_name[request.device_name]:
-            pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
-            raise InputError(
-                f"{request.label}: no allocation variable found; looked for {pci} and {mdev} "
-                "(is the device plugin serving this resource, and is this the compute container's env?)"
+def _left_to_virt_launcher(request: _Request, allocation: Allocation, existing: DomainHostdevs) -> str | None:
+    """Why an entry without a PCI/mdev variable is virt-launcher's alone (a warning), or None if it is not."""
+    pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
+    aliases = [request.kubevirt_alias]
+    if request.list_name == "hostDevices":
+        aliases.append(KUBEVIRT_USB_ALIAS_PREFIX + request.name)
+    for alias in aliases:
+        if alias in existing.alias_sources:
+            return (
+                f"{request.label}: not in the hook's allocation ({pci}, {mdev}); virt-launcher's <hostdev> "
+                f"{alias!r} is left as it is"
             )
+    if request.list_name == "hostDevices" and usb_env_var_for(request.device_name) in allocation.usb_variables:
+        return f"{request.label}: a USB device ({usb_env_var_for(request.device_name)}); left to virt-launcher"
+    return None
+
+
+def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Pool]]) -> None:
+    """Every served resource has enough IDs; otherwise say exactly what is missing."""
     for device_name, count in Counter(request.device_name for request in requests).items():
         pools = pools_by_name[device_name]
         found = len({device_id for pool in pools for device_id in pool.ids})
@@ -94,88 +136,224 @@ def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Po
             )
 
 
-def _display_flags(options: VGPUOptions | None, first_mdev: bool, any_display: bool) -> tuple[bool, bool]:
-    """KubeVirt's display/ramfb rules for an mdev GPU (PCI hostdevs never get them: libvirt's schema has
-    them on mdev hostdevs only)."""
+def _no_variable(request: _Request) -> InputError:
+    pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
+    return InputError(
+        f"{request.label}: no allocation variable found; looked for {pci} and {mdev} "
+        "(is the device plugin serving this resource, and is this the compute container's env?)"
+    )
+
+
+class _Display(NamedTuple):
+    display: bool
+    ramfb: str | None  # None, "default" (KubeVirt's default) or "explicit" (ramFB.enabled: true)
+
+
+def _display_request(options: VGPUOptions | None, default_display: bool) -> _Display:
+    """KubeVirt's display/ramfb rules for one mdev GPU, before the one-ramfb rule is applied."""
     display = options.display if options else None
     if display is None:
-        return (True, True) if first_mdev and not any_display else (False, False)
+        return _Display(True, "default") if default_display else _Display(False, None)
     if display.enabled is False:
-        return False, False
-    return True, not (display.ram_fb is not None and display.ram_fb.enabled is False)
+        return _Display(False, None)
+    ram_fb = display.ram_fb.enabled if display.ram_fb is not None else None
+    return _Display(True, None if ram_fb is False else "explicit" if ram_fb is True else "default")
+
+
+def _one_ramfb(
+    wants: Mapping[int, _Display], labels: Mapping[int, str], taken_by: str | None
+) -> tuple[set[int], list[str]]:
+    """Who gets ``ramfb='on'`` (libvirt allows it on one vGPU only), and warnings for those who lose it.
+
+    An explicit request wins over KubeVirt's default; two explicit requests, or one while another hostdev of
+    the domain already has ramfb (``taken_by``), are an error naming both.
+    """
+    explicit = [index for index, want in wants.items() if want.ramfb == "explicit"]
+    default = [index for index, want in wants.items() if want.ramfb == "default"]
+    if len(explicit) > 1:
+        raise InputError(
+            f"{labels[explicit[0]]} and {labels[explicit[1]]} both ask for ramfb (virtualGPUOptions.display.ramFB."
+            "enabled: true), but libvirt allows ramfb='on' on one vGPU only"
+        )
+    if explicit and taken_by is not None:
+        raise InputError(
+            f"{labels[explicit[0]]} asks for ramfb, but {taken_by} in the domain already has ramfb='on' and libvirt "
+            "allows it on one vGPU only"
+        )
+    winner = explicit[0] if explicit else default[0] if default and taken_by is None else None
+    holder = labels[winner] if winner is not None else taken_by
+    warnings = [
+        f"{labels[index]}: no ramfb='on' ({holder} has it; libvirt allows it on one vGPU only)"
+        for index in default
+        if index != winner
+    ]
+    return ({winner} if winner is not None else set()), warnings
+
+
+def _claim_rendered(
+    served: Sequence[_Request],
+    pools_by_name: Mapping[str, list[Pool]],
+    existing: DomainHostdevs,
+    used: set[DeviceId],
+    warnings: list[str],
+) -> tuple[dict[int, tuple[Pool, DeviceId]], set[int]]:
+    """Entries virt-launcher already rendered keep its device: index → (pool, ID); and the indexes of entries
+    whose rendered device is not in the hook's allocation (left as virt-launcher wrote them)."""
+    claimed: dict[int, tuple[Pool, DeviceId]] = {}
+    kept: set[int] = set()
+    for index, request in enumerate(served):
+        alias = request.kubevirt_alias
+        if alias not in existing.alias_sources:
+            continue
+        key = existing.alias_sources[alias]
+        pools = pools_by_name[request.device_name]
+        match = next(
+            (
+                (pool, device_id)
+                for pool in pools
+                for device_id in pool.ids
+                if key == (pool.kind.value, str(device_id)) and device_id not in used
+            ),
+            None,
+        )
+        if match is None:
+            kept.add(index)
+            passes = key[1] if key is not None else "a device the hook does not read"
+            warnings.append(
+                f"{request.label}: virt-launcher's <hostdev> {alias!r} passes {passes}, which "
+                f"{' / '.join(pool.variable for pool in pools)} does not offer; it is left as it is"
+            )
+            continue
+        claimed[index] = match
+        used.add(match[1])
+    return claimed, kept
 
 
 def match_vmi(
-    vmi: VirtualMachineInstance, allocation: Allocation, options: HostdevOptions
+    vmi: VirtualMachineInstance,
+    allocation: Allocation,
+    options: HostdevOptions,
+    existing: DomainHostdevs = NO_HOSTDEVS,
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user."""
-    requests = _requests(vmi)
-    pools_by_name = {name: _pools_for(name, allocation) for name in {request.device_name for request in requests}}
-    _check_supply(requests, pools_by_name)
-    any_display = any(
-        gpu.virtual_gpu_options and gpu.virtual_gpu_options.display for gpu in vmi.spec.domain.devices.gpus
-    )
+    warnings: list[str] = []
+    pools_by_name: dict[str, list[Pool]] = {}
+    served: list[_Request] = []
+    for request in _requests(vmi):
+        pools = pools_by_name.get(request.device_name)
+        if pools is None:
+            pools = pools_by_name[request.device_name] = _pools_for(request.device_name, allocation)
+        if pools:
+            served.append(request)
+            continue
+        reason = _left_to_virt_launcher(request, allocation, existing)
+        if reason is None:
+            raise _no_variable(request)
+        warnings.append(reason)
+    _check_supply(served, pools_by_name)
+    used: set[DeviceId] = set()
+    claimed, kept = _claim_rendered(served, pools_by_name, existing, used, warnings)
     # One cursor per resource over its IDs, PCI pool first: each request takes the next one not yet used.
     cursors: dict[str, Iterator[tuple[Pool, DeviceId]]] = {
         name: ((pool, device_id) for pool in pools for device_id in pool.ids) for name, pools in pools_by_name.items()
     }
-    used: set[DeviceId] = set()
+    any_display = any(
+        gpu.virtual_gpu_options and gpu.virtual_gpu_options.display for gpu in vmi.spec.domain.devices.gpus
+    )
     specs: list[HostdevSpec] = []
-    warnings: list[str] = []
+    wants: dict[int, _Display] = {}
+    labels: dict[int, str] = {}
     first_mdev_seen = False
-    for request in requests:
-        for pool, device_id in cursors[request.device_name]:  # noqa: B007 - pool is used after the break
-            if device_id not in used:
-                break
+    for index, request in enumerate(served):
+        if index in kept:
+            continue
+        if index in claimed:
+            pool, device_id = claimed[index]
         else:
-            raise InputError(
-                f"{request.label}: every device of {request.device_name} is already taken by another entry"
-            )
-        used.add(device_id)
+            for pool, device_id in cursors[request.device_name]:  # noqa: B007 - pool is used after the break
+                if device_id not in used:
+                    break
+            else:
+                raise InputError(
+                    f"{request.label}: every device of {request.device_name} is already taken by another entry"
+                )
+            used.add(device_id)
         gpu_options = request.gpu.virtual_gpu_options if request.gpu is not None else None
-        if pool.kind is ResourceKind.MDEV:
-            is_first_mdev = request.list_name == "gpus" and not first_mdev_seen
-            first_mdev_seen |= is_first_mdev
-            display, ramfb = _display_flags(gpu_options, is_first_mdev and options.graphics, bool(any_display))
-            if display and not options.graphics:
+        spec = HostdevSpec(
+            pool.kind,
+            device_id,
+            request.alias,
+            pool.variable,
+            options.managed,
+            options.driver if pool.kind is ResourceKind.PCI else None,
+            label=request.label,
+            force_alias=options.force_gpu_aliases and request.list_name == "gpus",
+        )
+        if pool.kind is ResourceKind.MDEV and request.list_name == "gpus":
+            is_first_mdev = not first_mdev_seen
+            first_mdev_seen = True
+            want = _display_request(gpu_options, is_first_mdev and options.graphics and not any_display)
+            if want.display and not options.graphics:
                 raise InputError(
                     f"{request.label} asks for a vGPU display, but the domain has no <graphics> device and "
                     "libvirt refuses display='on' without one (keep autoattachGraphicsDevice on, or set "
                     "virtualGPUOptions.display.enabled: false)"
                 )
-            specs.append(
-                HostdevSpec(pool.kind, device_id, request.alias, pool.variable, options.managed, None, display, ramfb)
-            )
-            continue
-        if gpu_options is not None and gpu_options.display is not None and gpu_options.display.enabled is True:
+            wants[len(specs)] = want
+            labels[len(specs)] = request.label
+        elif gpu_options is not None and gpu_options.display is not None and gpu_options.display.enabled is True:
             warnings.append(
                 f"{request.label}: display/ramfb are not written on PCI passthrough hostdevs "
                 "(libvirt's schema allows them on mdev hostdevs only and its parser drops them)"
             )
-        specs.append(HostdevSpec(pool.kind, device_id, request.alias, pool.variable, options.managed, options.driver))
-    return specs, warnings
+        specs.append(spec)
+    return _with_display(specs, wants, labels, existing, warnings), warnings
 
 
-def match_all(allocation: Allocation, options: HostdevOptions) -> list[HostdevSpec]:
-    """Without a VMI: every variable in name order, IDs in listed order, aliases ``ua-gpu0``, ``ua-gpu1``…"""
+def _with_display(
+    specs: list[HostdevSpec],
+    wants: Mapping[int, _Display],
+    labels: Mapping[int, str],
+    existing: DomainHostdevs,
+    warnings: list[str],
+) -> list[HostdevSpec]:
+    """``specs`` with their display flags set, ramfb on at most one (warnings appended)."""
+    if not wants:
+        return specs
+    ours = {(spec.kind.value, spec.source_text) for spec in specs}
+    others = [label for key, label in existing.ramfb_on.items() if key not in ours]
+    ramfb, lost = _one_ramfb(wants, labels, others[0] if others else None)
+    warnings += lost
+    for index, want in wants.items():
+        specs[index] = specs[index]._replace(display=want.display, ramfb=index in ramfb)
+    return specs
+
+
+def match_all(
+    allocation: Allocation, options: HostdevOptions, existing: DomainHostdevs = NO_HOSTDEVS
+) -> tuple[list[HostdevSpec], list[str]]:
+    """Without a VMI: every variable in name order, IDs in listed order, aliases ``ua-gpu0``, ``ua-gpu1``…;
+    the first vGPU gets the default display (with a ``<graphics>`` device)."""
     specs: list[HostdevSpec] = []
     seen: set[DeviceId] = set()
-    first_mdev = True
+    wants: dict[int, _Display] = {}
+    labels: dict[int, str] = {}
     for variable in sorted(allocation.pools):
         pool = allocation.pools[variable]
         for device_id in pool.ids:
             if device_id in seen:
                 continue
             seen.add(device_id)
-            on = pool.kind is ResourceKind.MDEV and first_mdev and options.graphics
-            first_mdev &= pool.kind is not ResourceKind.MDEV
-            specs.append(_spec(pool, device_id, f"ua-gpu{len(specs)}", options, on, on))
-    return specs
+            label = f"{variable} {device_id}"
+            if pool.kind is ResourceKind.MDEV:
+                wants[len(specs)] = _display_request(None, not wants and options.graphics)
+                labels[len(specs)] = label
+            specs.append(_spec(pool, device_id, f"ua-gpu{len(specs)}", options, label))
+    warnings: list[str] = []
+    return _with_display(specs, wants, labels, existing, warnings), warnings
 
 
-def _spec(
-    pool: Pool, device_id: DeviceId, alias: str, options: HostdevOptions, display: bool, ramfb: bool
-) -> HostdevSpec:
+def _spec(pool: Pool, device_id: DeviceId, alias: str, options: HostdevOptions, label: str) -> HostdevSpec:
     return HostdevSpec(
         kind=pool.kind,
         source=device_id,
@@ -183,6 +361,6 @@ def _spec(
         variable=pool.variable,
         managed=options.managed,
         driver=options.driver if pool.kind is ResourceKind.PCI else None,
-        display=display,
-        ramfb=ramfb,
+        label=label,
+        force_alias=options.force_gpu_aliases,
     )

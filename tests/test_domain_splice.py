@@ -60,7 +60,7 @@ def test_devices_element_is_created_when_absent() -> None:
     assert out.endswith(b"</hostdev></devices></domain>")
 
 
-def test_hostdev_with_same_source_is_replaced_not_duplicated() -> None:
+def test_hostdev_with_same_source_is_merged_not_duplicated() -> None:
     domain = (
         b"<domain type='kvm'>" + BASICS + b"<devices>"
         b"<hostdev mode='subsystem' type='pci' managed='no'><source><address type='pci' domain='0' bus='134' slot='0'"
@@ -72,15 +72,21 @@ def test_hostdev_with_same_source_is_replaced_not_duplicated() -> None:
         b" function='0x0'/></source><alias name='ua-sriov-nic'/></hostdev>"
         b"</devices></domain>"
     )
-    out = build_domain(domain, None, {PCI: "0000:86:00.0"}).domain_xml
-    libvirt_verdict(out, {"ua-gpu0": "0000:86:00.0"})
+    result = build_domain(domain, None, {PCI: "0000:86:00.0"})
+    out = result.domain_xml
+    # virt-launcher's element keeps its alias; its source address loses type= and is written in 0x hex (the
+    # same numbers as libvirt reads them); the second hostdev for the same source is removed, with a warning
+    libvirt_verdict(out, {"ua-gpu-gpu0": "0000:86:00.0"})
+    assert result.aliases == {"ua-gpu-gpu0": "0000:86:00.0"}
     root = etree.fromstring(out)
     assert [child.tag for child in root.find("devices")] == ["hostdev", "interface", "hostdev"]  # type: ignore[union-attr]
-    assert hostdev_aliases(out) == ["ua-gpu0", "ua-sriov-nic"]
+    assert hostdev_aliases(out) == ["ua-gpu-gpu0", "ua-sriov-nic"]
+    assert b'<address domain="0x0000" bus="0x86" slot="0x00" function="0x0"/>' in out
+    assert any("libvirt refuses that, so the second is removed" in warning for warning in result.warnings)
 
 
 def test_octal_looking_numbers_are_read_as_libvirt_does() -> None:
-    # bus='010' is octal 8 for libvirt, so it is not 0000:10:00.0 and is not replaced
+    # bus='010' is octal 8 for libvirt, so it is not 0000:10:00.0 and is not merged
     domain = (
         b"<domain><devices><hostdev mode='subsystem' type='pci'><source><address domain='0' bus='010' slot='0'"
         b" function='0'/></source><alias name='ua-other'/></hostdev></devices></domain>"
@@ -88,10 +94,11 @@ def test_octal_looking_numbers_are_read_as_libvirt_does() -> None:
     out = build_domain(domain, None, {PCI: "0000:10:00.0"}).domain_xml
     assert hostdev_aliases(out) == ["ua-other", "ua-gpu0"]
     out = build_domain(domain, None, {PCI: "0000:08:00.0"}).domain_xml
-    assert hostdev_aliases(out) == ["ua-gpu0"]
+    assert hostdev_aliases(out) == ["ua-other"]  # the same device: merged, its alias kept, numbers in 0x hex
+    assert b'<address domain="0x0000" bus="0x08" slot="0x00" function="0x0"/>' in out
 
 
-def test_mdev_hostdev_with_same_uuid_in_other_case_is_replaced() -> None:
+def test_mdev_hostdev_with_same_uuid_in_other_case_is_merged() -> None:
     uuid = "4b20d080-1b54-4048-85b3-a6a62d165c01"
     domain = (
         "<domain><devices><hostdev mode='subsystem' type='mdev' model='vfio-pci'>"
@@ -99,7 +106,8 @@ def test_mdev_hostdev_with_same_uuid_in_other_case_is_replaced() -> None:
         "</source><alias name='ua-gpu-vgpu'/></hostdev></devices></domain>"
     ).encode()
     out = build_domain(domain, None, {"MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q": uuid}).domain_xml
-    assert hostdev_aliases(out) == ["ua-gpu0"]
+    assert hostdev_aliases(out) == ["ua-gpu-vgpu"]
+    assert out.count(b"<hostdev ") == 1
 
 
 def test_alias_held_by_another_element_is_an_error_and_nothing_is_returned() -> None:
