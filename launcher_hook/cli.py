@@ -128,6 +128,13 @@ def cli() -> None:
     callback=_octal,
     help="Octal mode of the socket (virt-launcher may run as another user than this sidecar).",
 )
+@click.option(
+    "--force-gpu-aliases",
+    is_flag=True,
+    envvar="LAUNCHER_HOOK_FORCE_GPU_ALIASES",
+    help="Alias every GPU ua-gpuN, also those virt-launcher rendered as ua-gpu-<name> (KubeVirt's lookups by "
+    "alias then miss them; each rename is a warning in the call's log line).",
+)
 @allocation_options
 @log_format_option
 def serve(
@@ -138,11 +145,13 @@ def serve(
     container: str,
     driver: str | None,
     log_format: LogFormat,
+    force_gpu_aliases: bool,
 ) -> None:
     """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
     flush_logs = configure_logging(log_format, background=True)
     try:
-        _serve(socket_path, socket_mode, pod_resources_socket, environ_file, container, driver)
+        options = BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)
+        _serve(socket_path, socket_mode, pod_resources_socket, environ_file, container, options)
     finally:
         flush_logs()
 
@@ -153,11 +162,11 @@ def _serve(
     pod_resources_socket: Path | None,
     environ_file: Path | None,
     container: str,
-    driver: str | None,
+    options: BuildOptions,
 ) -> None:
     mode = socket_mode
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
-    server = HookServer(socket_path, HookService(source, BuildOptions(driver=driver)), socket_mode=mode)
+    server = HookServer(socket_path, HookService(source, options), socket_mode=mode)
 
     received: list[str] = []
 

@@ -333,6 +333,7 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
                 f"{spec.label}: {'/'.join(dropped)} removed from the PCI hostdev {alias!r} (libvirt's schema has "
                 "them on mdev hostdevs only and its parser drops them)"
             )
+        changed |= _driver_next_to_source(hostdev)
         if spec.driver is not None and hostdev.find("driver") is None:
             driver = etree.Element("driver", name=spec.driver)
             driver.tail = _newline_whitespace(hostdev.text)
@@ -345,6 +346,18 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
 
 
 _PCI_FIELDS = ("domain", "bus", "slot", "function")
+
+
+def _driver_next_to_source(hostdev: etree._Element) -> bool:
+    """Move a PCI hostdev's ``<driver>`` just before its ``<source>``: libvirt's schema wants them together
+    (virt-launcher writes the driver last, after the alias, which its parser accepts and its schema refuses)."""
+    driver, source = hostdev.find("driver"), hostdev.find("source")
+    if driver is None or source is None or source.getprevious() is driver or source.getnext() is driver:
+        return False
+    _remove_keeping_layout(driver)
+    driver.tail = _indent_of(source)
+    source.addprevious(driver)
+    return True
 
 
 def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:

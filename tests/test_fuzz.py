@@ -145,12 +145,12 @@ def assert_whole_domain(output: bytes, given_domain: bytes, expected: dict[str, 
     ours = [hostdev for hostdev in parsed.root.iterfind("devices/hostdev") if _ours(hostdev, sources)]
     got = {}
     for hostdev in ours:
-        alias = hostdev.find("alias")
-        assert alias is not None
-        got[alias.get("name")] = (hostdev_source_key(hostdev) or ("", ""))[1]
+        alias_element = hostdev.find("alias")
+        assert alias_element is not None
+        got[alias_element.get("name")] = (hostdev_source_key(hostdev) or ("", ""))[1]
     assert sorted(got.values()) == sorted(expected.values())
-    for alias, address in expected.items():
-        assert got.get(alias) == address or got.get(kept_aliases.get(address)) == address
+    for name, address in expected.items():
+        assert got.get(name) == address or got.get(kept_aliases.get(address)) == address
     assert len(ours) == len(expected), "a GPU is in the domain twice"
 
     def ours_in_devices(element: etree._Element) -> bool:

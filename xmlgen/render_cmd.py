@@ -34,6 +34,12 @@ from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_std
     "--managed", type=click.Choice(["yes", "no"]), default="no", show_default=True, help="managed= on PCI hostdevs."
 )
 @click.option("--driver", type=click.Choice(["vfio"]), help="Write <driver name='vfio'/> on PCI hostdevs.")
+@click.option(
+    "--force-gpu-aliases",
+    is_flag=True,
+    help="Alias every GPU ua-gpuN, also those virt-launcher rendered as ua-gpu-<name> (KubeVirt's lookups by "
+    "alias then miss them).",
+)
 @max_input_bytes_option
 @user_errors
 def render(
@@ -42,6 +48,7 @@ def render(
     environ_file: str | None,
     managed: str,
     driver: str | None,
+    force_gpu_aliases: bool,
     max_input_bytes: int,
 ) -> None:
     """Render the allocated GPUs as libvirt <hostdev> elements into a domain; the result goes to stdout."""
@@ -53,7 +60,9 @@ def render(
         env.update(parse_environ(read_input(environ_file, "environ file", max_input_bytes)))
     domain = read_input(domain_path, "domain XML", max_input_bytes) if domain_path else None
     vmi = read_input(vmi_path, "VMI JSON", max_input_bytes) if vmi_path else None
-    options = BuildOptions(managed=managed == "yes", driver=driver, max_input_bytes=max_input_bytes)
+    options = BuildOptions(
+        managed=managed == "yes", driver=driver, max_input_bytes=max_input_bytes, force_gpu_aliases=force_gpu_aliases
+    )
     result = build_domain(domain, vmi, env, options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
