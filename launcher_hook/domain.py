@@ -170,6 +170,10 @@ def libvirt_number(text: str | None) -> int | None:
         return None
 
 
+_HEX4 = re.compile(r"0[xX]0*[0-9a-fA-F]{1,4} 0[xX]0*[0-9a-fA-F]{1,2} 0[xX]0*(?:1?[0-9a-fA-F]) 0[xX]0*[0-7]")
+"""domain, bus, slot (≤ 0x1f) and function (≤ 7) as ``0x`` hex in range."""
+
+
 def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
     """What a ``<hostdev>`` passes through, as a comparable key (``("pci", "0000:86:00.0")`` …), or None."""
     address = hostdev.find("source/address")
@@ -180,7 +184,12 @@ def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
         uuid = address.get("uuid")
         return ("mdev", uuid.lower()) if uuid else None
     if kind == ResourceKind.PCI.value:
-        numbers = [libvirt_number(address.get(part)) for part in ("domain", "bus", "slot", "function")]
+        texts = [address.get(part) for part in ("domain", "bus", "slot", "function")]
+        joined = " ".join(text or "-" for text in texts)
+        if _HEX4.fullmatch(joined) is not None:
+            # the usual form, 0x hex in range (KubeVirt's and ours): the kernel's text without a round trip
+            return ("pci", "%04x:%02x:%02x.%x" % tuple(int(text, 16) for text in joined.split()))  # noqa: UP031
+        numbers = [libvirt_number(text) for text in texts]
         if any(number is None for number in numbers):
             return None
         try:
@@ -291,10 +300,15 @@ def _set_switch(hostdev: etree._Element, attribute: str, on: bool) -> bool:
     return False
 
 
-def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]) -> tuple[str, bool]:
-    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, and whether the
-    element changed. Everything libvirt accepts is kept: alias, guest address, boot order, rom, acpi, driver."""
-    changed = False
+_SOURCE_TYPE, _SWITCHES, _OTHER = "source type=", "display/ramfb", "other"
+"""What ``_merge_into`` changed: the first two are patched in the bytes, anything else re-serialises the hostdev."""
+
+
+def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]) -> tuple[str, set[str]]:
+    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, and what changed
+    (``_SOURCE_TYPE``, ``_SWITCHES`` or ``_OTHER``; empty: untouched). Everything libvirt accepts is kept:
+    alias, guest address, boot order, rom, acpi, driver."""
+    changed: set[str] = set()
     alias_element = hostdev.find("alias")
     current = alias_element.get("name") if alias_element is not None else None
     alias = current or spec.alias
@@ -316,32 +330,32 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
             _append(hostdev, etree.Element("alias", name=alias), *_child_slots(hostdev, unit))
         else:
             alias_element.set("name", alias)
-        changed = True
+        changed.add(_OTHER)
     address = hostdev.find("source/address")
     if address is not None and "type" in address.attrib:
         del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
-        changed = True
+        changed.add(_SOURCE_TYPE)
     if spec.kind is ResourceKind.PCI:
-        if address is not None and isinstance(spec.source, PciAddress):
-            changed |= _hex_source_address(address, spec.source)
+        if address is not None and isinstance(spec.source, PciAddress) and _hex_source_address(address, spec.source):
+            changed.add(_OTHER)
         dropped = [attribute for attribute in ("display", "ramfb") if attribute in hostdev.attrib]
         for attribute in dropped:
             del hostdev.attrib[attribute]
         if dropped:
-            changed = True
+            changed.add(_SWITCHES)
             warnings.append(
                 f"{spec.label}: {'/'.join(dropped)} removed from the PCI hostdev {alias!r} (libvirt's schema has "
                 "them on mdev hostdevs only and its parser drops them)"
             )
-        changed |= _driver_next_to_source(hostdev)
+        if _driver_next_to_source(hostdev):
+            changed.add(_OTHER)
         if spec.driver is not None and hostdev.find("driver") is None:
             driver = etree.Element("driver", name=spec.driver)
             driver.tail = _newline_whitespace(hostdev.text)
             hostdev.insert(0, driver)
-            changed = True
-    else:
-        changed |= _set_switch(hostdev, "display", spec.display)
-        changed |= _set_switch(hostdev, "ramfb", spec.ramfb)
+            changed.add(_OTHER)
+    elif _set_switch(hostdev, "display", spec.display) | _set_switch(hostdev, "ramfb", spec.ramfb):
+        changed.add(_SWITCHES)
     return alias, changed
 
 
@@ -411,7 +425,7 @@ def merge_hostdevs(
     warnings: list[str] = []
     final: list[HostdevSpec] = []
     new: list[HostdevSpec] = []
-    touched: list[etree._Element] = []
+    touched: list[tuple[etree._Element, set[str]]] = []
     doomed: list[etree._Element] = []
     introduced: dict[str, etree._Element | None] = {}
     for spec in specs:
@@ -434,7 +448,7 @@ def merge_hostdevs(
         if alias != old_alias:
             introduced[alias] = hostdev
         if changed:
-            touched.append(hostdev)
+            touched.append((hostdev, changed))
         final.append(spec._replace(alias=alias))
     _check_aliases(parsed, introduced, doomed)
     if not (new or touched or doomed):
@@ -462,7 +476,7 @@ _HOSTDEV_END = re.compile(rb"</hostdev\s*>")
 def _patch_bytes(
     parsed: ParsedDomain,
     devices: etree._Element,
-    touched: Sequence[etree._Element],
+    touched: Sequence[tuple[etree._Element, set[str]]],
     new: Sequence[HostdevSpec],
     unit: str,
 ) -> bytes | None:
@@ -493,7 +507,9 @@ def _patch_bytes(
     return b"".join(pieces)
 
 
-def _hostdev_spans(parsed: ParsedDomain, touched: Sequence[etree._Element]) -> list[tuple[int, int, bytes]] | None:
+def _hostdev_spans(
+    parsed: ParsedDomain, touched: Sequence[tuple[etree._Element, set[str]]]
+) -> list[tuple[int, int, bytes]] | None:
     """Where each touched hostdev is in the bytes, and its new text.
 
     Without comments, CDATA or PIs every ``<hostdev`` / ``<p:hostdev`` in the bytes is a start tag (``<`` is
@@ -506,16 +522,80 @@ def _hostdev_spans(parsed: ParsedDomain, touched: Sequence[etree._Element]) -> l
         return None
     index = {id(element): position for position, element in enumerate(elements)}
     spans: list[tuple[int, int, bytes]] = []
-    for hostdev in touched:
+    for hostdev, changes in touched:
         position = index[id(hostdev)]
         start = starts[position]
         end_tag = _HOSTDEV_END.search(source, start)
         if end_tag is None or (position + 1 < len(starts) and starts[position + 1] < end_tag.start()):
             return None
         segment = source[start : end_tag.end()]
-        expanded = b"/>" not in segment and (b"></" in segment or parsed.expanded_empty)
-        spans.append((start, end_tag.end(), _element_bytes(hostdev, expanded)))
+        patched = _patched_segment(segment, hostdev, changes) if _OTHER not in changes else None
+        if patched is None:
+            expanded = b"/>" not in segment and (b"></" in segment or parsed.expanded_empty)
+            patched = _element_bytes(hostdev, expanded)
+        spans.append((start, end_tag.end(), patched))
     return spans
+
+
+_SOURCE_START = re.compile(rb"<source[\s/>]")
+_ADDRESS_START = re.compile(rb"<address[\s/>]")
+
+
+def _start_tag_end(data: bytes, start: int) -> int | None:
+    """Offset of the ``>`` closing the start tag at ``start`` (quoted values may hold ``>``)."""
+    quote = 0
+    for offset in range(start, len(data)):
+        byte = data[offset]
+        if quote:
+            quote = 0 if byte == quote else quote
+        elif byte in b"\"'":
+            quote = byte
+        elif byte == 0x3E:  # '>'
+            return offset
+    return None
+
+
+def _attribute_pattern(name: str) -> re.Pattern[bytes]:
+    return re.compile(rb"\s+" + name.encode() + rb"""\s*=\s*(?:"([^"]*)"|'([^']*)')""")
+
+
+_ATTRIBUTES = {name: _attribute_pattern(name) for name in ("type", "display", "ramfb")}
+
+
+def _patched_segment(segment: bytes, hostdev: etree._Element, changes: set[str]) -> bytes | None:
+    """``segment`` (one hostdev's bytes) with only the changed attributes rewritten, or None if it cannot be
+    done safely (the caller then re-serialises the element)."""
+    if _SWITCHES in changes:
+        end = _start_tag_end(segment, 0)
+        if end is None:
+            return None
+        tag = segment[:end]
+        for name in ("display", "ramfb"):
+            value = hostdev.get(name)
+            found = _ATTRIBUTES[name].findall(tag)
+            if len(found) > 1 or (value is not None and not value.isalpha()):
+                return None
+            if found and value is not None and b"".join(found[0]) == value.encode():
+                continue  # unchanged: keep it where it is
+            tag = _ATTRIBUTES[name].sub(b"", tag)
+            if value is not None:
+                tag = tag.removesuffix(b"/") + f' {name}="{value}"'.encode() + (b"/" if tag.endswith(b"/") else b"")
+        segment = tag + segment[end:]
+    if _SOURCE_TYPE in changes:
+        source_tag = _SOURCE_START.search(segment)
+        address_tag = _ADDRESS_START.search(segment, source_tag.end()) if source_tag else None
+        source_end = segment.find(b"</source", source_tag.end()) if source_tag else -1
+        if address_tag is None or source_end < address_tag.start():
+            return None
+        end = _start_tag_end(segment, address_tag.start())
+        if end is None:
+            return None
+        tag = segment[address_tag.start() : end]
+        found = _ATTRIBUTES["type"].findall(tag)
+        if len(found) != 1:
+            return None
+        segment = segment[: address_tag.start()] + _ATTRIBUTES["type"].sub(b"", tag) + segment[end:]
+    return segment
 
 
 def _element_bytes(element: etree._Element, expanded_empty: bool) -> bytes:

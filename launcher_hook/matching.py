@@ -201,21 +201,21 @@ def _claim_rendered(
     whose rendered device is not in the hook's allocation (left as virt-launcher wrote them)."""
     claimed: dict[int, tuple[Pool, DeviceId]] = {}
     kept: set[int] = set()
+    by_source: dict[str, dict[SourceKey | None, tuple[Pool, DeviceId]]] = {}
     for index, request in enumerate(served):
         alias = request.kubevirt_alias
         if alias not in existing.alias_sources:
             continue
         key = existing.alias_sources[alias]
         pools = pools_by_name[request.device_name]
-        match = next(
-            (
-                (pool, device_id)
-                for pool in pools
-                for device_id in pool.ids
-                if key == (pool.kind.value, str(device_id)) and device_id not in used
-            ),
-            None,
-        )
+        offered = by_source.get(request.device_name)
+        if offered is None:
+            offered = by_source[request.device_name] = {
+                (pool.kind.value, str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids
+            }
+        match = offered.get(key)
+        if match is not None and match[1] in used:
+            match = None
         if match is None:
             kept.add(index)
             passes = key[1] if key is not None else "a device the hook does not read"

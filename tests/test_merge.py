@@ -207,28 +207,57 @@ def test_an_iommufd_driver_is_kept_as_virt_launcher_wrote_it() -> None:
     assert b'<alias name="ua-gpu-g"></alias><acpi nodeset="0"></acpi></hostdev>' in out.domain_xml
 
 
-def test_fast_and_general_paths_merge_to_the_same_bytes() -> None:
-    domain = domain_with(RENDERED, controllers=NUMA_CONTROLLERS)
-    vmi = parse_vmi(
-        vmi_json(
-            [
-                {"name": "train0", "deviceName": A100},
-                {"name": "train1", "deviceName": A100},
-                {"name": "desk", "deviceName": T4},
-                {"name": "extra", "deviceName": A100},
-            ]
-        )
-    )
-    env = {A100_VAR: "0000:86:00.0,0000:af:00.0,0000:3b:00.0", T4_VAR: UUID_A}
+MERGE_CASES = {
+    "virt-launcher's PCI GPUs and vGPU, one GPU added": (
+        domain_with(RENDERED, controllers=NUMA_CONTROLLERS),
+        [
+            {"name": "train0", "deviceName": A100},
+            {"name": "train1", "deviceName": A100},
+            {"name": "desk", "deviceName": T4},
+            {"name": "extra", "deviceName": A100},
+        ],
+        {A100_VAR: "0000:86:00.0,0000:af:00.0,0000:3b:00.0", T4_VAR: UUID_A},
+    ),
+    "two ramfb vGPUs": (
+        domain_with(
+            kubevirt_mdev("v0", UUID_A, ' display="on" ramfb="on"')
+            + kubevirt_mdev("v1", UUID_B, ' ramfb="on" model="vfio-pci" display="on"').replace(
+                ' model="vfio-pci" ramfb', " ramfb", 1
+            )
+        ),
+        [
+            {"name": "v0", "deviceName": T4, "virtualGPUOptions": {"display": {}}},
+            {"name": "v1", "deviceName": T4, "virtualGPUOptions": {"display": {"enabled": True}}},
+        ],
+        {T4_VAR: f"{UUID_A},{UUID_B}"},
+    ),
+    "display on a PCI GPU, driver last, decimal bus, no alias": (
+        domain_with(
+            kubevirt_pci("g", 0x86).replace('mode="subsystem">', 'mode="subsystem" display="on">')
+            + kubevirt_pci("h", 0xAF).replace('bus="0xaf"', 'bus="175"').replace('<alias name="ua-gpu-h"></alias>', "")
+        ),
+        [{"name": "g", "deviceName": A100}, {"name": "h", "deviceName": A100}],
+        {A100_VAR: "0000:86:00.0,0000:af:00.0"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES), ids=list(MERGE_CASES))
+def test_byte_patching_and_reserialising_merge_to_the_same_bytes(case: str) -> None:
+    domain, gpus, env = MERGE_CASES[case]
+    vmi = parse_vmi(vmi_json(gpus))
     outputs = []
-    for fast in (True, False):
+    for fast in (True, False):  # patching the original bytes, or serialising the whole edited tree
         parsed = parse_domain(domain, 1 << 20)
         existing = read_hostdevs(parsed)
         specs, _ = match_vmi(vmi, allocation_from_env(env), HostdevOptions(driver="vfio"), existing.view)
-        outputs.append(merge_hostdevs(parsed, specs, existing, allow_fast=fast).domain_xml)
+        spliced = merge_hostdevs(parsed, specs, existing, allow_fast=fast)
+        outputs.append(spliced.domain_xml)
     assert outputs[0] == outputs[1]
-    report = libvirt_verdict(outputs[0], {"ua-gpu-train0": "0000:86:00.0", "ua-gpu3": "0000:3b:00.0"})
-    assert "ua-gpu3" in qemu_sources(report)
+    aliases = {spec.alias: spec.source_text for spec in spliced.hostdevs}
+    assert len(aliases) == len(gpus)
+    report = libvirt_verdict(outputs[0], aliases)
+    assert qemu_sources(report) == aliases
 
 
 def test_merging_twice_gives_the_same_document() -> None:
