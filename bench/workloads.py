@@ -25,9 +25,25 @@ def kubevirt_sized_domain() -> bytes:
     return text.replace("\t</devices>", extra + "\t</devices>").encode()
 
 
+def sixteen_addresses() -> list[str]:
+    return [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
+
+
+def kubevirt_rendered_domain() -> bytes:
+    """``kubevirt_sized_domain`` with the 16 GPUs as virt-launcher renders them itself (alias
+    ``ua-gpu-gpuN``, ``type="pci"`` on the source address, Go's attribute order): the hook merges with these."""
+    hostdevs = "".join(
+        '\t\t<hostdev type="pci" managed="no" mode="subsystem">\n\t\t\t<source>\n\t\t\t\t<address type="pci" '
+        f'domain="0x0000" bus="0x{address[5:7]}" slot="0x00" function="0x0"></address>\n\t\t\t</source>\n'
+        f'\t\t\t<alias name="ua-gpu-gpu{index}"></alias>\n\t\t</hostdev>\n'
+        for index, address in enumerate(sixteen_addresses())
+    )
+    return kubevirt_sized_domain().replace(b"\t</devices>", hostdevs.encode() + b"\t</devices>")
+
+
 def sixteen_gpus() -> tuple[bytes, dict[str, str]]:
     """A VMI asking for 16 GPUs of one resource, and the allocation env the device plugin would give."""
-    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x90, 8)]
+    addresses = sixteen_addresses()
     gpus = [{"name": f"gpu{i}", "deviceName": RESOURCE} for i in range(16)]
     vmi = {"metadata": {"name": "big", "namespace": "ml"}, "spec": {"domain": {"devices": {"gpus": gpus}}}}
     return json.dumps(vmi).encode(), {VARIABLE: ",".join(addresses)}

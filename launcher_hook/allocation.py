@@ -78,10 +78,18 @@ def parse_pool(variable: str, value: str) -> Pool:
 
 def allocation_from_env(env: Mapping[str, str]) -> Allocation:
     """Collect and validate every allocation variable in ``env``; other variables are ignored."""
-    return Allocation(
-        {name: parse_pool(name, value) for name, value in sorted(env.items()) if is_allocation_variable(name)},
-        frozenset(name for name in env if name.startswith(f"{USB_ENV_PREFIX}_")),
-    )
+    pools: dict[str, Pool] = {}
+    usb: list[str] = []
+    for name in sorted(name for name in env if name.startswith(_PREFIXES)):  # one cheap test for most names
+        if name.startswith(_USB):
+            usb.append(name)
+        else:
+            pools[name] = parse_pool(name, env[name])
+    return Allocation(pools, frozenset(usb))
+
+
+_USB = f"{USB_ENV_PREFIX}_"
+_PREFIXES = (f"{PCI_ENV_PREFIX}_", f"{MDEV_ENV_PREFIX}_", _USB)
 
 
 def parse_environ(data: bytes) -> dict[str, str]:

@@ -176,10 +176,12 @@ _HEX4 = re.compile(r"0[xX]0*[0-9a-fA-F]{1,4} 0[xX]0*[0-9a-fA-F]{1,2} 0[xX]0*(?:1
 
 def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
     """What a ``<hostdev>`` passes through, as a comparable key (``("pci", "0000:86:00.0")`` …), or None."""
-    address = hostdev.find("source/address")
+    return _source_key(hostdev.get("type"), hostdev.find("source/address"))
+
+
+def _source_key(kind: str | None, address: etree._Element | None) -> tuple[str, str] | None:
     if address is None:
         return None
-    kind = hostdev.get("type")
     if kind == ResourceKind.MDEV.value:
         uuid = address.get("uuid")
         return ("mdev", uuid.lower()) if uuid else None
@@ -252,6 +254,8 @@ class HostdevsInDomain:
 
     by_source: dict[SourceKey, list[etree._Element]]
     view: DomainHostdevs
+    in_order: list[etree._Element] | None = None
+    """Every hostdev of every ``<devices>``, in document order."""
 
 
 def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
@@ -266,17 +270,23 @@ def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
     by_source: dict[SourceKey, list[etree._Element]] = {}
     alias_sources: dict[str, SourceKey | None] = {}
     ramfb_on: dict[SourceKey, str] = {}
-    for hostdev in parsed.root.iterfind("devices/hostdev"):
-        key = hostdev_source_key(hostdev)
+    in_order = parsed.root.findall("devices/hostdev")
+    for hostdev in in_order:
+        name = address = None
+        seen_alias = seen_source = False
+        for child in hostdev.iterchildren("alias", "source"):  # the first of each, as libvirt's parser takes
+            if child.tag == "alias" and not seen_alias:
+                name, seen_alias = child.get("name"), True
+            elif child.tag == "source" and not seen_source:
+                address, seen_source = child.find("address"), True
+        key = _source_key(hostdev.get("type"), address)
         if key is not None:
             by_source.setdefault(key, []).append(hostdev)
-        alias = hostdev.find("alias")
-        name = alias.get("name") if alias is not None else None
         if name:
             alias_sources.setdefault(name, key)
         if key is not None and key[0] == "mdev" and hostdev.get("ramfb") == "on":
             ramfb_on.setdefault(key, _hostdev_label(hostdev, name))
-    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, ramfb_on))
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, ramfb_on), in_order)
 
 
 @dataclass(frozen=True)
@@ -309,7 +319,14 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
     (``_SOURCE_TYPE``, ``_SWITCHES`` or ``_OTHER``; empty: untouched). Everything libvirt accepts is kept:
     alias, guest address, boot order, rom, acpi, driver."""
     changed: set[str] = set()
-    alias_element = hostdev.find("alias")
+    alias_element = source = driver = None
+    for child in hostdev.iterchildren("alias", "source", "driver"):
+        if child.tag == "alias":
+            alias_element = alias_element if alias_element is not None else child
+        elif child.tag == "source":
+            source = source if source is not None else child
+        else:
+            driver = driver if driver is not None else child
     current = alias_element.get("name") if alias_element is not None else None
     alias = current or spec.alias
     if current is None or _USER_ALIAS.fullmatch(current) is None:
@@ -331,7 +348,7 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
         else:
             alias_element.set("name", alias)
         changed.add(_OTHER)
-    address = hostdev.find("source/address")
+    address = source.find("address") if source is not None else None
     if address is not None and "type" in address.attrib:
         del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
         changed.add(_SOURCE_TYPE)
@@ -347,9 +364,9 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
                 f"{spec.label}: {'/'.join(dropped)} removed from the PCI hostdev {alias!r} (libvirt's schema has "
                 "them on mdev hostdevs only and its parser drops them)"
             )
-        if _driver_next_to_source(hostdev):
+        if driver is not None and source is not None and _driver_next_to_source(driver, source):
             changed.add(_OTHER)
-        if spec.driver is not None and hostdev.find("driver") is None:
+        if spec.driver is not None and driver is None:
             driver = etree.Element("driver", name=spec.driver)
             driver.tail = _newline_whitespace(hostdev.text)
             hostdev.insert(0, driver)
@@ -362,11 +379,10 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
 _PCI_FIELDS = ("domain", "bus", "slot", "function")
 
 
-def _driver_next_to_source(hostdev: etree._Element) -> bool:
+def _driver_next_to_source(driver: etree._Element, source: etree._Element) -> bool:
     """Move a PCI hostdev's ``<driver>`` just before its ``<source>``: libvirt's schema wants them together
     (virt-launcher writes the driver last, after the alias, which its parser accepts and its schema refuses)."""
-    driver, source = hostdev.find("driver"), hostdev.find("source")
-    if driver is None or source is None or source.getprevious() is driver or source.getnext() is driver:
+    if source.getprevious() is driver or source.getnext() is driver:
         return False
     _remove_keeping_layout(driver)
     driver.tail = _indent_of(source)
@@ -377,7 +393,10 @@ def _driver_next_to_source(hostdev: etree._Element) -> bool:
 def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:
     """Write a source address given in decimal or octal (which libvirt reads C-style) in ``0x`` hex, the same
     numbers in the one unambiguous form; an address already all ``0x`` stays as written."""
-    if all((address.get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
+    get = address.get
+    if _HEX4.fullmatch(f"{get('domain')} {get('bus')} {get('slot')} {get('function')}") is not None:
+        return False
+    if all((get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
         return False
     for field, value in zip(_PCI_FIELDS, ("0x%04x", "0x%02x", "0x%02x", "0x%x"), strict=True):
         address.set(field, value % getattr(source, field))
@@ -449,13 +468,13 @@ def merge_hostdevs(
             introduced[alias] = hostdev
         if changed:
             touched.append((hostdev, changed))
-        final.append(spec._replace(alias=alias))
+        final.append(spec if alias == spec.alias else spec._replace(alias=alias))
     _check_aliases(parsed, introduced, doomed)
     if not (new or touched or doomed):
         return Spliced(parsed.source, final, warnings)
     devices_elements = parsed.root.findall("devices")
     if allow_fast and not doomed and len(devices_elements) == 1 and parsed.has_only_elements_and_text:
-        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit)
+        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit, existing.in_order)
         if patched is not None:
             return Spliced(patched, final, warnings)
     _splice_tree(parsed, devices_elements, new, doomed, unit)
@@ -479,6 +498,7 @@ def _patch_bytes(
     touched: Sequence[tuple[etree._Element, set[str]]],
     new: Sequence[HostdevSpec],
     unit: str,
+    in_order: list[etree._Element] | None,
 ) -> bytes | None:
     """The original bytes with each touched hostdev re-serialised in place and the new ones inserted before
     ``</devices>``, when every position is unambiguous (the caller checked: no comment, CDATA section or
@@ -486,7 +506,7 @@ def _patch_bytes(
     source = parsed.source
     edits: list[tuple[int, int, bytes]] = []
     if touched:
-        spans = _hostdev_spans(parsed, touched)
+        spans = _hostdev_spans(parsed, touched, in_order)
         if spans is None:
             return None
         edits += spans
@@ -508,7 +528,7 @@ def _patch_bytes(
 
 
 def _hostdev_spans(
-    parsed: ParsedDomain, touched: Sequence[tuple[etree._Element, set[str]]]
+    parsed: ParsedDomain, touched: Sequence[tuple[etree._Element, set[str]]], in_order: list[etree._Element] | None
 ) -> list[tuple[int, int, bytes]] | None:
     """Where each touched hostdev is in the bytes, and its new text.
 
@@ -517,7 +537,10 @@ def _hostdev_spans(
     """
     source = parsed.source
     starts = [match.start() for match in _HOSTDEV_START.finditer(source)]
-    elements = list(parsed.root.iter("{*}hostdev"))
+    # As many start tags as hostdevs in <devices>: they are those, in order (the usual case); otherwise match
+    # them with every element named hostdev in the document.
+    elements = in_order if in_order is not None and len(in_order) == len(starts) else []
+    elements = elements or list(parsed.root.iter("{*}hostdev"))
     if len(starts) != len(elements):
         return None
     index = {id(element): position for position, element in enumerate(elements)}
@@ -541,18 +564,13 @@ _SOURCE_START = re.compile(rb"<source[\s/>]")
 _ADDRESS_START = re.compile(rb"<address[\s/>]")
 
 
+_START_TAG = re.compile(rb"""<[^>"']*(?:(?:"[^"]*"|'[^']*')[^>"']*)*>""")
+
+
 def _start_tag_end(data: bytes, start: int) -> int | None:
     """Offset of the ``>`` closing the start tag at ``start`` (quoted values may hold ``>``)."""
-    quote = 0
-    for offset in range(start, len(data)):
-        byte = data[offset]
-        if quote:
-            quote = 0 if byte == quote else quote
-        elif byte in b"\"'":
-            quote = byte
-        elif byte == 0x3E:  # '>'
-            return offset
-    return None
+    match = _START_TAG.match(data, start)
+    return match.end() - 1 if match is not None else None
 
 
 def _attribute_pattern(name: str) -> re.Pattern[bytes]:
