@@ -491,3 +491,50 @@ def test_an_empty_first_devices_element_does_not_take_the_hostdevs() -> None:
     devices = etree.fromstring(result.domain_xml).findall("devices")
     assert [len(element.findall("hostdev")) for element in devices] == [0, 1]
     libvirt_verdict(result.domain_xml, result.aliases)
+
+
+# --- the programs ---------------------------------------------------------------------------------------------
+
+
+def test_xmlgen_render_merges_warns_on_stderr_and_forces_aliases_when_asked(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from xmlgen.cli import cli
+
+    domain, vmi, environ = tmp_path / "domain.xml", tmp_path / "vmi.json", tmp_path / "environ"
+    domain.write_bytes(domain_with(kubevirt_usb("stick") + kubevirt_pci("train0", 0x86), usb=True))
+    vmi.write_bytes(vmi_json([{"name": "train0", "deviceName": A100}], [{"name": "stick", "deviceName": USB}]))
+    environ.write_text(f"{A100_VAR}=0000:86:00.0\n{USB_VAR}=001:002\n")
+    args = ["render", "--domain", str(domain), "--vmi", str(vmi), "--environ-file", str(environ)]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0
+    assert 'alias name="ua-gpu-train0"' in result.stdout and kubevirt_usb("stick") in result.stdout
+    assert result.stderr.startswith("warning: hostDevices[0] 'stick'") and "ua-usb-host-stick" in result.stderr
+    result = CliRunner().invoke(cli, [*args, "--force-gpu-aliases"], catch_exceptions=False)
+    assert result.exit_code == 0
+    assert 'alias name="ua-gpu0"' in result.stdout and "ua-gpu-train0" not in result.stdout
+    assert "--force-gpu-aliases" in result.stderr and "will not find it" in result.stderr
+
+
+def test_launcher_hook_serve_forces_aliases_by_flag_or_env() -> None:
+    from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
+    from tests.hook_support import short_dir, unix_channel
+    from tests.test_hook_cli import finish, start_serve
+
+    domain = domain_with(kubevirt_pci("train0", 0x86))
+    params = v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi_json([{"name": "train0", "deviceName": A100}]))
+    for args, env in (((), {}), (("--force-gpu-aliases",), {}), ((), {"LAUNCHER_HOOK_FORCE_GPU_ALIASES": "1"})):
+        with short_dir() as directory:
+            socket_path = directory / "hook.sock"
+            process = start_serve(socket_path, *args, **{A100_VAR: "0000:86:00.0", **env})
+            with unix_channel(socket_path) as channel:
+                stub = v1alpha3_pb2_grpc.CallbacksStub(channel)
+                out = stub.OnDefineDomain(params, timeout=60).domainXML
+                stub.Shutdown(v1alpha3_pb2.ShutdownParams(), timeout=10)
+            code, lines = finish(process)
+        assert code == 0
+        forced = bool(args or env)
+        assert (b'<alias name="ua-gpu0">' in out) is forced and (b'<alias name="ua-gpu-train0">' in out) is not forced
+        (call,) = [line for line in lines if line["event"] == "OnDefineDomain"]
+        assert call["gpus"] == {"ua-gpu0" if forced else "ua-gpu-train0": "0000:86:00.0"}
+        assert bool(call["warnings"]) is forced
