@@ -207,7 +207,7 @@ def test_an_iommufd_driver_is_kept_as_virt_launcher_wrote_it() -> None:
     assert b'<alias name="ua-gpu-g"></alias><acpi nodeset="0"></acpi></hostdev>' in out.domain_xml
 
 
-MERGE_CASES = {
+MERGE_CASES: dict[str, tuple[bytes, list[dict[str, Any]], dict[str, str]]] = {
     "virt-launcher's PCI GPUs and vGPU, one GPU added": (
         domain_with(RENDERED, controllers=NUMA_CONTROLLERS),
         [
