@@ -170,8 +170,22 @@ def libvirt_number(text: str | None) -> int | None:
         return None
 
 
-_HEX4 = re.compile(r"0[xX]0*[0-9a-fA-F]{1,4} 0[xX]0*[0-9a-fA-F]{1,2} 0[xX]0*(?:1?[0-9a-fA-F]) 0[xX]0*[0-7]")
-"""domain, bus, slot (≤ 0x1f) and function (≤ 7) as ``0x`` hex in range."""
+def _hex_numbers(texts: tuple[str | None, str | None, str | None, str | None]) -> tuple[int, int, int, int] | None:
+    """domain, bus, slot and function when all four are ``0x`` hex in range (domain up to 4 digits), else None."""
+    domain, bus, slot, function = texts
+    if not (domain and bus and slot and function):
+        return None
+    if not domain[:2] == bus[:2] == slot[:2] == function[:2] == "0x":
+        return None
+    if not (domain[2:].isalnum() and bus[2:].isalnum() and slot[2:].isalnum() and function[2:].isalnum()):
+        return None  # int() would also take "_", signs and surrounding whitespace
+    try:
+        numbers = (int(domain, 16), int(bus, 16), int(slot, 16), int(function, 16))
+    except ValueError:
+        return None
+    if numbers[0] > 0xFFFF or numbers[1] > 0xFF or numbers[2] > 0x1F or numbers[3] > 7:
+        return None
+    return numbers
 
 
 def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
@@ -186,11 +200,11 @@ def _source_key(kind: str | None, address: etree._Element | None) -> tuple[str, 
         uuid = address.get("uuid")
         return ("mdev", uuid.lower()) if uuid else None
     if kind == ResourceKind.PCI.value:
-        texts = [address.get(part) for part in ("domain", "bus", "slot", "function")]
-        joined = " ".join(text or "-" for text in texts)
-        if _HEX4.fullmatch(joined) is not None:
-            # the usual form, 0x hex in range (KubeVirt's and ours): the kernel's text without a round trip
-            return ("pci", "%04x:%02x:%02x.%x" % tuple(int(text, 16) for text in joined.split()))  # noqa: UP031
+        get = address.get
+        texts = (get("domain"), get("bus"), get("slot"), get("function"))
+        fast = _hex_numbers(texts)
+        if fast is not None:  # the usual form (KubeVirt's and ours): the kernel's text without a round trip
+            return ("pci", "%04x:%02x:%02x.%x" % fast)  # noqa: UP031
         numbers = [libvirt_number(text) for text in texts]
         if any(number is None for number in numbers):
             return None
@@ -263,30 +277,47 @@ def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
     return f"<hostdev>{name} at line {hostdev.sourceline}"
 
 
+_SOURCE_ADDRESSES = etree.XPath("devices/hostdev/source[1]/address[1]")
+_ALIASES = etree.XPath("devices/hostdev/alias[1]")
+_RAMFB_ON = etree.XPath("devices/hostdev[@ramfb='on']")
+
+
 def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
-    """Index the domain's hostdevs by source, and tell the matcher their aliases and ramfb state."""
+    """Index the domain's hostdevs by source, and tell the matcher their aliases and ramfb state.
+
+    Each hostdev's first ``<source>``, its first ``<address>`` and its first ``<alias>`` count, as for libvirt's
+    parser; three XPath queries find them for every hostdev of every ``<devices>`` at once.
+    """
     if b"<hostdev" not in parsed.source:
         return HostdevsInDomain({}, NO_HOSTDEVS)
+    root = parsed.root
     by_source: dict[SourceKey, list[etree._Element]] = {}
-    alias_sources: dict[str, SourceKey | None] = {}
-    ramfb_on: dict[SourceKey, str] = {}
-    in_order = parsed.root.findall("devices/hostdev")
-    for hostdev in in_order:
-        name = address = None
-        seen_alias = seen_source = False
-        for child in hostdev.iterchildren("alias", "source"):  # the first of each, as libvirt's parser takes
-            if child.tag == "alias" and not seen_alias:
-                name, seen_alias = child.get("name"), True
-            elif child.tag == "source" and not seen_source:
-                address, seen_source = child.find("address"), True
-        key = _source_key(hostdev.get("type"), address)
-        if key is not None:
+    keys: dict[etree._Element, SourceKey] = {}
+    for address in _elements(_SOURCE_ADDRESSES(root)):
+        source = address.getparent()
+        hostdev = source.getparent() if source is not None else None
+        key = _source_key(hostdev.get("type"), address) if hostdev is not None else None
+        if key is not None and hostdev is not None:
             by_source.setdefault(key, []).append(hostdev)
+            keys[hostdev] = key
+    alias_sources: dict[str, SourceKey | None] = {}
+    for alias in _elements(_ALIASES(root)):
+        name = alias.get("name")
         if name:
-            alias_sources.setdefault(name, key)
-        if key is not None and key[0] == "mdev" and hostdev.get("ramfb") == "on":
+            alias_sources.setdefault(name, keys.get(alias.getparent()))  # type: ignore[arg-type]
+    ramfb_on: dict[SourceKey, str] = {}
+    for hostdev in _elements(_RAMFB_ON(root)):
+        key = keys.get(hostdev)
+        if key is not None and key[0] == "mdev":
+            first_alias = hostdev.find("alias")
+            name = first_alias.get("name") if first_alias is not None else None
             ramfb_on.setdefault(key, _hostdev_label(hostdev, name))
-    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, ramfb_on), in_order)
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, ramfb_on), root.findall("devices/hostdev"))
+
+
+def _elements(result: object) -> list[etree._Element]:
+    """An XPath result that selects elements, typed."""
+    return [item for item in result if isinstance(item, etree._Element)] if isinstance(result, list) else []
 
 
 @dataclass(frozen=True)
@@ -394,7 +425,7 @@ def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:
     """Write a source address given in decimal or octal (which libvirt reads C-style) in ``0x`` hex, the same
     numbers in the one unambiguous form; an address already all ``0x`` stays as written."""
     get = address.get
-    if _HEX4.fullmatch(f"{get('domain')} {get('bus')} {get('slot')} {get('function')}") is not None:
+    if _hex_numbers((get("domain"), get("bus"), get("slot"), get("function"))) is not None:
         return False
     if all((get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
         return False

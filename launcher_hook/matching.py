@@ -201,6 +201,8 @@ def _claim_rendered(
     whose rendered device is not in the hook's allocation (left as virt-launcher wrote them)."""
     claimed: dict[int, tuple[Pool, DeviceId]] = {}
     kept: set[int] = set()
+    if not existing.alias_sources:
+        return claimed, kept
     by_source: dict[str, dict[SourceKey | None, tuple[Pool, DeviceId]]] = {}
     for index, request in enumerate(served):
         alias = request.kubevirt_alias
@@ -279,17 +281,20 @@ def match_vmi(
                 )
             used.add(device_id)
         gpu_options = request.gpu.virtual_gpu_options if request.gpu is not None else None
-        spec = HostdevSpec(
+        is_gpu = request.list_name == "gpus"
+        spec = HostdevSpec(  # positional: one is built per device on the OnDefineDomain path
             pool.kind,
             device_id,
-            request.alias,
+            f"ua-gpu{request.position}" if is_gpu else f"ua-hostdev{request.position}",
             pool.variable,
             options.managed,
             options.driver if pool.kind is ResourceKind.PCI else None,
-            label=request.label,
-            force_alias=options.force_gpu_aliases and request.list_name == "gpus",
+            False,
+            False,
+            request.label,
+            options.force_gpu_aliases and is_gpu,
         )
-        if pool.kind is ResourceKind.MDEV and request.list_name == "gpus":
+        if pool.kind is ResourceKind.MDEV and is_gpu:
             is_first_mdev = not first_mdev_seen
             first_mdev_seen = True
             want = _display_request(gpu_options, is_first_mdev and options.graphics and not any_display)
