@@ -478,8 +478,9 @@ def merge_hostdevs(
     touched: list[tuple[etree._Element, set[str]]] = []
     doomed: list[etree._Element] = []
     introduced: dict[str, etree._Element | None] = {}
+    by_source = existing.by_source
     for spec in specs:
-        found = existing.by_source.get(spec_source_key(spec))
+        found = by_source.get(spec_source_key(spec)) if by_source else None
         if not found:
             new.append(spec)
             final.append(spec)
