@@ -193,13 +193,17 @@ def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
     return _source_key(hostdev.get("type"), hostdev.find("source/address"))
 
 
+_PCI, _MDEV = ResourceKind.PCI.value, ResourceKind.MDEV.value
+_KIND_TEXT = {ResourceKind.PCI: _PCI, ResourceKind.MDEV: _MDEV}  # an enum's .value is a slow descriptor
+
+
 def _source_key(kind: str | None, address: etree._Element | None) -> tuple[str, str] | None:
     if address is None:
         return None
-    if kind == ResourceKind.MDEV.value:
+    if kind == _MDEV:
         uuid = address.get("uuid")
         return ("mdev", uuid.lower()) if uuid else None
-    if kind == ResourceKind.PCI.value:
+    if kind == _PCI:
         get = address.get
         texts = (get("domain"), get("bus"), get("slot"), get("function"))
         fast = _hex_numbers(texts)
@@ -216,7 +220,7 @@ def _source_key(kind: str | None, address: etree._Element | None) -> tuple[str, 
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (spec.kind.value, spec.source_text)
+    return (_KIND_TEXT[spec.kind], str(spec.source))
 
 
 def _newline_whitespace(text: str | None) -> str | None:
@@ -345,8 +349,11 @@ _SOURCE_TYPE, _SWITCHES, _OTHER = "source type=", "display/ramfb", "other"
 """What ``_merge_into`` changed: the first two are patched in the bytes, anything else re-serialises the hostdev."""
 
 
-def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]) -> tuple[str, set[str]]:
-    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, and what changed
+def _merge_into(
+    hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]
+) -> tuple[str, str | None, set[str]]:
+    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, the alias it had,
+    and what changed
     (``_SOURCE_TYPE``, ``_SWITCHES`` or ``_OTHER``; empty: untouched). Everything libvirt accepts is kept:
     alias, guest address, boot order, rom, acpi, driver."""
     changed: set[str] = set()
@@ -379,14 +386,14 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
         else:
             alias_element.set("name", alias)
         changed.add(_OTHER)
-    address = source.find("address") if source is not None else None
+    address = next(source.iterchildren("address"), None) if source is not None else None
     if address is not None and "type" in address.attrib:
         del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
         changed.add(_SOURCE_TYPE)
     if spec.kind is ResourceKind.PCI:
         if address is not None and isinstance(spec.source, PciAddress) and _hex_source_address(address, spec.source):
             changed.add(_OTHER)
-        dropped = [attribute for attribute in ("display", "ramfb") if attribute in hostdev.attrib]
+        dropped = [attribute for attribute in ("display", "ramfb") if hostdev.get(attribute) is not None]
         for attribute in dropped:
             del hostdev.attrib[attribute]
         if dropped:
@@ -404,7 +411,7 @@ def _merge_into(hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings:
             changed.add(_OTHER)
     elif _set_switch(hostdev, "display", spec.display) | _set_switch(hostdev, "ramfb", spec.ramfb):
         changed.add(_SWITCHES)
-    return alias, changed
+    return alias, current, changed
 
 
 _PCI_FIELDS = ("domain", "bus", "slot", "function")
@@ -425,8 +432,9 @@ def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:
     """Write a source address given in decimal or octal (which libvirt reads C-style) in ``0x`` hex, the same
     numbers in the one unambiguous form; an address already all ``0x`` stays as written."""
     get = address.get
-    if _hex_numbers((get("domain"), get("bus"), get("slot"), get("function"))) is not None:
-        return False
+    domain, bus, slot, function = get("domain"), get("bus"), get("slot"), get("function")
+    if domain and bus and slot and function and domain[:2] == bus[:2] == slot[:2] == function[:2] == "0x":
+        return False  # (the source key was read from these numbers, so they are valid)
     if all((get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
         return False
     for field, value in zip(_PCI_FIELDS, ("0x%04x", "0x%02x", "0x%02x", "0x%x"), strict=True):
@@ -493,9 +501,7 @@ def merge_hostdevs(
                 f"{_hostdev_label(duplicate, None)}; libvirt refuses that, so the second is removed"
             )
             doomed.append(duplicate)
-        before = hostdev.find("alias")
-        old_alias = before.get("name") if before is not None else None
-        alias, changed = _merge_into(hostdev, spec, unit, warnings)
+        alias, old_alias, changed = _merge_into(hostdev, spec, unit, warnings)
         if alias != old_alias:
             introduced[alias] = hostdev
         if changed:

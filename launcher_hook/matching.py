@@ -213,7 +213,7 @@ def _claim_rendered(
         offered = by_source.get(request.device_name)
         if offered is None:
             offered = by_source[request.device_name] = {
-                (pool.kind.value, str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids
+                (str(pool.kind), str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids
             }
         match = offered.get(key)
         if match is not None and match[1] in used:
@@ -325,7 +325,7 @@ def _with_display(
     """``specs`` with their display flags set, ramfb on at most one (warnings appended)."""
     if not wants:
         return specs
-    ours = {(spec.kind.value, spec.source_text) for spec in specs}
+    ours = {(str(spec.kind), spec.source_text) for spec in specs}
     others = [label for key, label in existing.ramfb_on.items() if key not in ours]
     ramfb, lost = _one_ramfb(wants, labels, others[0] if others else None)
     warnings += lost
