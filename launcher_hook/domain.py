@@ -506,7 +506,7 @@ def merge_hostdevs(
             introduced[alias] = hostdev
         if changed:
             touched.append((hostdev, changed))
-        final.append(spec if alias == spec.alias else spec._replace(alias=alias))
+        final.append(spec if alias == spec.alias else HostdevSpec._make((*spec[:2], alias, *spec[3:])))
     _check_aliases(parsed, introduced, doomed)
     if not (new or touched or doomed):
         return Spliced(parsed.source, final, warnings)
@@ -565,6 +565,23 @@ def _patch_bytes(
     return b"".join(pieces)
 
 
+def _hostdev_starts(source: bytes) -> list[int]:
+    """Offsets of every start tag named hostdev (``<hostdev`` or ``<p:hostdev``) in ``source``."""
+    if b":hostdev" in source:
+        return [match.start() for match in _HOSTDEV_START.finditer(source)]
+    starts: list[int] = []
+    find = source.find
+    position = find(b"<hostdev")
+    while position >= 0:
+        if source[position + 8 : position + 9] in _AFTER_NAME:
+            starts.append(position)
+        position = find(b"<hostdev", position + 8)
+    return starts
+
+
+_AFTER_NAME = frozenset((b" ", b"\t", b"\n", b"\r", b">", b"/"))
+
+
 def _hostdev_spans(
     parsed: ParsedDomain, touched: Sequence[tuple[etree._Element, set[str]]], in_order: list[etree._Element] | None
 ) -> list[tuple[int, int, bytes]] | None:
@@ -574,7 +591,7 @@ def _hostdev_spans(
     not allowed raw in text or attribute values), so the n-th one is the n-th element named hostdev.
     """
     source = parsed.source
-    starts = [match.start() for match in _HOSTDEV_START.finditer(source)]
+    starts = _hostdev_starts(source)
     # As many start tags as hostdevs in <devices>: they are those, in order (the usual case); otherwise match
     # them with every element named hostdev in the document.
     elements = in_order if in_order is not None and len(in_order) == len(starts) else []

@@ -538,3 +538,18 @@ def test_launcher_hook_serve_forces_aliases_by_flag_or_env() -> None:
         (call,) = [line for line in lines if line["event"] == "OnDefineDomain"]
         assert call["gpus"] == {"ua-gpu0" if forced else "ua-gpu-train0": "0000:86:00.0"}
         assert bool(call["warnings"]) is forced
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        b"<domain><devices><hostdev/><hostdevs/><hostdev\n type='pci'></hostdev><hostdev>",
+        b"<domain><x:hostdev xmlns:x='urn:x'/><hostdev\t/><metadata><hostdev/></metadata>",
+        b"<hostdev",
+        b"",
+    ],
+)
+def test_hostdev_start_tags_are_found_with_or_without_a_prefix(source: bytes) -> None:
+    from launcher_hook.domain import _HOSTDEV_START, _hostdev_starts
+
+    assert _hostdev_starts(source) == [match.start() for match in _HOSTDEV_START.finditer(source)]
