@@ -616,6 +616,7 @@ def _hostdev_spans(
 
 
 _SOURCE_START = re.compile(rb"<source[\s/>]")
+_KUBEVIRT_SOURCE_TYPE = re.compile(rb"""(<source>\s*<address)\s+type\s*=\s*(?:"[^"]*"|'[^']*')""")
 _ADDRESS_START = re.compile(rb"<address[\s/>]")
 
 
@@ -655,6 +656,10 @@ def _patched_segment(segment: bytes, hostdev: etree._Element, changes: set[str])
                 tag = tag.removesuffix(b"/") + f' {name}="{value}"'.encode() + (b"/" if tag.endswith(b"/") else b"")
         segment = tag + segment[end:]
     if _SOURCE_TYPE in changes:
+        # virt-launcher's form in one step: <source> holding just the address, type= its first attribute
+        segment, done = _KUBEVIRT_SOURCE_TYPE.subn(rb"\1", segment, count=1)
+        if done:
+            return segment
         source_tag = _SOURCE_START.search(segment)
         address_tag = _ADDRESS_START.search(segment, source_tag.end()) if source_tag else None
         source_end = segment.find(b"</source", source_tag.end()) if source_tag else -1

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from lxml import etree
 
+from bench.workloads import kubevirt_rendered_domain, sixteen_gpus
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import allocation_from_env
 from launcher_hook.domain import merge_hostdevs, parse_domain, read_hostdevs
@@ -208,6 +209,11 @@ def test_an_iommufd_driver_is_kept_as_virt_launcher_wrote_it() -> None:
 
 
 MERGE_CASES: dict[str, tuple[bytes, list[dict[str, Any]], dict[str, str]]] = {
+    "16 GPUs as virt-launcher writes them (the benchmark's)": (
+        kubevirt_rendered_domain(),
+        json.loads(sixteen_gpus()[0])["spec"]["domain"]["devices"]["gpus"],
+        sixteen_gpus()[1],
+    ),
     "virt-launcher's PCI GPUs and vGPU, one GPU added": (
         domain_with(RENDERED, controllers=NUMA_CONTROLLERS),
         [
@@ -254,6 +260,10 @@ def test_byte_patching_and_reserialising_merge_to_the_same_bytes(case: str) -> N
         spliced = merge_hostdevs(parsed, specs, existing, allow_fast=fast)
         outputs.append(spliced.domain_xml)
     assert outputs[0] == outputs[1]
+    assert (
+        b'<source><address type="pci"' not in outputs[0]
+        and b'<address type="pci" domain="0x0000" bus="0x10"' not in (outputs[0])
+    )
     aliases = {spec.alias: spec.source_text for spec in spliced.hostdevs}
     assert len(aliases) == len(gpus)
     report = libvirt_verdict(outputs[0], aliases)
