@@ -563,3 +563,12 @@ def test_hostdev_start_tags_are_found_with_or_without_a_prefix(source: bytes) ->
     from launcher_hook.domain import _HOSTDEV_START, _hostdev_starts
 
     assert _hostdev_starts(source) == [match.start() for match in _HOSTDEV_START.finditer(source)]
+
+
+def test_without_a_vmi_virt_launchers_hostdevs_are_merged_too() -> None:
+    domain = domain_with(kubevirt_pci("train0", 0x86) + kubevirt_mdev("desk", UUID_A, ' display="on" ramfb="on"'))
+    result = build_domain(domain, None, {A100_VAR: "0000:86:00.0,0000:af:00.0", T4_VAR: UUID_A})
+    # variables in name order: the mdev one first (it keeps virt-launcher's display), then the PCI ones
+    assert result.aliases == {"ua-gpu-desk": UUID_A, "ua-gpu-train0": "0000:86:00.0", "ua-gpu2": "0000:af:00.0"}
+    assert displays(result.domain_xml)["ua-gpu-desk"] == ("on", "on")
+    libvirt_verdict(result.domain_xml, result.aliases)
