@@ -1,14 +1,19 @@
-"""Reading a libvirt domain safely and splicing hostdevs into it without disturbing anything else.
+"""Reading a libvirt domain safely and merging hostdevs into it without disturbing anything else.
 
 The domain XML comes from virt-launcher (or a user, through xmlgen) and goes straight back to libvirt, so
 parsing refuses what could make it dangerous or ambiguous (a DOCTYPE, entities, oversized or non-UTF-8
-input) and splicing keeps every other byte: the prolog, the root tag, namespaces such as ``qemu:``,
+input) and merging keeps every other byte: the prolog, the root tag, namespaces such as ``qemu:``,
 comments, CDATA, element order, indentation and the empty-element style.
 
-Two ways to splice, one result:
-- fast: when the hostdevs are only appended and ``</devices>`` is unambiguous in the bytes (the usual
-  KubeVirt domain), the rendered text is inserted into the original bytes; nothing is re-serialised.
-- general: otherwise (a hostdev to replace, no ``<devices>``, comments or CDATA around) the tree is edited
+virt-launcher has usually rendered the GPUs already: such a hostdev is kept and only corrected where libvirt
+would refuse or silently drop something (``_merge_into``; docs/kubevirt-hostdevs.md); the others are added.
+Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them.
+
+Two ways to write the result, one document:
+- fast: when nothing but elements and text is around and ``</devices>`` is unambiguous in the bytes (the
+  usual KubeVirt domain), new hostdevs are inserted into the original bytes and corrected ones patched in
+  place (changed attributes only; a hostdev with another correction is re-serialised alone).
+- general: otherwise (comments or CDATA, a hostdev to remove, no or two ``<devices>``) the tree is edited
   and serialised, reusing the original prolog and root start tag verbatim.
 Tests assert both give the same bytes wherever both apply.
 """
@@ -352,10 +357,9 @@ _SOURCE_TYPE, _SWITCHES, _OTHER = "source type=", "display/ramfb", "other"
 def _merge_into(
     hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]
 ) -> tuple[str, str | None, set[str]]:
-    """Correct a hostdev already in the domain for ``spec``'s source; its alias in the output, the alias it had,
-    and what changed
-    (``_SOURCE_TYPE``, ``_SWITCHES`` or ``_OTHER``; empty: untouched). Everything libvirt accepts is kept:
-    alias, guest address, boot order, rom, acpi, driver."""
+    """Correct a hostdev already in the domain for ``spec``'s source. Returns its alias in the output, the alias
+    it had, and what changed (``_SOURCE_TYPE``, ``_SWITCHES``, ``_OTHER``; empty: untouched). Everything libvirt
+    accepts is kept: alias, guest address, boot order, rom, acpi, driver."""
     changed: set[str] = set()
     alias_element = source = driver = None
     for child in hostdev.iterchildren("alias", "source", "driver"):
