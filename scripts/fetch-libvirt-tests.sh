@@ -19,7 +19,7 @@ keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 
 die() { echo "fetch-libvirt-tests: $*" >&2; exit 1; }
 
-version=$(dpkg-query -W -f='${Version}' libvirt0 2>/dev/null || true)
+version=${LIBVIRT_TESTS_VERSION-$(dpkg-query -W -f='${Version}' libvirt0 2>/dev/null || true)}
 out="$cache/libvirt-${version:-newest}"
 if [ -f "$out/.complete" ]; then
     echo "$out"
@@ -44,6 +44,7 @@ mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial" "$apt_dir/sources.
 cat >"$apt_dir/sources.list" <<EOF
 deb-src [signed-by=$keyring] $mirror $suite main
 deb-src [signed-by=$keyring] $mirror $suite-updates main
+deb-src [signed-by=$keyring] ${LIBVIRT_TESTS_SECURITY_MIRROR:-http://deb.debian.org/debian-security} $suite-security main
 EOF
 apt_opts=(
     -o "Dir::Etc::SourceList=$apt_dir/sources.list"
@@ -60,12 +61,23 @@ log="$cache/fetch.log"
 timeout 180 apt-get "${apt_opts[@]}" update >"$log" 2>&1 \
     || die "apt-get update of the deb-src index ($mirror $suite) failed or timed out (180 s); see $log: $(tail -n 3 "$log" | tr '\n' ' ')"
 
+# apt-get update exits 0 when a source cannot be reached: check that a Sources index came.
+ls "$apt_dir/lists/"*_Sources* >/dev/null 2>&1 \
+    || die "no deb-src index could be fetched from $mirror ($suite); see $log: $(grep -E '^(Err|W|E):' "$log" | head -n 2 | tr '\n' ' ')"
 work="$cache/download"
 rm -rf "$work"
 mkdir -p "$work"
+fetch_source() {  # fetch_source PACKAGE[=VERSION]
+    (cd "$work" && timeout 600 apt-get "${apt_opts[@]}" source --download-only "$1") >>"$log" 2>&1
+}
 wanted="libvirt${version:+=$version}"
-(cd "$work" && timeout 600 apt-get "${apt_opts[@]}" source --download-only "$wanted") >>"$log" 2>&1 \
-    || die "apt-get source --download-only $wanted failed or timed out (600 s); see $log: $(tail -n 3 "$log" | tr '\n' ' ')"
+if ! fetch_source "$wanted"; then
+    [ -n "$version" ] || die "apt-get source --download-only libvirt failed or timed out (600 s); see $log: $(tail -n 3 "$log" | tr '\n' ' ')"
+    # The archive keeps only a suite's newest version: a machine that has not upgraded yet gets that one.
+    echo "fetch-libvirt-tests: libvirt $version is no longer in $suite's sources; taking its newest" >&2
+    fetch_source libvirt \
+        || die "apt-get source --download-only libvirt failed or timed out (600 s); see $log: $(tail -n 3 "$log" | tr '\n' ' ')"
+fi
 dsc=$(ls "$work"/libvirt_*.dsc 2>/dev/null | head -n 1)
 [ -n "$dsc" ] || die "apt-get source left no libvirt_*.dsc in $work"
 timeout 300 dpkg-source --no-check -x "$dsc" "$work/src" >>"$log" 2>&1 \
@@ -82,6 +94,7 @@ for file in qemuxml2argvtest.c qemuxml2xmltest.c qemuhotplugtest.c; do
     cp "$work/src/tests/$file" "$out.tmp/tests/"
 done
 cp "$work/src/debian/changelog" "$out.tmp/debian-changelog"
+basename "$dsc" .dsc >"$out.tmp/source-version"
 rm -rf "$out" "$work"
 mv "$out.tmp" "$out"
 touch "$out/.complete"

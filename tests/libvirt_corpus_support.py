@@ -109,9 +109,9 @@ class Verdict:
 
 def libvirt_verdict(root: etree._Element) -> Verdict:
     """libvirt's own verdict on a domain, computed live (see the module's docstring)."""
-    from xmlgen.libvirt_check import qemu_driver_refusal, test_driver_refusal
+    from xmlgen.libvirt_check import generic_refusal, qemu_driver_refusal
 
-    refusal = test_driver_refusal(_fresh(root, None))
+    refusal = generic_refusal(_fresh(root, None))
     if refusal is not None:
         return Verdict(False, "test driver", refusal)
     if arch_of(root) not in X86:

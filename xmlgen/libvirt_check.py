@@ -187,7 +187,7 @@ def assert_qemu_matches(report: LibvirtReport, expected: Mapping[str, str]) -> N
 # ---- one libvirt call per function (so a timeout can wrap each): libvirt's verdict on a whole domain ------
 
 
-def test_driver_refusal(domain_xml: str) -> str | None:
+def generic_refusal(domain_xml: str) -> str | None:
     """Why libvirt's RNG schema and generic parser (``test:///default``, ``VIR_DOMAIN_DEFINE_VALIDATE``)
     refuse ``domain_xml``, or None when they define it. Needs no daemon; the definition is removed again."""
     libvirt = _libvirt()
@@ -218,7 +218,27 @@ def qemu_driver_refusal(domain_xml: str) -> str | None:
         domain = connection.defineXMLFlags(domain_xml, libvirt.VIR_DOMAIN_DEFINE_VALIDATE)
         domain.undefine()
     except libvirt.libvirtError as exc:
+        if exc.get_error_domain() in (libvirt.VIR_FROM_RPC, libvirt.VIR_FROM_REMOTE):
+            raise LibvirtUnavailable(f"lost libvirtd at {QEMU_URI} while it judged a domain: {exc}") from None
         return str(exc)
     finally:
         connection.close()
     return None
+
+
+def libvirt_read_back(domain_xml: str) -> str:
+    """The domain as libvirt's parser read it: defined on ``test:///default``, its XML, then undefined.
+    Raises LibvirtRejected when libvirt refuses it."""
+    libvirt = _libvirt()
+    with _lock:
+        connection = libvirt.open(TEST_URI)
+        try:
+            domain = connection.defineXMLFlags(domain_xml, 0)
+            try:
+                return str(domain.XMLDesc(0))
+            finally:
+                domain.undefine()
+        except libvirt.libvirtError as exc:
+            raise LibvirtRejected(f"libvirt's test driver refused the domain: {exc}") from None
+        finally:
+            connection.close()
