@@ -210,8 +210,16 @@ def _hostdev_problems(hostdev: etree._Element) -> Iterator[tuple[Severity, str]]
     if kind == "pci":
         yield from _pci_source_problems(hostdev, label)
     elif kind == "mdev":
-        if hostdev.find("source/address") is None:
+        address = hostdev.find("source/address")
+        if address is None:
             yield Severity.ERROR, f"{label}: no <source><address uuid='…'/></source>"
+        elif address.get("uuid") is None:
+            yield (
+                Severity.ERROR,
+                f"{label}: the source <address> of an mdev needs uuid=; this one has "
+                f"{', '.join(str(key) + '=' for key in address.attrib) or 'no attribute'} "
+                "(a PCI device is passed with type='pci')",
+            )
         yield from _mdev_problems(hostdev, label)
     elif kind == "scsi_host" and hostdev.find("boot") is not None:
         yield (
@@ -322,6 +330,16 @@ def _show_source(identity: tuple[str, ...]) -> str:
     if kind == "pci" and all(part.isdigit() for part in rest):
         domain, bus, slot, function = (int(part) for part in rest)
         return f"PCI {domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
+    if kind == "usb-address":
+        return f"USB bus {rest[0]} device {rest[1]}"
+    if kind == "usb-id" and all(part.isdigit() for part in rest):
+        return f"USB device {int(rest[0]):04x}:{int(rest[1]):04x}"
+    if kind == "scsi":
+        return f"SCSI {rest[0]} bus {rest[1]} target {rest[2]} unit {rest[3]}"
+    if kind == "iscsi":
+        return f"iSCSI {rest[0]}:{rest[1]} {rest[2]}"
+    if kind == "scsi_host":
+        return f"vhost-scsi {rest[1]}"
     return f"{kind} {':'.join(rest)}"
 
 
