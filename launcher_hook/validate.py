@@ -325,6 +325,19 @@ def source_identity(device: etree._Element) -> tuple[str, ...] | None:
     return None
 
 
+def _usb_ids(device: etree._Element) -> list[tuple[str, ...]]:
+    """A USB hostdev's vendor/product identity, when it also has a bus/device address (else [])."""
+    if device.tag != "hostdev" or device.get("type") != "usb" or device.find("source/address") is None:
+        return []
+    ids = tuple(str(c_number(_id_of(device, part))) for part in ("vendor", "product"))
+    return [("usb-id", *ids)] if "None" not in ids else []
+
+
+def _id_of(device: etree._Element, part: str) -> str | None:
+    element = device.find(f"source/{part}")
+    return element.get("id") if element is not None else None
+
+
 def _show_source(identity: tuple[str, ...]) -> str:
     kind, *rest = identity
     if kind == "pci" and all(part.isdigit() for part in rest):
@@ -402,8 +415,12 @@ def domain_rules(root: etree._Element) -> list[Problem]:
         identity = source_identity(device)
         if identity is None or any(part == "None" for part in identity):
             continue
-        if identity in seen:
-            first = seen[identity]
+        # libvirt compares a USB device with an earlier one by the earlier one's form: its bus/device when it
+        # has them, else vendor/product; so a later device with an address also matches by its IDs.
+        candidates = [identity, *_usb_ids(device)]
+        match = next((candidate for candidate in candidates if candidate in seen), None)
+        if match is not None:
+            identity, first = match, seen[match]
             what = _label(device) if device.tag == "hostdev" else "<interface type='hostdev'>"
             problems.append(
                 Problem(

@@ -180,6 +180,12 @@ def test_display_needs_graphics_and_one_ramfb_in_the_pure_domain_rules() -> None
             "<address bus='0' target='0' unit='0'/></source></hostdev>",
         ),
         (
+            "<hostdev mode='subsystem' type='usb'><source><vendor id='0x1234'/><product id='0xbeef'/></source>"
+            "</hostdev>",
+            "<hostdev mode='subsystem' type='usb'><source><vendor id='4660'/><product id='0xBEEF'/>"
+            "<address bus='1' device='2'/></source></hostdev>",
+        ),
+        (
             pci("0x86"),
             "<interface type='hostdev'><source><address type='pci' domain='0' bus='0x86' slot='0' function='0'/>"
             "</source></interface>",
@@ -189,6 +195,20 @@ def test_display_needs_graphics_and_one_ramfb_in_the_pure_domain_rules() -> None
 def test_the_same_source_twice_is_an_error(first: str, second: str) -> None:
     found = [problem.message for problem in domain_rules(domain(first + second))]
     assert len(found) == 1 and "is passed through again" in found[0], found
+
+
+def test_usb_devices_are_matched_by_the_earlier_ones_form() -> None:
+    """libvirt compares by the first device's form: an address there is compared with the later device's
+    address only (so the same IDs at another form are not a duplicate that way round)."""
+    by_address = (
+        "<hostdev mode='subsystem' type='usb'><source><vendor id='0x1234'/><product id='0xbeef'/>"
+        "<address bus='1' device='2'/></source></hostdev>"
+    )
+    by_ids = (
+        "<hostdev mode='subsystem' type='usb'><source><vendor id='0x1234'/><product id='0xbeef'/></source></hostdev>"
+    )
+    assert domain_rules(domain(by_address + by_ids)) == []
+    assert len(domain_rules(domain(by_ids + by_address))) == 1
 
 
 def test_a_scsi_drive_address_taken_by_a_disk_or_hostdev_is_an_error() -> None:
