@@ -44,7 +44,22 @@ _WRAPPER = (
 )
 _PCI_RANGES = {"domain": 0xFFFFFFFF, "bus": 0xFF, "slot": 0x1F, "function": 0x7}
 _C_NUMBER = re.compile(r"\s*\+?(?:0[xX](?P<hex>[0-9a-fA-F]+)|(?P<oct>0[0-7]*)|(?P<dec>[1-9][0-9]*))")
+_DECIMAL = re.compile(r"\s*\+?(?P<digits>[0-9]+)")
 _UINT_MAX = 0xFFFFFFFF
+# Numbers libvirt's parser reads in a hostdev, by hostdev type: (element, attributes, base, usual base).
+# Base 0 is C's (0x hex, 0 octal, else decimal); drive addresses are read in base 10 (device_conf.c).
+_SOURCE_NUMBERS: dict[str, list[tuple[str, tuple[str, ...], int, int]]] = {
+    "usb": [
+        ("source/vendor", ("id",), 0, 16),
+        ("source/product", ("id",), 0, 16),
+        ("source/address", ("bus", "device"), 0, 10),
+    ],
+    "scsi": [("source/address", ("bus", "target", "unit"), 0, 10)],
+}
+_GUEST_NUMBERS: list[tuple[str, tuple[str, ...], int, int]] = [
+    ("address[@type='pci']", ("domain", "bus", "slot", "function"), 0, 16),
+    ("address[@type='drive']", ("controller", "bus", "target", "unit"), 10, 10),
+]
 
 
 class Severity(enum.Enum):
@@ -97,37 +112,47 @@ def line_of(element: etree._Element) -> int | None:
     return line if isinstance(line, int) else None
 
 
-def c_number(text: str | None) -> int | None:
-    """``text`` read as libvirt's ``virStrToLong_uip(text, NULL, 0, …)`` reads it, or None where it fails.
+def c_number(text: str | None, base: int = 0) -> int | None:
+    """``text`` read as libvirt's ``virStrToLong_uip(text, NULL, base, …)`` reads it, or None where it fails.
 
     Base 0 means C's rules: ``0x``/``0X`` then hex digits, a leading ``0`` then octal digits, else decimal;
-    leading blanks and a ``+`` are allowed, nothing may follow the digits, and the value must fit 32 bits.
+    base 10 takes decimal digits only (leading zeros too). Leading blanks and a ``+`` are allowed, nothing
+    may follow the digits, and the value must fit 32 bits.
     """
     if text is None:
         return None
-    match = _C_NUMBER.fullmatch(text)
-    if match is None:
-        return None
-    if match["hex"] is not None:
-        value = int(match["hex"], 16)
-    elif match["oct"] is not None:
-        value = int(match["oct"], 8)
+    if base == 10:
+        decimal = _DECIMAL.fullmatch(text)
+        value = int(decimal["digits"], 10) if decimal is not None else None
     else:
-        value = int(match["dec"], 10)
-    return value if value <= _UINT_MAX else None
+        match = _C_NUMBER.fullmatch(text)
+        if match is None:
+            return None
+        if match["hex"] is not None:
+            value = int(match["hex"], 16)
+        elif match["oct"] is not None:
+            value = int(match["oct"], 8)
+        else:
+            value = int(match["dec"], 10)
+    return value if value is not None and value <= _UINT_MAX else None
 
 
-def ambiguous_number(text: str) -> str | None:
-    """Why a number libvirt reads fine may be misread by a person (None when its form is plain)."""
+def ambiguous_number(text: str, usual_base: int = 16) -> str | None:
+    """Why a number libvirt reads fine (base 0) may be misread by a person used to ``usual_base`` (hex for
+    PCI numbers and USB IDs, as lspci and lsusb print them; decimal for USB bus/device and SCSI numbers), or
+    None when its form is plain."""
     value = c_number(text)
     if value is None:
         return None
     digits = text.strip().lstrip("+")
-    if digits[:2].lower() == "0x" or int(digits, 16) == value:
+    if digits[:2].lower() == "0x":
         return None
-    if len(digits) > 1 and digits.startswith("0"):
-        return f"libvirt reads {text!r} as octal {value} ({value:#x}), not hex {digits}"
-    return f"libvirt reads {text!r} as decimal {value} ({value:#x}), not hex {digits}"
+    usual = int(digits, usual_base)
+    if usual == value:
+        return None
+    form = "octal" if len(digits) > 1 and digits.startswith("0") else "decimal"
+    usual_name = "hex" if usual_base == 16 else "decimal"
+    return f"libvirt reads {text!r} as {form} {value} ({value:#x}), not {usual_name} {digits}"
 
 
 def is_live(root: etree._Element) -> bool:
@@ -201,11 +226,40 @@ def _mdev_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Severi
         yield Severity.ERROR, f"{label}: <boot> is not supported on mdevs of model 'vfio-pci' (libvirt's QEMU driver)"
 
 
+def _number_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Severity, str]]:
+    """Numbers outside a PCI source, read as libvirt's parser reads them (see _SOURCE_NUMBERS)."""
+    fields = [*_SOURCE_NUMBERS.get(hostdev.get("type") or "", []), *_GUEST_NUMBERS]
+    for path, attributes, base, usual_base in fields:
+        element = hostdev.find(path)
+        if element is None:
+            continue
+        where = f"{'guest' if path.startswith('address') else 'source'} <{element.tag}>"
+        for attribute in attributes:
+            text = element.get(attribute)
+            if text is None:
+                continue
+            value = c_number(text, base)
+            if value is None:
+                form = "decimal digits" if base == 10 else "a number (0x hex, 0-prefixed octal or decimal)"
+                yield Severity.ERROR, f"{label}: {where} {attribute}={text!r} is not {form} libvirt reads"
+                continue
+            if path == "address[@type='pci']" and value > _PCI_RANGES[attribute]:
+                yield (
+                    Severity.ERROR,
+                    f"{label}: {where} {attribute}={text!r} is over {_PCI_RANGES[attribute]:#x}",
+                )
+                continue
+            why = ambiguous_number(text, usual_base) if base == 0 else None
+            if why is not None:
+                yield Severity.WARNING, f"{label}: {where} {attribute}={text!r}: {why}"
+
+
 def _hostdev_problems(hostdev: etree._Element) -> Iterator[tuple[Severity, str]]:
     """The mistakes seen in practice, explained, and libvirt's per-device rules the schema lacks."""
     label = _label(hostdev)
     if hostdev.get("mode", "subsystem") != "subsystem":
         return
+    yield from _number_problems(hostdev, label)
     kind = hostdev.get("type")
     if kind == "pci":
         yield from _pci_source_problems(hostdev, label)

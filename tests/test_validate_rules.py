@@ -235,3 +235,72 @@ def test_validate_prints_warnings_and_exits_0_without_errors() -> None:
         "decimal 10 (0xa), not hex 10; write 0x0a",
         "ok: 1 hostdev valid (configuration), 1 warning",
     ]
+
+
+USB = "<hostdev mode='subsystem' type='usb'><source>{source}</source>{guest}</hostdev>"
+SCSI = (
+    "<hostdev mode='subsystem' type='scsi'><source><adapter name='scsi_host0'/>"
+    "<address bus='0' target='0' unit='{unit}'/></source>{guest}</hostdev>"
+)
+CRAFTED = {
+    # name: (devices, accepted by libvirt, a phrase of xmlgen validate's output)
+    "usb bus in octal": (
+        USB.format(source="<address bus='014' device='6'/>", guest=""),
+        True,
+        "warning: <hostdev type='usb'> without alias: source <address> bus='014': libvirt reads '014' as octal 12",
+    ),
+    "usb ids in decimal": (
+        USB.format(source="<vendor id='4660'/><product id='0xbeef'/>", guest=""),
+        True,
+        "source <vendor> id='4660': libvirt reads '4660' as decimal 4660 (0x1234), not hex 4660",
+    ),
+    "usb id not a number": (
+        USB.format(source="<vendor id='0x12g4'/><product id='0xbeef'/>", guest=""),
+        False,
+        "error: <hostdev type='usb'> without alias",
+    ),
+    "drive unit in hex": (
+        SCSI.format(unit="1", guest="<address type='drive' controller='0' bus='0' target='0' unit='0x1'/>"),
+        False,
+        "guest <address> unit='0x1' is not decimal digits libvirt reads",
+    ),
+    "drive unit with leading zero": (
+        SCSI.format(unit="1", guest="<address type='drive' controller='0' bus='0' target='0' unit='010'/>"),
+        True,
+        "ok: 1 hostdev valid",
+    ),
+    "guest pci slot in hex without 0x": (
+        pci("0x86", "ua-gpu0").replace(
+            "</source>", "</source><address type='pci' domain='0' bus='0' slot='1f' function='0'/>"
+        ),
+        False,
+        "guest <address> slot='1f' is not a number (0x hex, 0-prefixed octal or decimal) libvirt reads",
+    ),
+    "scsi unit in octal": (
+        SCSI.format(unit="010", guest=""),
+        True,
+        "source <address> unit='010': libvirt reads '010' as octal 8 (0x8), not decimal 010",
+    ),
+}
+
+
+@pytest.mark.libvirt
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_crafted_numbers_get_libvirts_verdict(name: str) -> None:
+    """Each crafted domain gets the same verdict from libvirt (its test driver, live) and xmlgen validate."""
+    from tests.libvirt_support import missing
+    from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal
+
+    devices, accepted, phrase = CRAFTED[name]
+    xml = (
+        "<domain type='test'><name>crafted</name><memory>1024</memory><os><type>hvm</type></os>"
+        f"<devices>{devices}</devices></domain>"
+    )
+    try:
+        refusal = generic_refusal(xml)
+    except LibvirtUnavailable as exc:
+        missing(str(exc))
+    assert (refusal is None) == accepted, refusal
+    result = CliRunner().invoke(cli, ["validate", "-"], input=xml.encode(), catch_exceptions=False)
+    assert result.exit_code == (0 if accepted else 1), result.stdout
+    assert phrase in result.stdout, result.stdout
