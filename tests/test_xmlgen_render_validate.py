@@ -141,15 +141,16 @@ def test_validate_reports_each_problem_on_its_own_line() -> None:
     assert code == 1
     lines = out.splitlines()
     expected = [
-        "line 3: <hostdev> 'ua-gpu-gpu0': <source><address type='pci'> - the source address takes no type attribute",
-        "line 7: <hostdev> 'hostdev7': display= is allowed on mdev hostdevs only",
-        "line 7: <hostdev> 'hostdev7': 0000:86:00.0 is passed through again (first at line 3)",
-        "line 9: hostdev alias 'hostdev7' does not start with 'ua-'",
-        "line 11: <hostdev> 'ua-gpu.1': source address bus='134' is not 0x hex",
-        "line 11: <hostdev> 'ua-gpu.1': source address slot='0x20' is not a number in 0..0x1f",
-        "line 13: alias 'ua-gpu.1' has characters outside [a-zA-Z0-9_-]",
-        "line 15: <hostdev> 'ua-gpu-gpu0': ramfb='maybe' must be 'on' or 'off'",
-        "line 17: alias 'ua-gpu-gpu0' is used again (first at line 5)",
+        "line 3: error: <hostdev type='pci'> 'ua-gpu-gpu0': <source><address type='pci'> - the source address takes no",
+        "line 7: error: <hostdev type='pci'> 'hostdev7': display= is allowed on mdev hostdevs only",
+        "line 7: error: <hostdev type='pci'> 'hostdev7': PCI 0000:86:00.0 is passed through again (first at line 3)",
+        "line 9: error: hostdev alias 'hostdev7' does not start with 'ua-'",
+        "line 11: warning: <hostdev type='pci'> 'ua-gpu.1': source address bus='134': libvirt reads '134' as decimal",
+        "line 11: error: <hostdev type='pci'> 'ua-gpu.1': source address slot='0x20' is not a number libvirt reads",
+        "line 13: error: alias 'ua-gpu.1' has characters outside [a-zA-Z0-9_-]",
+        "line 15: error: <hostdev type='mdev'> 'ua-gpu-gpu0': ramfb='maybe' must be 'on' or 'off'",
+        "line 17: error: alias 'ua-gpu-gpu0' is used again (first at line 5)",
+        "invalid: 8 errors, 1 warning (configuration)",
     ]
     assert len(lines) == len(expected), out
     for line, start in zip(lines, expected, strict=True):
@@ -164,7 +165,7 @@ def test_validate_falls_back_to_the_rng_verdict_for_other_schema_errors() -> Non
     )
     code, out, _ = run("validate", "-", stdin=domain)
     assert code == 1
-    assert out.startswith("line 1: <hostdev> 'ua-gpu0' fails libvirt's RNG schema (domain.rng): ")
+    assert out.startswith("line 1: error: <hostdev type='pci'> 'ua-gpu0' fails libvirt's RNG schema (domain.rng): ")
 
 
 def test_validate_names_missing_schemas(tmp_path: Path) -> None:

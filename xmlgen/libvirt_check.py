@@ -182,3 +182,63 @@ def assert_qemu_matches(report: LibvirtReport, expected: Mapping[str, str]) -> N
     for alias, source in expected.items():
         if got.get(alias) != source:
             raise LibvirtRejected(f"QEMU would not get {alias} = {source}: its vfio devices are {got}")
+
+
+# ---- one libvirt call per function (so a timeout can wrap each): libvirt's verdict on a whole domain ------
+
+
+def generic_refusal(domain_xml: str) -> str | None:
+    """Why libvirt's RNG schema and generic parser (``test:///default``, ``VIR_DOMAIN_DEFINE_VALIDATE``)
+    refuse ``domain_xml``, or None when they define it. Needs no daemon; the definition is removed again."""
+    libvirt = _libvirt()
+    with _lock:  # the test driver's default state is shared by the whole process
+        connection = libvirt.open(TEST_URI)
+        try:
+            domain = connection.defineXMLFlags(domain_xml, libvirt.VIR_DOMAIN_DEFINE_VALIDATE)
+            domain.undefine()
+        except libvirt.libvirtError as exc:
+            return str(exc)
+        finally:
+            connection.close()
+    return None
+
+
+def qemu_driver_refusal(domain_xml: str) -> str | None:
+    """Why libvirt's QEMU driver (``qemu:///system``: schema, parser and qemu_validate against the emulator's
+    capabilities) refuses ``domain_xml``, or None when it defines it; the definition is undefined at once.
+    ``domain_xml`` should carry a name no other domain has. Raises LibvirtUnavailable without libvirtd."""
+    libvirt = _libvirt()
+    try:
+        connection = libvirt.open(QEMU_URI)
+    except libvirt.libvirtError as exc:
+        raise LibvirtUnavailable(
+            f"libvirtd with the QEMU driver is not reachable at {QEMU_URI} ({exc}); as root: scripts/ensure-system.sh"
+        ) from None
+    try:
+        domain = connection.defineXMLFlags(domain_xml, libvirt.VIR_DOMAIN_DEFINE_VALIDATE)
+        domain.undefine()
+    except libvirt.libvirtError as exc:
+        if exc.get_error_domain() in (libvirt.VIR_FROM_RPC, libvirt.VIR_FROM_REMOTE):
+            raise LibvirtUnavailable(f"lost libvirtd at {QEMU_URI} while it judged a domain: {exc}") from None
+        return str(exc)
+    finally:
+        connection.close()
+    return None
+
+
+def libvirt_read_back(domain_xml: str) -> str:
+    """The domain as libvirt's parser read it: defined on ``test:///default``, its XML, then undefined.
+    Raises LibvirtRejected when libvirt refuses it."""
+    libvirt = _libvirt()
+    with _lock:
+        connection = libvirt.open(TEST_URI)
+        try:
+            domain = connection.defineXMLFlags(domain_xml, 0)
+            try:
+                return str(domain.XMLDesc(0))
+            finally:
+                domain.undefine()
+        except libvirt.libvirtError as exc:
+            raise LibvirtRejected(f"libvirt's test driver refused the domain: {exc}") from None
+        finally:
+            connection.close()
