@@ -13,6 +13,7 @@ the containers of this pod, so the pod boundary is what protects it.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 from collections.abc import Callable
@@ -135,7 +136,26 @@ class CallbacksV1alpha3(_Callbacks):
 
 
 class SocketInUse(Exception):
-    """The socket path is taken by something that is not a socket, or is too long for a unix socket."""
+    """The socket path is taken (a live server answers there, or it is not a socket) or too long for a socket."""
+
+
+LIVE_PROBE_SECONDS = 1.0
+"""How long ``start`` waits for an existing socket to accept a connection before calling it stale."""
+
+
+def socket_is_live(path: Path, timeout: float = LIVE_PROBE_SECONDS) -> bool:
+    """Whether something accepts connections on the unix socket ``path`` now (a stale socket refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(os.fspath(path))
+    except (TimeoutError, PermissionError):
+        return True  # a full backlog (a busy server), or a socket we may not probe: neither is ours to replace
+    except OSError:
+        return False  # ECONNREFUSED: nobody listens there any more
+    finally:
+        probe.close()
+    return True
 
 
 class HookServer:
@@ -179,7 +199,11 @@ class HookServer:
             return
         if not stat.S_ISSOCK(mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        path.unlink()  # a stale socket from an earlier run
+        if socket_is_live(path):
+            raise SocketInUse(
+                f"another server is listening on {path} (or it cannot be probed); refusing to replace its socket"
+            )
+        path.unlink()  # a stale socket from an earlier run: nobody answers there
 
     def start(self) -> None:
         """Bind (replacing a stale socket), set the socket's mode, and serve."""

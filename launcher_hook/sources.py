@@ -16,7 +16,9 @@ Each source returns an env-shaped mapping for ``build_domain``. A source that ca
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,20 +90,64 @@ class ProcessEnvSource:
         return None
 
 
-class EnvironFileSource:
-    """A copy of the compute process's env, read anew on every call (it may appear after the hook starts)."""
+MAX_ENVIRON_FILE_BYTES = 4 * 1024 * 1024
+"""Largest environ file read (4 MiB). Linux caps a process's argv + env at a quarter of its stack limit (2 MiB
+with the usual 8 MiB stack; ``/proc/<pid>/environ`` is never larger), so this is twice what a real one holds."""
+_READ_CHUNK = 64 * 1024
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
-    def __init__(self, path: Path) -> None:
+
+def read_environ_file(path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes``; ``SourceUnavailable`` naming it otherwise.
+
+    Opened ``O_NONBLOCK`` so that a FIFO (or a device) in its place cannot block the caller in ``open``, then
+    refused unless ``fstat`` says it is a regular file (``/proc/<pid>/environ`` is one); read in chunks and
+    given up as soon as it passes ``max_bytes`` (``/proc`` files report size 0, so the size is not trusted).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise SourceUnavailable(f"environ file {path} is {kind}, not a regular file; refusing to read it")
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise SourceUnavailable(f"environ file {path} is over the {max_bytes}-byte limit")
+    except OSError as exc:
+        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+class EnvironFileSource:
+    """A copy of the compute process's env, read anew on every call (it may appear after the hook starts).
+
+    The file is read with :func:`read_environ_file`: regular files only, at most ``MAX_ENVIRON_FILE_BYTES``.
+    """
+
+    def __init__(self, path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
 
     def describe(self) -> str:
         return f"environ file {self.path}"
 
     def load(self, vmi_json: bytes | None) -> Loaded:
-        try:
-            data = self.path.read_bytes()
-        except OSError as exc:
-            raise SourceUnavailable(f"environ file {self.path} cannot be read: {exc.strerror or exc}") from None
+        data = read_environ_file(self.path, self.max_bytes)
         try:
             env = parse_environ(data)
         except InputError as exc:

@@ -1,0 +1,188 @@
+"""Issue 11's attacks on the hook sidecar, each reproduced before its fix: a FIFO or a huge environ file, a second
+``serve`` on a live socket, streams that never read, huge domains at once, a caller naming another pod, and a
+stderr nobody drains. Load stays on this machine (unix sockets only) and every loop is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from launcher_hook.server import HookServer, SocketInUse
+from launcher_hook.service import HookService
+from launcher_hook.sources import (
+    MAX_ENVIRON_FILE_BYTES,
+    EnvironFileSource,
+    ProcessEnvSource,
+    SourceUnavailable,
+    read_environ_file,
+)
+from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
+from tests.hook_support import RTX_VAR, SEED_PCI, running_hook, seed_case, short_dir, unix_channel
+from tests.test_hook_cli import clean_env, program, start_serve
+from tests.test_hook_server import define, hostdevs
+
+
+@pytest.fixture
+def directory() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+def load_in_thread(source: EnvironFileSource, seconds: float) -> BaseException | None:
+    """``source.load`` in a thread; its exception, or AssertionError if it is still running after ``seconds``."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            source.load(None)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return AssertionError(f"load of {source.path} still blocked after {seconds} s")
+    return outcome[0]
+
+
+# --- finding 4: the environ file ------------------------------------------------------------------------------
+
+
+def test_a_fifo_as_environ_file_is_refused_at_once(directory: Path) -> None:
+    fifo = directory / "environ"
+    os.mkfifo(fifo)
+    try:
+        error = load_in_thread(EnvironFileSource(fifo), 5)
+    finally:
+        with contextlib.suppress(OSError):  # unblock a reader stuck in open() (before the fix)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert isinstance(error, SourceUnavailable), error
+    assert str(error) == f"environ file {fifo} is a FIFO, not a regular file; refusing to read it"
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_a_device_as_environ_file_is_refused(device: str) -> None:
+    with pytest.raises(SourceUnavailable, match="is a character device, not a regular file"):
+        read_environ_file(Path(device))
+
+
+def test_a_directory_as_environ_file_is_refused(directory: Path) -> None:
+    with pytest.raises(SourceUnavailable, match=r"is a directory|cannot be read"):
+        read_environ_file(directory)
+
+
+def test_an_environ_file_over_the_cap_is_refused_without_reading_it_whole(directory: Path) -> None:
+    huge = directory / "environ"
+    with huge.open("wb") as handle:  # sparse: 64 MiB of NULs cost no disk
+        handle.truncate(64 * 1024 * 1024)
+    source = EnvironFileSource(huge)
+    with pytest.raises(SourceUnavailable) as caught:
+        source.load(None)
+    assert str(caught.value) == f"environ file {huge} is over the {MAX_ENVIRON_FILE_BYTES}-byte limit"
+    exact = directory / "exact"
+    exact.write_bytes(f"{RTX_VAR}=0000:86:00.0\n".encode().ljust(MAX_ENVIRON_FILE_BYTES, b"\n"))
+    assert EnvironFileSource(exact).load(None).env == {RTX_VAR: "0000:86:00.0"}
+
+
+def test_proc_environ_is_a_regular_file_and_still_read() -> None:
+    data = read_environ_file(Path(f"/proc/{os.getpid()}/environ"))
+    assert b"PATH=" in data
+
+
+def test_serve_with_a_fifo_environ_file_answers_info_and_stops_on_sigterm(directory: Path) -> None:
+    fifo = directory / "environ"
+    os.mkfifo(fifo)
+    socket_path = directory / "hook.sock"
+    process = start_serve(socket_path, "--environ-file", str(fifo))
+    domain, vmi, _ = seed_case()
+    try:
+        with unix_channel(socket_path) as channel:
+            stub = v1alpha3_pb2_grpc.CallbacksStub(channel)
+            for _ in range(12):  # more calls than workers: none may stay blocked on the FIFO
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.OnDefineDomain(v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=5)
+                error = caught.value
+                assert isinstance(error, grpc.Call)
+                assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+                assert "is a FIFO" in (error.details() or "")
+            info = info_pb2_grpc.InfoStub(channel).Info(info_pb2.InfoParams(), timeout=5)
+            assert "v1alpha3" in info.versions
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=10)
+        assert process.returncode == 0
+        assert time.monotonic() - started < 5
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_the_shim_with_a_fifo_environ_file_fails_at_once(directory: Path) -> None:
+    fifo = directory / "environ"
+    os.mkfifo(fifo)
+    domain, vmi, _ = seed_case()
+    try:
+        done = subprocess.run(
+            [program("onDefineDomain"), "--vmi", vmi.decode(), "--domain", domain.decode()],
+            env=clean_env(LAUNCHER_HOOK_ENVIRON_FILE=str(fifo)),
+            capture_output=True,
+            timeout=20,
+            check=False,
+        )
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert done.returncode == 1
+    assert done.stdout == b""
+    assert b"is a FIFO, not a regular file" in done.stderr
+
+
+# --- finding 11: a second serve on a live socket ---------------------------------------------------------------
+
+
+def test_a_second_server_on_a_live_socket_is_refused_and_the_first_keeps_serving(directory: Path) -> None:
+    socket_path = directory / "hook.sock"
+    domain, vmi, env = seed_case()
+    with running_hook(HookService(ProcessEnvSource(env)), socket_path):
+        inode = socket_path.lstat().st_ino
+        second = HookServer(socket_path, HookService(ProcessEnvSource({})))
+        with pytest.raises(SocketInUse, match=f"another server is listening on {socket_path}"):
+            second.start()
+        second.stop(grace=0)
+        assert socket_path.lstat().st_ino == inode
+        assert hostdevs(define(socket_path, domain, vmi)) == SEED_PCI
+
+
+def test_serve_refuses_a_live_socket_with_exit_1(directory: Path) -> None:
+    socket_path = directory / "hook.sock"
+    first = start_serve(socket_path)
+    try:
+        done = subprocess.run(
+            [program("launcher-hook"), "serve", "--socket", str(socket_path)],
+            env=clean_env(),
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 1
+        assert b"another server is listening on" in done.stderr
+        domain, vmi, _ = seed_case()
+        assert hostdevs(define(socket_path, domain, vmi)) == SEED_PCI
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=20)
+    assert first.returncode == 0
