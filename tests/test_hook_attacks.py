@@ -5,6 +5,7 @@ stderr nobody drains. Load stays on this machine (unix sockets only) and every l
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,91 @@ def test_serve_refuses_a_live_socket_with_exit_1(directory: Path) -> None:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=20)
     assert first.returncode == 0
+
+
+# --- finding 12: a stderr nobody drains ------------------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_an_undrained_stderr_neither_grows_the_hook_nor_holds_its_sigterm(directory: Path) -> None:
+    socket_path = directory / "hook.sock"
+    _, _, seed_env = seed_case()
+    read_end, write_end = os.pipe()  # stderr: a pipe nobody reads (it fills after 64 KiB)
+    process = subprocess.Popen(
+        [program("launcher-hook"), "serve", "--socket", str(socket_path)],
+        env=clean_env(**{RTX_VAR: seed_env[RTX_VAR]}),
+        stdout=subprocess.DEVNULL,
+        stderr=write_end,
+    )
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 20
+        while not socket_path.is_socket():
+            assert time.monotonic() < deadline and process.poll() is None, "serve did not start"
+            time.sleep(0.02)
+        gpus = [{"name": "g" * 5000, "deviceName": "example.com/r"}]  # a ~4 KiB error in every log line
+        vmi = json.dumps({"spec": {"domain": {"devices": {"gpus": gpus}}}}).encode()
+        domain, _, _ = seed_case()
+        request = v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi)
+        sizes = []
+        with unix_channel(socket_path) as channel:
+            stub = v1alpha3_pb2_grpc.CallbacksStub(channel)
+            for _ in range(2):
+                for _ in range(1500):
+                    with pytest.raises(grpc.RpcError):
+                        stub.OnDefineDomain(request, timeout=10)
+                sizes.append(rss_bytes(process.pid))
+        grown = sizes[1] - sizes[0]
+        print(f"RSS after 1,500 and 3,000 failing calls: {sizes}")
+        assert grown < 4 * 1024 * 1024, f"RSS grew {grown} bytes over 1,500 more failing calls: {sizes}"
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=15)
+        assert process.returncode == 0
+        assert time.monotonic() - started < 6
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(read_end)
+
+
+def test_dropped_lines_are_counted_in_a_line_once_stderr_drains() -> None:
+    import logging
+
+    from schemas.logformat import DROPPED_EVENT, LOG_QUEUE_LINES, configure, event_extra, event_message
+
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    logger = logging.getLogger("kgp-drop-test")
+    flush = configure(logger, "test", "json", stream, background=True)
+    total = LOG_QUEUE_LINES * 3
+    filler = "x" * 1000
+    for number in range(total):
+        fields = {"n": number, "filler": filler}
+        logger.info(event_message("tick", fields), extra=event_extra("tick", fields))
+    received = bytearray()
+
+    def drain() -> None:  # reading now lets the writer catch up and report what it dropped
+        while chunk := os.read(read_end, 1 << 20):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    flush()
+    stream.close()
+    reader.join(30)
+    os.close(read_end)
+    lines = [json.loads(line) for line in received.decode().splitlines()]
+    ticks = [line for line in lines if line["event"] == "tick"]
+    dropped = sum(line["dropped"] for line in lines if line["event"] == DROPPED_EVENT)
+    assert len(ticks) + dropped == total
+    assert dropped >= total - LOG_QUEUE_LINES - 200
+    assert [line["n"] for line in ticks] == sorted(line["n"] for line in ticks)
+    assert next(line for line in lines if line["event"] == DROPPED_EVENT)["level"] == "warning"
