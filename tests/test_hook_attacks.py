@@ -9,9 +9,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -275,3 +278,131 @@ def test_dropped_lines_are_counted_in_a_line_once_stderr_drains() -> None:
     assert dropped >= total - LOG_QUEUE_LINES - 200
     assert [line["n"] for line in ticks] == sorted(line["n"] for line in ticks)
     assert next(line for line in lines if line["event"] == DROPPED_EVENT)["level"] == "warning"
+
+
+# --- finding 5: streams that never read, and huge domains at once ---------------------------------------------
+
+SERVER = """
+import os, sys
+from pathlib import Path
+from launcher_hook.server import HookServer
+from launcher_hook.service import HookService
+from launcher_hook.sources import ProcessEnvSource
+server = HookServer(Path(sys.argv[1]), HookService(ProcessEnvSource(os.environ)))
+server.start()
+try:
+    server.wait(0.1)
+finally:
+    server.stop(grace=0)
+"""
+METHOD = "/kubevirt.hooks.v1alpha3.Callbacks/OnDefineDomain"
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def padded_domain(size: int, *, elements: bool) -> bytes:
+    """The seed domain grown to about ``size`` bytes: many small metadata elements (costly to parse) or one text."""
+    domain, _, _ = seed_case()
+    head, name_end, tail = domain.partition(b"</name>")
+    if elements:
+        element = b"<x:e a='1'>ab</x:e>"
+        filler = b"<metadata><x:m xmlns:x='urn:x'>" + element * (size // len(element)) + b"</x:m></metadata>"
+    else:
+        filler = b"<description>" + b"x" * size + b"</description>"
+    return head + name_end + filler + tail
+
+
+@contextmanager
+def hook_process(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    socket_path = directory / "hook.sock"
+    _, _, env = seed_case()
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(socket_path)],
+        env=clean_env(**env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not socket_path.is_socket():
+            assert time.monotonic() < deadline and process.poll() is None, "the hook did not start"
+            time.sleep(0.02)
+        yield process, socket_path
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_concurrent_huge_domains_stay_within_the_memory_budget(directory: Path) -> None:
+    clients = 8
+    domain = padded_domain(4 * 1024 * 1024, elements=True)  # ~120 MB of parser memory each
+    _, vmi, _ = seed_case()
+    with hook_process(directory) as (process, socket_path):
+        idle = peak_rss_bytes(process.pid)
+        barrier = threading.Barrier(clients)
+
+        def call(_: int) -> str:
+            options = [("grpc.max_receive_message_length", 2 * len(domain))]
+            with grpc.insecure_channel(f"unix:{socket_path}", options=options) as channel:
+                barrier.wait(30)
+                try:
+                    result = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain(
+                        v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=120
+                    )
+                except grpc.RpcError as error:
+                    return error.code().name if isinstance(error, grpc.Call) else "error"
+                assert hostdevs(result.domainXML) == SEED_PCI
+                return "OK"
+
+        with futures.ThreadPoolExecutor(clients) as pool:
+            outcomes = list(pool.map(call, range(clients)))
+        peak = peak_rss_bytes(process.pid)
+    print(f"{clients} concurrent {len(domain)}-byte domains: {outcomes}; idle {idle >> 20} MiB, peak {peak >> 20} MiB")
+    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"} and "OK" in outcomes
+    assert peak - idle < 300 * 1024 * 1024
+
+
+def test_clients_that_never_read_cannot_pile_up_answers(directory: Path) -> None:
+    streams = 200
+    domain = padded_domain(1024 * 1024, elements=False)  # cheap to build, a 1 MB answer
+    _, vmi, _ = seed_case()
+    request = v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi).SerializeToString()
+    channels: list[grpc.Channel] = []
+    calls: list[grpc.RpcContext] = []
+    with hook_process(directory) as (process, socket_path):
+        idle = peak_rss_bytes(process.pid)
+        try:
+            for _ in range(streams):
+                channel = grpc.insecure_channel(
+                    f"unix:{socket_path}", options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+                )
+                channels.append(channel)
+                # A server-streaming view of the unary method: the answer is never asked for, so never read.
+                never_read: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+                    METHOD, request_serializer=None, response_deserializer=None
+                )
+                calls.append(never_read(request, timeout=60))
+            time.sleep(15)  # every call has run, waited out its budget or been turned away
+            peak = peak_rss_bytes(process.pid)
+            with unix_channel(socket_path) as channel:  # and a well-behaved caller still gets its answer
+                small, small_vmi, _ = seed_case()
+                answer = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain(
+                    v1alpha3_pb2.OnDefineDomainParams(domainXML=small, vmi=small_vmi), timeout=30
+                )
+                assert hostdevs(answer.domainXML) == SEED_PCI
+        finally:
+            for call in calls:
+                call.cancel()
+            for channel in channels:
+                channel.close()
+    print(f"{streams} never-read streams of {len(domain)} bytes: idle {idle >> 20} MiB, peak {peak >> 20} MiB")
+    assert peak - idle < 160 * 1024 * 1024  # before the fix: +395 MiB for 100 streams, growing with each
