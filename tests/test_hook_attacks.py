@@ -20,17 +20,32 @@ from pathlib import Path
 import grpc
 import pytest
 
+from launcher_hook.cli import make_source
 from launcher_hook.server import HookServer, SocketInUse
 from launcher_hook.service import HookService
 from launcher_hook.sources import (
     MAX_ENVIRON_FILE_BYTES,
     EnvironFileSource,
+    PodIdentity,
+    PodResourcesSource,
     ProcessEnvSource,
     SourceUnavailable,
+    could_be_launcher_pod_of_host,
+    own_pod_identity,
     read_environ_file,
 )
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
-from tests.hook_support import RTX_VAR, SEED_PCI, running_hook, seed_case, short_dir, unix_channel
+from tests.hook_support import (
+    RTX_VAR,
+    SEED_PCI,
+    FakeKubelet,
+    fake_kubelet,
+    launcher_pod,
+    running_hook,
+    seed_case,
+    short_dir,
+    unix_channel,
+)
 from tests.test_hook_cli import clean_env, program, start_serve
 from tests.test_hook_server import define, hostdevs
 
@@ -406,3 +421,117 @@ def test_clients_that_never_read_cannot_pile_up_answers(directory: Path) -> None
                 channel.close()
     print(f"{streams} never-read streams of {len(domain)} bytes: idle {idle >> 20} MiB, peak {peak >> 20} MiB")
     assert peak - idle < 160 * 1024 * 1024  # before the fix: +395 MiB for 100 streams, growing with each
+
+
+# --- finding 6: a caller naming another pod --------------------------------------------------------------------
+
+OURS = launcher_pod(["0000:86:00.0", "0000:af:00.0"])  # cxl/virt-launcher-vm-with-gpu-x7k2p
+NEIGHBOUR = launcher_pod(["0000:3b:00.0"], vmi="neighbour")  # same namespace, another VM on this node
+VICTIM = launcher_pod(["0000:d8:00.0"], namespace="other", vmi="victim")
+TWIN = launcher_pod(["0000:5e:00.0"], namespace="elsewhere")  # another namespace's VM of the same name
+CLUSTER_DNS = "nameserver 10.96.0.10\nsearch cxl.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n"
+
+
+def vmi_named(namespace: str, name: str) -> bytes:
+    return json.dumps({"metadata": {"namespace": namespace, "name": name}, "spec": {}}).encode()
+
+
+def identity_files(directory: Path, resolv: str | None = CLUSTER_DNS) -> dict[str, Path]:
+    resolv_conf = directory / "resolv.conf"
+    if resolv is not None:
+        resolv_conf.write_text(resolv)
+    return {"service_account_namespace": directory / "no-token" / "namespace", "resolv_conf": resolv_conf}
+
+
+def test_the_deployed_mode_never_returns_another_namespaces_pod(directory: Path) -> None:
+    kubelet = FakeKubelet([OURS, NEIGHBOUR, VICTIM])
+    with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
+        # As deployed: the annotation sets no POD_NAME; before the fix the caller's VMI chose the pod.
+        deployed = make_source(socket_path, None, "compute", {"CONTAINER_NAME": "hook-sidecar-0"})
+        try:
+            with pytest.raises(SourceUnavailable) as caught:
+                deployed.load(vmi_named("other", "victim"))
+        finally:
+            deployed.close()
+    assert "0000:d8:00.0" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name"), [("other", "victim"), ("cxl", "neighbour"), ("elsewhere", "vm-with-gpu")]
+)
+def test_a_vmi_naming_another_pod_is_refused_and_ours_still_served(directory: Path, namespace: str, name: str) -> None:
+    identity = own_pod_identity(
+        {"CONTAINER_NAME": "hook-sidecar-0"}, hostname="vm-with-gpu", **identity_files(directory)
+    )
+    assert (identity.namespace, identity.namespace_from) == ("cxl", f"the {directory / 'resolv.conf'} search path")
+    with fake_kubelet(FakeKubelet([OURS, NEIGHBOUR, VICTIM, TWIN]), directory / "kubelet.sock") as socket_path:
+        source = PodResourcesSource(socket_path, identity=identity)
+        try:
+            with pytest.raises(SourceUnavailable) as caught:
+                source.load(vmi_named(namespace, name))
+            assert str(caught.value) == (
+                f"the VMI {namespace}/{name} is not the one this hook's pod cxl/{OURS.name} runs; "
+                "refusing to read another pod's devices"
+            )
+            assert source.load(vmi_named("cxl", "vm-with-gpu")).env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
+        finally:
+            source.close()
+
+
+def test_the_same_vm_name_in_two_namespaces_is_refused_when_the_namespace_is_unknown(directory: Path) -> None:
+    identity = own_pod_identity({}, hostname="vm-with-gpu", **identity_files(directory, resolv=None))
+    assert identity.namespace is None
+    with fake_kubelet(FakeKubelet([OURS, TWIN]), directory / "kubelet.sock") as socket_path:
+        source = PodResourcesSource(socket_path, identity=identity)
+        try:
+            with pytest.raises(SourceUnavailable, match="several pods could be this hook's own"):
+                source.load(vmi_named("cxl", "vm-with-gpu"))
+        finally:
+            source.close()
+
+
+def test_with_pod_name_the_namespace_is_never_taken_from_the_caller(directory: Path) -> None:
+    with fake_kubelet(FakeKubelet([OURS, TWIN]), directory / "kubelet.sock") as socket_path:
+        source = PodResourcesSource(socket_path, identity=PodIdentity(name=OURS.name))
+        try:
+            with pytest.raises(SourceUnavailable, match="cannot tell its namespace: set POD_NAMESPACE"):
+                source.load(vmi_named("elsewhere", "vm-with-gpu"))
+        finally:
+            source.close()
+        source = PodResourcesSource(socket_path, pod_name=OURS.name, pod_namespace="cxl")
+        try:
+            with pytest.raises(SourceUnavailable, match="is not the one this hook's pod"):
+                source.load(vmi_named("elsewhere", "vm-with-gpu"))
+        finally:
+            source.close()
+
+
+def test_own_pod_identity_sources(directory: Path) -> None:
+    files = identity_files(directory)
+    token_dir = directory / "no-token"
+    assert own_pod_identity({"POD_NAMESPACE": "a", "POD_NAME": "p"}, hostname="h", **files) == PodIdentity(
+        "p", "a", "h", None, "POD_NAMESPACE"
+    )
+    token_dir.mkdir()
+    (token_dir / "namespace").write_text("from-token")
+    assert own_pod_identity({}, hostname="h", **files).namespace == "from-token"
+    (token_dir / "namespace").unlink()
+    assert own_pod_identity({}, hostname="h", **files).namespace == "cxl"
+    assert own_pod_identity({}, hostname="h", **identity_files(directory, "search example.com\n")).namespace is None
+
+
+@pytest.mark.parametrize(
+    ("pod", "hostname", "expected"),
+    [
+        ("virt-launcher-vm-with-gpu-x7k2p", "vm-with-gpu", True),
+        ("virt-launcher-vm-with-gpu-2-x7k2p", "vm-with-gpu", False),
+        ("virt-launcher-db.prod-x7k2p", "db", True),  # a dotted VMI name: the hostname is its first label
+        ("virt-launcher-db.prod-x7k2p", "db.prod", False),
+        ("virt-launcher-" + ("a" * 60)[:43] + "-bcd2f", "a" * 43, True),  # 58 characters, not cut
+        ("virt-launcher-" + ("a" * 60 + "-")[:44] + "bcd2f", "a" * 60, True),  # cut: a prefix of the name
+        ("virt-launcher-" + ("a" * 60 + "-")[:44] + "bcd2f", "b" * 60, False),
+        ("launcher-vm-with-gpu-x7k2p", "vm-with-gpu", False),
+    ],
+)
+def test_could_be_launcher_pod_of_host(pod: str, hostname: str, expected: bool) -> None:
+    assert could_be_launcher_pod_of_host(pod, hostname) is expected
