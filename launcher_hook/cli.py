@@ -116,7 +116,7 @@ def cli() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     default=DEFAULT_SOCKET,
     show_default=True,
-    help="Unix socket to serve; its directory is created and a stale socket replaced.",
+    help="Unix socket to serve; its directory is created, a stale socket replaced, a live one refused.",
 )
 @click.option(
     "--socket-mode",
