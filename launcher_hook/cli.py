@@ -26,6 +26,7 @@ from launcher_hook.sources import (
     EnvironFileSource,
     PodResourcesSource,
     ProcessEnvSource,
+    own_pod_identity,
 )
 from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
 
@@ -40,7 +41,8 @@ def allocation_options(function: F) -> F:
             type=click.Path(dir_okay=False, path_type=Path),
             envvar="LAUNCHER_HOOK_POD_RESOURCES_SOCKET",
             help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); "
-            "the pod is POD_NAMESPACE/POD_NAME, or else the VMI's virt-launcher pod. Takes precedence.",
+            "only this hook's own pod is read: POD_NAMESPACE/POD_NAME, or else the virt-launcher pod of this "
+            "pod's hostname; a VMI naming another pod is refused. Takes precedence.",
         ),
         click.option(
             "--environ-file",
@@ -72,12 +74,7 @@ def make_source(
 ) -> AllocationSource:
     """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself."""
     if pod_resources_socket is not None:
-        return PodResourcesSource(
-            pod_resources_socket,
-            container=container,
-            pod_name=env.get("POD_NAME"),
-            pod_namespace=env.get("POD_NAMESPACE"),
-        )
+        return PodResourcesSource(pod_resources_socket, container=container, identity=own_pod_identity(env))
     if environ_file is not None:
         return EnvironFileSource(environ_file)
     return ProcessEnvSource(env)
@@ -119,7 +116,7 @@ def cli() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     default=DEFAULT_SOCKET,
     show_default=True,
-    help="Unix socket to serve; its directory is created and a stale socket replaced.",
+    help="Unix socket to serve; its directory is created, a stale socket replaced, a live one refused.",
 )
 @click.option(
     "--socket-mode",

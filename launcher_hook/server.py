@@ -12,16 +12,20 @@ the containers of this pod, so the pod boundary is what protects it.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 
-from launcher_hook.service import HookFault, HookService
+from launcher_hook.service import HookFault, HookService, log_call
 from schemas.generated.kubevirt.hooks import (
     info_pb2,
     info_pb2_grpc,
@@ -32,14 +36,33 @@ from schemas.generated.kubevirt.hooks import (
     v1alpha3_pb2,
     v1alpha3_pb2_grpc,
 )
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
 HOOK_NAME = "kubevirt-gpu-passthrough"
 VERSIONS = ("v1alpha1", "v1alpha2", "v1alpha3")
 HOOK_POINTS = ("OnDefineDomain", "Shutdown")
 DEFAULT_SOCKET = Path("/var/run/kubevirt-hooks/gpu-hostdev.sock")
 DEFAULT_SOCKET_MODE = 0o666
-MAX_MESSAGE_BYTES = 32 * 1024 * 1024
-"""Room for the builder's largest domain and VMI (8 MiB each, ``schemas.limits``) in one message."""
+MAX_MESSAGE_BYTES = 2 * DEFAULT_MAX_INPUT_BYTES + 64 * 1024
+"""Largest gRPC message either way (16 MiB + 64 KiB): the builder's largest domain and VMI (8 MiB each,
+``schemas.limits``) with room for the protobuf framing, so an over-cap document still reaches the builder and
+is refused with its message; anything larger is refused by gRPC (``RESOURCE_EXHAUSTED``) before it is read."""
+MAX_WORKERS = 8
+"""Calls worked on at once (threads)."""
+MAX_CONCURRENT_RPCS = 64
+"""Calls accepted at once, running or waiting for a worker; more are answered ``RESOURCE_EXHAUSTED`` at once.
+virt-launcher makes one call at a time."""
+MEMORY_BUDGET_BYTES = DEFAULT_MAX_INPUT_BYTES
+"""Domain + VMI bytes in flight at once (8 MiB), held from the start of a call until its answer has been sent
+(a client that never reads keeps its share). A call larger than the budget runs alone. Working on a call takes
+about 20 times its size, so this keeps the hook's working memory near 150 MB above its idle RSS."""
+BUDGET_WAIT_SECONDS = 2.0
+"""Longest a call waits for its share of the budget before it is answered ``RESOURCE_EXHAUSTED``."""
+MAX_CONNECTION_AGE_MS = 120_000
+MAX_CONNECTION_AGE_GRACE_MS = 30_000
+"""Connections are closed after 2 min (+30 s for a call in flight): virt-launcher dials afresh for every call
+and gives each a 1-minute deadline, so only a client that never reads its answer is cut off, and its share of
+the budget returns."""
 MAX_UNIX_SOCKET_PATH = 107
 MAX_STATUS_MESSAGE = 512
 """Longest status message sent, in characters (as the device plugin's). gRPC sends it percent-encoded in the
@@ -59,6 +82,65 @@ def _abort(context: grpc.ServicerContext, fault: HookFault) -> None:
     context.abort(grpc.StatusCode[fault.code], status_message(fault.message))
 
 
+TRIM_AFTER_BYTES = 1024 * 1024
+"""After a call this large, free heap memory is handed back to the system (see ``_release_free_memory``)."""
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _release_free_memory() -> None:
+    """Return free heap pages to the system. glibc gives each worker thread its own malloc arena and keeps what a
+    big parse freed there, so without this 8 workers that each once built an 8 MiB domain hold ~8 x 150 MB."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+class ByteBudget:
+    """A semaphore counted in bytes: ``acquire(n)`` waits until ``n`` more bytes fit under ``limit``.
+
+    A request larger than ``limit`` counts as ``limit`` (it then runs alone). Cheap on the usual path: one lock
+    taken twice per call.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._changed = threading.Condition(threading.Lock())
+
+    @property
+    def used(self) -> int:
+        with self._changed:
+            return self._used
+
+    def acquire(self, size: int, timeout: float) -> int | None:
+        """Take ``size`` bytes (at most ``limit``) within ``timeout`` seconds: what was taken, or None."""
+        share = min(size, self.limit)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._used + share > self.limit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+            self._used += share
+        return share
+
+    def release(self, share: int) -> None:
+        with self._changed:
+            self._used -= share
+            self._changed.notify_all()
+
+
 class InfoServicer:
     """``kubevirt.hooks.info.Info``: who we are and what we hook."""
 
@@ -75,16 +157,45 @@ class _Callbacks:
 
     version = ""
 
-    def __init__(self, service: HookService, on_shutdown: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        service: HookService,
+        on_shutdown: Callable[[], None],
+        budget: ByteBudget,
+        budget_wait: float = BUDGET_WAIT_SECONDS,
+    ) -> None:
         self._service = service
         self._on_shutdown = on_shutdown
+        self._budget = budget
+        self._budget_wait = budget_wait
 
     def _define(self, domain_xml: bytes, vmi: bytes, context: grpc.ServicerContext) -> bytes:
+        size = len(domain_xml) + len(vmi)
+        share = self._budget.acquire(size, self._budget_wait)
+        if share is None:
+            message = (
+                f"the GPU hook is busy: {size} bytes of domain and VMI do not fit in its {self._budget.limit}-byte "
+                f"memory budget within {self._budget_wait:g} s (other calls hold it); retry"
+            )
+            log_call(
+                "OnDefineDomain",
+                level=logging.WARNING,
+                via=f"grpc {self.version}",
+                status="RESOURCE_EXHAUSTED",
+                error=message,
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, status_message(message))
+        # Held until the answer has been sent (or the call ended otherwise), not just until we return.
+        if not context.add_callback(lambda: self._budget.release(share)):
+            self._budget.release(share)
         try:
             return self._service.define_domain(domain_xml, vmi, via=f"grpc {self.version}").domain_xml
         except HookFault as fault:
             _abort(context, fault)
             raise  # unreachable: abort raises
+        finally:
+            if size >= TRIM_AFTER_BYTES:
+                _release_free_memory()
 
 
 class CallbacksV1alpha1(_Callbacks):
@@ -135,7 +246,26 @@ class CallbacksV1alpha3(_Callbacks):
 
 
 class SocketInUse(Exception):
-    """The socket path is taken by something that is not a socket, or is too long for a unix socket."""
+    """The socket path is taken (a live server answers there, or it is not a socket) or too long for a socket."""
+
+
+LIVE_PROBE_SECONDS = 1.0
+"""How long ``start`` waits for an existing socket to accept a connection before calling it stale."""
+
+
+def socket_is_live(path: Path, timeout: float = LIVE_PROBE_SECONDS) -> bool:
+    """Whether something accepts connections on the unix socket ``path`` now (a stale socket refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(os.fspath(path))
+    except (TimeoutError, PermissionError):
+        return True  # a full backlog (a busy server), or a socket we may not probe: neither is ours to replace
+    except OSError:
+        return False  # ECONNREFUSED: nobody listens there any more
+    finally:
+        probe.close()
+    return True
 
 
 class HookServer:
@@ -147,18 +277,25 @@ class HookServer:
         service: HookService,
         *,
         socket_mode: int = DEFAULT_SOCKET_MODE,
-        max_workers: int = 8,
+        max_workers: int = MAX_WORKERS,
+        max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+        memory_budget: int = MEMORY_BUDGET_BYTES,
+        budget_wait: float = BUDGET_WAIT_SECONDS,
     ) -> None:
         self.socket_path = socket_path.absolute()
         self.socket_mode = socket_mode
         self._stop_requested = threading.Event()
         self._inode: int | None = None
+        self.budget = ByteBudget(memory_budget)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hook"),
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+                ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
             ],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         info_pb2_grpc.add_InfoServicer_to_server(InfoServicer(), self._server)
         for servicer_class, module in (
@@ -166,7 +303,9 @@ class HookServer:
             (CallbacksV1alpha2, v1alpha2_pb2_grpc),
             (CallbacksV1alpha3, v1alpha3_pb2_grpc),
         ):
-            module.add_CallbacksServicer_to_server(servicer_class(service, self.request_stop), self._server)
+            module.add_CallbacksServicer_to_server(
+                servicer_class(service, self.request_stop, self.budget, budget_wait), self._server
+            )
 
     def _prepare_path(self) -> None:
         path = self.socket_path
@@ -179,7 +318,11 @@ class HookServer:
             return
         if not stat.S_ISSOCK(mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        path.unlink()  # a stale socket from an earlier run
+        if socket_is_live(path):
+            raise SocketInUse(
+                f"another server is listening on {path} (or it cannot be probed); refusing to replace its socket"
+            )
+        path.unlink()  # a stale socket from an earlier run: nobody answers there
 
     def start(self) -> None:
         """Bind (replacing a stale socket), set the socket's mode, and serve."""

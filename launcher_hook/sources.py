@@ -16,7 +16,11 @@ Each source returns an env-shaped mapping for ``build_domain``. A source that ca
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import stat
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,20 +92,64 @@ class ProcessEnvSource:
         return None
 
 
-class EnvironFileSource:
-    """A copy of the compute process's env, read anew on every call (it may appear after the hook starts)."""
+MAX_ENVIRON_FILE_BYTES = 4 * 1024 * 1024
+"""Largest environ file read (4 MiB). Linux caps a process's argv + env at a quarter of its stack limit (2 MiB
+with the usual 8 MiB stack; ``/proc/<pid>/environ`` is never larger), so this is twice what a real one holds."""
+_READ_CHUNK = 64 * 1024
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
-    def __init__(self, path: Path) -> None:
+
+def read_environ_file(path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes``; ``SourceUnavailable`` naming it otherwise.
+
+    Opened ``O_NONBLOCK`` so that a FIFO (or a device) in its place cannot block the caller in ``open``, then
+    refused unless ``fstat`` says it is a regular file (``/proc/<pid>/environ`` is one); read in chunks and
+    given up as soon as it passes ``max_bytes`` (``/proc`` files report size 0, so the size is not trusted).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise SourceUnavailable(f"environ file {path} is {kind}, not a regular file; refusing to read it")
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise SourceUnavailable(f"environ file {path} is over the {max_bytes}-byte limit")
+    except OSError as exc:
+        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+class EnvironFileSource:
+    """A copy of the compute process's env, read anew on every call (it may appear after the hook starts).
+
+    The file is read with :func:`read_environ_file`: regular files only, at most ``MAX_ENVIRON_FILE_BYTES``.
+    """
+
+    def __init__(self, path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
 
     def describe(self) -> str:
         return f"environ file {self.path}"
 
     def load(self, vmi_json: bytes | None) -> Loaded:
-        try:
-            data = self.path.read_bytes()
-        except OSError as exc:
-            raise SourceUnavailable(f"environ file {self.path} cannot be read: {exc.strerror or exc}") from None
+        data = read_environ_file(self.path, self.max_bytes)
         try:
             env = parse_environ(data)
         except InputError as exc:
@@ -178,13 +226,94 @@ def _rpc_text(error: grpc.RpcError) -> str:
     return f"{code.name if code else 'error'}: {details}"
 
 
-class PodResourcesSource:
-    """The named container's devices, from the kubelet PodResources API on a unix socket.
+SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+RESOLV_CONF = Path("/etc/resolv.conf")
+_CLUSTER_SEARCH_DOMAIN = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.svc\.")
+_LAUNCHER_POD = re.compile(rf"{re.escape(VIRT_LAUNCHER_POD_PREFIX)}(.*)[a-z0-9]{{5}}")
+_DNS_LABEL_MAX = 63
 
-    The pod is ``pod_namespace/pod_name`` (``POD_NAMESPACE`` / ``POD_NAME`` from the downward API) when given.
-    A hook sidecar added through ``hooks.kubevirt.io/hookSidecars`` cannot have downward-API env, so without a
-    pod name the pod is found by ``List``: the one pod in the VMI's namespace named ``virt-launcher-<vmi>-<5 random>``
-    (the PodResources API only lists the pods of this node, so there is one outside a same-node migration).
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """What the hook knows of its own pod from its own container, never from a caller.
+
+    ``name``/``namespace``: ``POD_NAME``/``POD_NAMESPACE`` (downward API) where the pod spec can set them; the
+    namespace also from the service-account namespace file or the cluster DNS search path the kubelet writes into
+    ``/etc/resolv.conf`` (``<namespace>.svc.<cluster domain>``). ``hostname``: the pod's hostname, which KubeVirt
+    sets to the VMI's name up to its first dot (``dns.SanitizeHostname``; ``spec.hostname`` replaces it).
+    ``container``: ``CONTAINER_NAME``, which KubeVirt gives each hook sidecar (``hook-sidecar-<n>``).
+    """
+
+    name: str | None = None
+    namespace: str | None = None
+    hostname: str | None = None
+    container: str | None = None
+    namespace_from: str = "unknown"
+
+
+def _read_small(path: Path, limit: int = 64 * 1024) -> str | None:
+    try:
+        return read_environ_file(path, limit).decode("utf-8", "replace")
+    except SourceUnavailable:
+        return None
+
+
+def own_pod_identity(
+    env: Mapping[str, str],
+    *,
+    hostname: str | None = None,
+    service_account_namespace: Path = SERVICE_ACCOUNT_NAMESPACE_FILE,
+    resolv_conf: Path = RESOLV_CONF,
+) -> PodIdentity:
+    """The hook's own pod as far as its container tells (see :class:`PodIdentity`); ``hostname`` defaults to
+    this host's name."""
+    namespace, namespace_from = env.get("POD_NAMESPACE") or None, "POD_NAMESPACE"
+    if namespace is None and (text := _read_small(service_account_namespace)):
+        namespace, namespace_from = text.strip() or None, str(service_account_namespace)
+    if namespace is None and (text := _read_small(resolv_conf)):
+        for line in text.splitlines():
+            words = line.split()
+            if words[:1] == ["search"]:
+                found = next((m.group(1) for w in words[1:] if (m := _CLUSTER_SEARCH_DOMAIN.match(w))), None)
+                if found:
+                    namespace, namespace_from = found, f"the {resolv_conf} search path"
+    return PodIdentity(
+        name=env.get("POD_NAME") or None,
+        namespace=namespace,
+        hostname=(hostname if hostname is not None else socket.gethostname()) or None,
+        container=env.get("CONTAINER_NAME") or None,
+        namespace_from=namespace_from if namespace else "unknown",
+    )
+
+
+def could_be_launcher_pod_of_host(pod_name: str, hostname: str) -> bool:
+    """Whether KubeVirt may have named ``pod_name`` for a VMI whose name makes the pod hostname ``hostname``.
+
+    The pod is ``generateName: virt-launcher-<vmi>-`` cut to 58 characters plus 5 random ones; the hostname is
+    the VMI's name up to its first dot, cut to 63. A pod name that is cut short keeps only a prefix of the VMI's
+    name, and then every hostname it could stand for is accepted.
+    """
+    match = _LAUNCHER_POD.fullmatch(pod_name)
+    if match is None or len(pod_name) > _DNS_LABEL_MAX:
+        return False
+    kept = match.group(1)  # (vmi + "-") cut to 44 characters
+    if len(kept) + len(VIRT_LAUNCHER_POD_PREFIX) < GENERATED_NAME_BASE_MAX:  # not cut: the whole name and "-"
+        return kept.endswith("-") and kept[:-1].split(".")[0][:_DNS_LABEL_MAX] == hostname
+    if "." in kept:
+        return kept.split(".")[0] == hostname
+    return hostname.startswith(kept) or (kept.endswith("-") and hostname == kept[:-1])
+
+
+class PodResourcesSource:
+    """The named container's devices of the hook's OWN pod, from the kubelet PodResources API on a unix socket.
+
+    The PodResources API lists every pod of the node, so the hook must never let a caller choose the pod: the VMI
+    a caller sends only has to agree with the pod the hook found for itself (its namespace and its
+    ``virt-launcher-<vmi>-xxxxx`` name), or the call is refused. The hook's own pod is
+    ``POD_NAMESPACE/POD_NAME`` (downward API) when its spec can set them. A sidecar added through
+    ``hooks.kubevirt.io/hookSidecars`` gets no such env, so then it is found by ``List``: the one pod on this node
+    (in the hook's namespace, when known, see :class:`PodIdentity`) named ``virt-launcher-<vmi>-xxxxx`` for a VMI
+    whose name gives this pod's hostname, with a container named like this sidecar. It is remembered from then on.
 
     ``Get`` is tried first; where the kubelet has it disabled (``UNKNOWN`` "... Get method disabled", or
     ``UNIMPLEMENTED``) the source falls back to ``List`` and remembers to go there directly next time.
@@ -197,36 +326,52 @@ class PodResourcesSource:
         pod_name: str | None = None,
         pod_namespace: str | None = None,
         timeout: float = POD_RESOURCES_TIMEOUT_SECONDS,
+        identity: PodIdentity | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.container = container
-        self.pod_name = pod_name or None
-        self.pod_namespace = pod_namespace or None
+        self.identity = identity or PodIdentity(
+            name=pod_name or None,
+            namespace=pod_namespace or None,
+            namespace_from="POD_NAMESPACE" if pod_namespace else "unknown",
+        )
         self.timeout = timeout
         self._get_disabled = False
+        self._own: tuple[str, str] | None = None  # (namespace, name), once found
+        self._own_lock = threading.Lock()
         self._channel = grpc.insecure_channel(
             f"unix:{socket_path}",
             options=[("grpc.max_receive_message_length", POD_RESOURCES_MAX_MESSAGE_BYTES)],
         )
         self._stub = podresources_grpc.PodResourcesListerStub(self._channel)
 
+    @property
+    def pod_name(self) -> str | None:
+        return self.identity.name
+
+    @property
+    def pod_namespace(self) -> str | None:
+        return self.identity.namespace
+
     def describe(self) -> str:
-        pod = f"pod {self.pod_namespace}/{self.pod_name}" if self.pod_name else "the VMI's virt-launcher pod"
+        me = self.identity
+        if me.name:
+            pod = f"pod {me.namespace or '?'}/{me.name}"
+        else:
+            where = f"namespace {me.namespace} (from {me.namespace_from})" if me.namespace else "any namespace"
+            pod = f"its own pod: hostname {me.hostname or '?'}, {where}"
         return f"PodResources {self.socket_path} ({pod}, container {self.container})"
 
     def close(self) -> None:
         self._channel.close()
 
     def load(self, vmi_json: bytes | None) -> Loaded:
-        if self.pod_name:
-            namespace = self.pod_namespace or (ref.namespace if (ref := _vmi_ref(vmi_json)) else None)
-            if not namespace:
-                raise SourceUnavailable(
-                    f"POD_NAME is {self.pod_name!r} but POD_NAMESPACE is not set and the VMI names no namespace"
-                )
-            pod, method = self._pod_by_name(namespace, self.pod_name)
-        else:
-            pod, method = self._pod_for_vmi(vmi_json)
+        ref = _vmi_ref(vmi_json)
+        if ref is None and vmi_json:
+            parse_vmi(vmi_json)  # a VMI that is not valid is the caller's error: the builder's InputError
+        pod, method = self._own_pod()
+        if ref is not None:
+            _check_caller_claim(ref, pod)
         containers = {container.name: container for container in pod.containers}
         chosen = containers.get(self.container)
         if chosen is None:
@@ -239,6 +384,24 @@ class PodResourcesSource:
             env,
             f"PodResources {method} {self.socket_path} pod {pod.namespace}/{pod.name} container {self.container}",
         )
+
+    def _own_pod(self) -> tuple[podresources.PodResources, str]:
+        me = self.identity
+        if me.name:
+            if not me.namespace:
+                raise SourceUnavailable(
+                    f"POD_NAME is {me.name!r} but this hook cannot tell its namespace: set POD_NAMESPACE "
+                    "(the VMI a caller sends is not trusted to name it)"
+                )
+            return self._pod_by_name(me.namespace, me.name)
+        with self._own_lock:
+            own = self._own
+        if own is not None:
+            return self._pod_by_name(*own)
+        pod = self._find_own_pod()
+        with self._own_lock:
+            self._own = (pod.namespace, pod.name)
+        return pod, "List"
 
     def _unreachable(self, method: str, error: grpc.RpcError) -> SourceUnavailable:
         return SourceUnavailable(
@@ -291,28 +454,47 @@ class PodResourcesSource:
             "none of them this one)"
         )
 
-    def _pod_for_vmi(self, vmi_json: bytes | None) -> tuple[podresources.PodResources, str]:
-        ref = _vmi_ref(vmi_json)
-        if ref is None:
-            parse_vmi(vmi_json or b"")  # a VMI that is not valid is the caller's error: the builder's InputError
+    def _find_own_pod(self) -> podresources.PodResources:
+        me = self.identity
+        if not me.hostname:
             raise SourceUnavailable(
-                "POD_NAME is not set and the VMI JSON names no metadata.namespace/name to find its "
-                "virt-launcher pod by; set POD_NAME and POD_NAMESPACE (downward API)"
+                "this hook cannot tell which pod is its own: POD_NAME is not set and its hostname is unknown"
             )
-        namespace = self.pod_namespace or ref.namespace
-        pattern = launcher_pod_pattern(ref.name)
-        prefix = f"{VIRT_LAUNCHER_POD_PREFIX}{ref.name}-"
         pods = self._list("")
-        matches = [pod for pod in pods if pod.namespace == namespace and pattern.fullmatch(pod.name)]
-        if len(matches) == 1:
-            return matches[0], "List"
-        if not matches:
+        wanted = [
+            pod
+            for pod in pods
+            if (me.namespace is None or pod.namespace == me.namespace)
+            and could_be_launcher_pod_of_host(pod.name, me.hostname)
+            and (me.container is None or any(container.name == me.container for container in pod.containers))
+        ]
+        where = f"in namespace {me.namespace} (from {me.namespace_from})" if me.namespace else "in any namespace"
+        what = f"virt-launcher-<VMI>-xxxxx {where} for hostname {me.hostname!r}" + (
+            f" with a container {me.container!r}" if me.container else ""
+        )
+        if len(wanted) == 1:
+            return wanted[0]
+        if not wanted:
             raise SourceUnavailable(
-                f"PodResources List at {self.socket_path}: no pod {namespace}/{prefix}* among {len(pods)} pods on "
-                "this node; set POD_NAME and POD_NAMESPACE if the pod is named otherwise"
+                f"PodResources List at {self.socket_path}: no pod {what} among {len(pods)} pods on this node, so "
+                "this hook cannot tell which pod is its own (a VMI with spec.hostname hides its name); "
+                "set POD_NAME and POD_NAMESPACE"
             )
-        names = ", ".join(sorted(pod.name for pod in matches))
+        names = ", ".join(sorted(f"{pod.namespace}/{pod.name}" for pod in wanted))
         raise SourceUnavailable(
-            f"PodResources List at {self.socket_path}: several pods match {namespace}/{prefix}* ({names}); "
-            "set POD_NAME and POD_NAMESPACE to choose"
+            f"PodResources List at {self.socket_path}: several pods could be this hook's own ({what}: {names}); "
+            "set POD_NAME and POD_NAMESPACE"
+        )
+
+
+def _check_caller_claim(ref: _VmiRef, pod: podresources.PodResources) -> None:
+    """Refuse a call whose VMI is not the one this hook's own pod runs: its devices are not the caller's to see."""
+    same_namespace = ref.namespace == pod.namespace
+    same_vmi = not pod.name.startswith(VIRT_LAUNCHER_POD_PREFIX) or bool(
+        launcher_pod_pattern(ref.name).fullmatch(pod.name)
+    )
+    if not (same_namespace and same_vmi):
+        raise SourceUnavailable(
+            f"the VMI {ref.namespace}/{ref.name} is not the one this hook's pod {pod.namespace}/{pod.name} runs; "
+            "refusing to read another pod's devices"
         )

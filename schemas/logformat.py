@@ -19,11 +19,14 @@ the record's message stays the old compact ``{"event", **fields}`` JSON, so code
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import logging.handlers
+import os
 import queue
 import re
+import select
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal, TextIO, get_args
@@ -125,11 +128,168 @@ class EventFormatter(logging.Formatter):
         return _compact(line)
 
 
-class _HandOver(logging.handlers.QueueHandler):
-    """Puts the record on the queue as it is: formatting happens on the writer thread, not the caller's."""
+LOG_QUEUE_LINES = 1_000
+"""Most log records waiting for the background writer; more are dropped and counted (a stderr nobody drains
+must not grow the process: it took the hook ~60 MB per 5,000 failing calls)."""
+LOG_FLUSH_SECONDS = 2.0
+"""Longest the flush at exit waits for the writer, so SIGTERM ends the process even if stderr is a full pipe."""
+_POLL_SECONDS = 0.1
+_PIPE_BUF = 4096  # writes of at most this many bytes to a pipe that poll() calls writable never block
+DROPPED_EVENT = "log_lines_dropped"
 
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        return record
+
+class _LineSink:
+    """Writes whole lines to ``stream`` without ever blocking for longer than the caller allows.
+
+    A stream with a file descriptor (stderr) is written with ``os.write`` in pieces of at most ``PIPE_BUF``
+    bytes, each after ``poll`` says the descriptor is writable: a full pipe makes a write wait in slices of
+    100 ms that give up at the caller's deadline, instead of blocking the thread (and the exit that waits for
+    it). Other streams (``io.StringIO``, pytest's capture) are written as they are.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._fd: int | None = None
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()  # whatever the process wrote before goes first
+        self._fd = fd
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLOUT)
+
+    def write(self, line: str, deadline: float | None) -> bool:
+        """Write ``line`` and a newline; False if ``deadline`` (``time.monotonic``) passed first or it failed."""
+        if self._fd is None:
+            try:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):
+                return False
+            return True
+        data = memoryview((line + "\n").encode("utf-8", "backslashreplace"))
+        while data:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            try:
+                if not self._poller.poll(_POLL_SECONDS * 1000):
+                    continue
+                written = os.write(self._fd, data[:_PIPE_BUF])
+            except InterruptedError:
+                continue
+            except OSError:
+                return False  # stderr closed (EPIPE) or gone: nothing more can be written
+            data = data[written:]
+        return True
+
+
+class _BoundedHandOver(logging.Handler):
+    """Puts the record on a bounded queue as it is (formatting happens on the writer thread); counts what a
+    full queue drops."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+        super().__init__()
+        self._records = records
+        self._lock_dropped = threading.Lock()
+        self._dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._records.put_nowait(record)
+        except queue.Full:
+            with self._lock_dropped:
+                self._dropped += 1
+
+    def take_dropped(self) -> int:
+        with self._lock_dropped:
+            dropped, self._dropped = self._dropped, 0
+        return dropped
+
+
+class _SinkHandler(logging.Handler):
+    """Formats and writes a record at once through a :class:`_LineSink`, waiting at most ``seconds`` per line."""
+
+    def __init__(self, sink: _LineSink, formatter: logging.Formatter, seconds: float | None) -> None:
+        super().__init__()
+        self.setFormatter(formatter)
+        self.sink = sink
+        self._seconds = seconds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self.sink.write(line, None if self._seconds is None else time.monotonic() + self._seconds)
+
+
+class _Writer:
+    """The background thread: takes records off the queue, formats and writes them, and reports drops."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        handover: _BoundedHandOver,
+        records: queue.Queue[logging.LogRecord],
+        out: _SinkHandler,
+    ) -> None:
+        self._logger = logger
+        self._handover = handover
+        self._records = records
+        self._out = out
+        self._stop = threading.Event()
+        self._deadline: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"log-writer-{logger.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _write(self, record: logging.LogRecord) -> None:
+        try:
+            line = self._out.format(record)
+        except Exception:
+            self._out.handleError(record)
+            return
+        self._out.sink.write(line, self._deadline)
+
+    def _report_drops(self) -> None:
+        dropped = self._handover.take_dropped()
+        if dropped:
+            fields = {"dropped": dropped, "reason": f"more than {self._records.maxsize} lines waiting to be written"}
+            record = self._logger.makeRecord(
+                self._logger.name,
+                logging.WARNING,
+                __file__,
+                0,
+                event_message(DROPPED_EVENT, fields),
+                (),
+                None,
+                extra=event_extra(DROPPED_EVENT, fields),
+            )
+            self._write(record)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                record = self._records.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                self._report_drops()
+                if self._stop.is_set():
+                    return
+                continue
+            self._write(record)
+            self._report_drops()
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                return  # out of time at exit: the rest is left unwritten
+
+    def stop(self, seconds: float) -> None:
+        """Write what is queued, for at most ``seconds``, then end the thread (abandoned if it cannot finish)."""
+        self._deadline = time.monotonic() + seconds
+        self._stop.set()
+        self._thread.join(seconds + _POLL_SECONDS * 2)
 
 
 def configure(
@@ -138,23 +298,30 @@ def configure(
     """Make ``logger`` write its events (INFO and up), formatted, to ``stream`` only (no propagation).
 
     With ``background``, a thread formats and writes the lines, so a server's request path (OnDefineDomain,
-    Allocate) only hands the record over; call the returned function before exiting to write what is left.
-    Without it, lines are written at once and the returned function does nothing.
+    Allocate) only hands the record over to a queue of at most ``LOG_QUEUE_LINES`` records; when it is full,
+    records are dropped and a ``log_lines_dropped`` line says how many. Writes never block the thread for good
+    (a full stderr pipe is waited on in slices). Call the returned function before exiting: it writes what is
+    left for at most ``LOG_FLUSH_SECONDS``, then gives up, so an undrained stderr cannot hold the exit.
+    Without ``background``, lines are written at once and the returned function does nothing.
     """
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(EventFormatter(component, log_format))
+    formatter = EventFormatter(component, log_format)
     logger.setLevel(logging.INFO)
     logger.propagate = False
     if not background:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(formatter)
         logger.handlers[:] = [handler]
         return lambda: None
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    writer = logging.handlers.QueueListener(records, handler)
+    sink = _LineSink(stream)
+    records: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=LOG_QUEUE_LINES)
+    handover = _BoundedHandOver(records)
+    writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None))
     writer.start()
-    logger.handlers[:] = [_HandOver(records)]
+    logger.handlers[:] = [handover]
 
     def flush_and_stop() -> None:
-        writer.stop()  # writes every record already queued, then ends the thread
-        logger.handlers[:] = [handler]
+        writer.stop(LOG_FLUSH_SECONDS)
+        # Later lines (there should be none) are written at once, each given up after LOG_FLUSH_SECONDS.
+        logger.handlers[:] = [_SinkHandler(sink, formatter, LOG_FLUSH_SECONDS)]
 
     return flush_and_stop

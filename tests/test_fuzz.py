@@ -37,7 +37,7 @@ from launcher_hook.allocation import allocation_from_env, is_allocation_variable
 from launcher_hook.domain import hostdev_source_key, parse_domain
 from launcher_hook.server import MAX_MESSAGE_BYTES, MAX_STATUS_MESSAGE
 from launcher_hook.service import HookService
-from launcher_hook.sources import PodResourcesSource, ProcessEnvSource
+from launcher_hook.sources import PodIdentity, PodResourcesSource, ProcessEnvSource
 from schemas import InputError, PciAddress, parse_mdev_uuid
 from schemas.generated.kubevirt.hooks import (
     v1alpha1_pb2,
@@ -787,12 +787,12 @@ def test_hook_on_generated_kubevirt_domains_all_versions(channel: grpc.Channel, 
 
 
 def test_hook_reading_pod_resources_on_random_vmis(soak: bool) -> None:
-    """With the PodResources source the VMI also picks the pod (by its namespace and name), before the builder
-    reads it: still only OK, INVALID_ARGUMENT or FAILED_PRECONDITION (no such pod), with a short message."""
+    """With the PodResources source the hook finds its own pod, and a VMI naming another pod is refused before the
+    builder reads it: still only OK, INVALID_ARGUMENT or FAILED_PRECONDITION (not our pod), with a short message."""
     with short_dir() as directory:
         kubelet = FakeKubelet([launcher_pod(list(SEED_PCI.values()))])
         with fake_kubelet(kubelet, directory / "kubelet.sock") as kubelet_socket:
-            source = PodResourcesSource(kubelet_socket)
+            source = PodResourcesSource(kubelet_socket, identity=PodIdentity(hostname="vm-with-gpu", namespace="cxl"))
             hook = directory / "hook.sock"
             with running_hook(HookService(source), hook), unix_channel(hook) as channel:
 
@@ -838,9 +838,10 @@ def test_hook_refuses_every_hostile_input_with_invalid_argument(channel: grpc.Ch
 
 
 def test_hook_both_documents_over_the_cap_in_one_message_is_invalid_argument(channel: grpc.Channel) -> None:
-    """12 MiB + 12 MiB: within the server's 32 MiB message limit, so the builder's 8 MiB cap answers."""
-    domain = SEED_DOMAIN + b" " * (12 * MIB)
-    vmi = SEED_VMI + b" " * (12 * MIB)
+    """Both just over 8 MiB: within the server's 16 MiB + 64 KiB message limit, so the builder's 8 MiB cap
+    answers."""
+    domain = SEED_DOMAIN + b" " * (8 * MIB)
+    vmi = SEED_VMI + b" " * (8 * MIB)
     assert len(domain) + len(vmi) < MAX_MESSAGE_BYTES
     output, code, details = call(channel, "v1alpha3", domain, vmi)
     assert (output, code) == (None, grpc.StatusCode.INVALID_ARGUMENT)
@@ -848,7 +849,7 @@ def test_hook_both_documents_over_the_cap_in_one_message_is_invalid_argument(cha
 
 
 def test_a_message_over_grpcs_limit_is_refused_by_grpc_and_the_hook_keeps_serving(channel: grpc.Channel) -> None:
-    """Above 32 MiB gRPC itself refuses the message (RESOURCE_EXHAUSTED) before the hook sees it; documented in
+    """Above 16 MiB + 64 KiB gRPC itself refuses the message (RESOURCE_EXHAUSTED) before the hook sees it; documented in
     the README. The server is unharmed."""
     output, code, details = call(channel, "v1alpha3", SEED_DOMAIN + b" " * MAX_MESSAGE_BYTES, SEED_VMI)
     assert (output, code) == (None, grpc.StatusCode.RESOURCE_EXHAUSTED)

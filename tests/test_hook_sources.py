@@ -14,6 +14,7 @@ from launcher_hook.cli import make_source
 from launcher_hook.service import HookService
 from launcher_hook.sources import (
     EnvironFileSource,
+    PodIdentity,
     PodResourcesSource,
     ProcessEnvSource,
     SourceUnavailable,
@@ -127,21 +128,20 @@ def test_an_unreachable_socket_is_named(directory: Path) -> None:
     assert "UNAVAILABLE" in str(caught.value)
 
 
-def test_without_pod_name_the_vmis_launcher_pod_is_found_by_list(directory: Path) -> None:
+def test_without_pod_name_the_hooks_own_launcher_pod_is_found_by_list(directory: Path) -> None:
     pods = [launcher_pod(["0000:01:00.0"], vmi="vm-with-gpu-2"), POD, launcher_pod(["0000:02:00.0"], namespace="x")]
     kubelet = FakeKubelet(pods)
     with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
-        source = PodResourcesSource(socket_path)
+        source = PodResourcesSource(socket_path, identity=PodIdentity(hostname="vm-with-gpu", namespace="cxl"))
         loaded = source.load(vmi_json())
-        with pytest.raises(SourceUnavailable, match=r"no pod cxl/virt-launcher-absent-\*"):
-            source.load(vmi_json(name="absent"))
-        with pytest.raises(SourceUnavailable, match="names no metadata"):
-            source.load(b'{"spec": {}}')
+        assert source.load(b'{"spec": {}}').env == loaded.env  # no metadata to check: still only our own pod
+        with pytest.raises(SourceUnavailable, match="is not the one this hook's pod cxl/virt-launcher-vm-with-gpu-"):
+            source.load(vmi_json(name="vm-with-gpu-2"))
         with pytest.raises(InputError, match="VMI JSON"):
             source.load(b"[]")
         source.close()
     assert loaded.env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
-    assert kubelet.calls == ["List", "List"]
+    assert kubelet.calls == ["List", "Get", "Get"]  # found once by List, then asked for by name
 
 
 def test_the_launcher_pod_pattern_follows_generate_name() -> None:
@@ -154,8 +154,8 @@ def test_the_launcher_pod_pattern_follows_generate_name() -> None:
 def test_several_matching_pods_are_refused(directory: Path) -> None:
     twin = Pod("cxl", "virt-launcher-vm-with-gpu-qqqqq", POD.containers)
     with fake_kubelet(FakeKubelet([POD, twin]), directory / "kubelet.sock") as socket_path:
-        source = PodResourcesSource(socket_path)
-        with pytest.raises(SourceUnavailable, match="several pods match"):
+        source = PodResourcesSource(socket_path, identity=PodIdentity(hostname="vm-with-gpu", namespace="cxl"))
+        with pytest.raises(SourceUnavailable, match="several pods could be this hook's own"):
             source.load(vmi_json())
         source.close()
 
