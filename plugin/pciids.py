@@ -20,7 +20,7 @@ from schemas.errors import InputError
 SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/pci.ids")
 """Relative to the host root first, then to the image's root: hwdata, Debian's pci.ids, NVIDIA's image."""
 
-_NEXT_SECTION = re.compile(r"\n[^\t#\n]")  # a line that is not a device, subsystem, comment or blank
+_DEVICE_LINE = re.compile(r"([0-9a-fA-F]{4})[ \t][ \t]*(\S.*)")  # after the tab: ID, one blank or more, name
 
 
 @dataclass(frozen=True)
@@ -53,23 +53,31 @@ class PciIds:
         return section.get(device)
 
     def _parse_vendor(self, vendor: int) -> dict[int, str]:
-        text = self.text
-        marker = f"{vendor:04x}  "
-        start = 0 if text.startswith(marker) else text.find("\n" + marker)
-        if start < 0:
+        """The device lines of ``vendor``'s section, read as pciutils' ``id_parse_list`` reads them: an ID
+        (hex, either case) then one space or tab, then any blanks before the name; CRLF and a trailing blank
+        dropped; lines of blanks and comments skipped; nesting by leading tabs; a top-level line ends the
+        section. A line pciutils would call a parse error names nothing (the rest of the file still counts)."""
+        vendor_line = re.compile(rf"^{vendor:04x}[ \t]", re.MULTILINE | re.IGNORECASE).search(self.text)
+        if vendor_line is None:
             return {}
-        following = _NEXT_SECTION.search(text, start + 1)
-        end = following.start() if following is not None else len(text)
         devices: dict[int, str] = {}
-        lines = text[start:end].lstrip("\n").split("\n")
-        for line in lines[1:]:  # lines[0] is the vendor line itself
-            if not line.startswith("\t") or line.startswith("\t\t"):
-                continue  # a comment, a blank or a subsystem line
-            ident, _, name = line[1:].partition(" ")
-            try:
-                devices.setdefault(int(ident, 16), name.strip())
-            except ValueError:
+        lines = iter(self.text[vendor_line.start() :].split("\n"))
+        next(lines)  # the vendor line itself
+        for raw in lines:
+            line = raw.rstrip("\r")
+            if line[-1:] in (" ", "\t"):
+                line = line[:-1]
+            stripped = line.lstrip(" \t")
+            if not stripped or stripped.startswith("#"):
                 continue
+            nest = len(line) - len(line.lstrip("\t"))
+            if nest == 0:
+                break  # the next vendor, or a class (C), generic subsystem (S) or other block
+            if nest != 1:
+                continue  # a subsystem line (or a parse error): not a device
+            match = _DEVICE_LINE.match(line, 1)
+            if match is not None:
+                devices.setdefault(int(match.group(1), 16), match.group(2).rstrip())
         return devices
 
 
