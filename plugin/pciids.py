@@ -20,6 +20,7 @@ from schemas.errors import InputError
 SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/pci.ids")
 """Relative to the host root first, then to the image's root: hwdata, Debian's pci.ids, NVIDIA's image."""
 
+_TOP_LEVEL = re.compile(r"\n(?=[^\t\r\n# ])")  # where a vendor's section surely ends (the loop checks the rest)
 _DEVICE_LINE = re.compile(r"([0-9a-fA-F]{4})[ \t][ \t]*(\S.*)")  # after the tab: ID, one blank or more, name
 
 
@@ -61,7 +62,9 @@ class PciIds:
         if vendor_line is None:
             return {}
         devices: dict[int, str] = {}
-        lines = iter(self.text[vendor_line.start() :].split("\n"))
+        following = _TOP_LEVEL.search(self.text, vendor_line.end())
+        end = following.start() if following is not None else len(self.text)
+        lines = iter(self.text[vendor_line.start() : end].split("\n"))
         next(lines)  # the vendor line itself
         for raw in lines:
             line = raw.rstrip("\r")
