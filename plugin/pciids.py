@@ -21,7 +21,15 @@ SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci
 """Relative to the host root first, then to the image's root: hwdata, Debian's pci.ids, NVIDIA's image."""
 
 _TOP_LEVEL = re.compile(r"\n(?=[^\t\r\n# ])")  # where a vendor's section surely ends (the loop checks the rest)
-_DEVICE_LINE = re.compile(r"([0-9a-fA-F]{4})[ \t][ \t]*(\S.*)")  # after the tab: ID, one blank or more, name
+_DEVICE_LINE = re.compile(r"\t([0-9a-fA-F]{4})[ \t][ \t]*([^\s][^\r]*)")  # tab, ID, one blank or more, name
+
+
+def _vendor_line_end(text: str, vendor: int) -> int | None:
+    """Where ``vendor``'s line (its four hex digits in either case at the start of a line, then a space or
+    tab) ends its ID, or None. A leading ``\n`` in the pattern keeps the scan fast (a literal prefix)."""
+    digits = "".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in f"{vendor:04x}")
+    match = re.match(rf"{digits}[ \t]", text) or re.search(rf"\n{digits}[ \t]", text)
+    return match.end() if match is not None else None
 
 
 @dataclass(frozen=True)
@@ -58,29 +66,18 @@ class PciIds:
         (hex, either case) then one space or tab, then any blanks before the name; CRLF and a trailing blank
         dropped; lines of blanks and comments skipped; nesting by leading tabs; a top-level line ends the
         section. A line pciutils would call a parse error names nothing (the rest of the file still counts)."""
-        vendor_line = re.compile(rf"^{vendor:04x}[ \t]", re.MULTILINE | re.IGNORECASE).search(self.text)
-        if vendor_line is None:
+        start = _vendor_line_end(self.text, vendor)
+        if start is None:
             return {}
-        devices: dict[int, str] = {}
-        following = _TOP_LEVEL.search(self.text, vendor_line.end())
+        following = _TOP_LEVEL.search(self.text, start)
         end = following.start() if following is not None else len(self.text)
-        lines = iter(self.text[vendor_line.start() : end].split("\n"))
-        next(lines)  # the vendor line itself
-        for raw in lines:
-            line = raw.rstrip("\r")
-            if line[-1:] in (" ", "\t"):
-                line = line[:-1]
-            stripped = line.lstrip(" \t")
-            if not stripped or stripped.startswith("#"):
-                continue
-            nest = len(line) - len(line.lstrip("\t"))
-            if nest == 0:
-                break  # the next vendor, or a class (C), generic subsystem (S) or other block
-            if nest != 1:
-                continue  # a subsystem line (or a parse error): not a device
-            match = _DEVICE_LINE.match(line, 1)
-            if match is not None:
-                devices.setdefault(int(match.group(1), 16), match.group(2).rstrip())
+        devices: dict[int, str] = {}
+        for line in self.text[start:end].split("\n"):
+            # nesting 1 only: subsystems (two tabs), blanks and comments (no hex after the tab) name nothing
+            if line.startswith("\t") and not line.startswith("\t\t"):
+                match = _DEVICE_LINE.match(line)
+                if match is not None:
+                    devices.setdefault(int(match.group(1), 16), match.group(2).rstrip())
         return devices
 
 
