@@ -31,7 +31,8 @@ def stand_ins(directory: Path, *, running: bool, version: str, probe: str) -> Pa
         "pkill": f"echo pkill \"$@\" >> {log}; rm -f {directory}/running",
         "libvirtd": f"echo libvirtd \"$@\" >> {log}; touch {directory}/running",
         "virtlogd": f"echo virtlogd \"$@\" >> {log}",
-        "virsh": f'echo virsh "$@" >> {log}\ncase "$*" in *domxml-to-native*) {behave[probe]} ;; esac\n{behave[version]}',
+        "virsh": f'echo virsh "$@" >> {log}\n'
+        f'case "$*" in *domxml-to-native*) {behave[probe]} ;; esac\n{behave[version]}',
     }
     for name, body in scripts.items():
         path = directory / name
