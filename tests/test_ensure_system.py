@@ -27,10 +27,10 @@ def stand_ins(directory: Path, *, running: bool, version: str, probe: str) -> Pa
     behave = {"ok": "exit 0", "hang": "exec sleep 1000", "fail": "echo 'error: refused' >&2; exit 1"}
     scripts = {
         "dpkg-query": "echo 'install ok installed'",
-        "pgrep": f"echo pgrep \"$@\" >> {log}; [ -e {directory}/running ]",
-        "pkill": f"echo pkill \"$@\" >> {log}; rm -f {directory}/running",
-        "libvirtd": f"echo libvirtd \"$@\" >> {log}; touch {directory}/running",
-        "virtlogd": f"echo virtlogd \"$@\" >> {log}",
+        "pgrep": f'echo pgrep "$@" >> {log}; [ -e {directory}/running ]',
+        "pkill": f'echo pkill "$@" >> {log}; rm -f {directory}/running',
+        "libvirtd": f'echo libvirtd "$@" >> {log}; touch {directory}/running',
+        "virtlogd": f'echo virtlogd "$@" >> {log}',
         "virsh": f'echo virsh "$@" >> {log}\n'
         f'case "$*" in *domxml-to-native*) {behave[probe]} ;; esac\n{behave[version]}',
     }

@@ -167,7 +167,7 @@ def test_grpcio_is_at_least_what_the_generated_stubs_need(locks: dict[str, dict[
 
 def test_the_installers_use_the_locks_with_hashes() -> None:
     bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
-    assert 'install --require-hashes -r requirements/build.txt' in bootstrap
+    assert "install --require-hashes -r requirements/build.txt" in bootstrap
     assert 'install --require-hashes --no-build-isolation -r "$lock"' in bootstrap
     assert "install --no-deps --no-build-isolation -e ." in bootstrap
     assert "stamp() { cat pyproject.toml requirements/build.txt" in bootstrap  # reinstall when a lock changes
