@@ -13,7 +13,7 @@
 #   libvirtd    started by hand when not running (no systemd in containers), restarted when it does not answer.
 #   the probe   at the end, `virsh domxml-to-native` of a minimal domain, the call the tests make: it must
 #               answer within 60 s, or this fails naming the likely cause.
-# tests/test_ensure_system.py runs it against stand-ins for virsh, pgrep, pkill and libvirtd.
+# tests/test_ensure_system.py runs it against stand-ins for virsh, ps, pgrep, pkill and libvirtd.
 set -uo pipefail
 packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 pci.ids gcc python3-venv python3-dev)
 ci=0
@@ -91,7 +91,7 @@ wait_until() {  # wait_until SECONDS COMMAND...: poll every 0.1 s until SECONDS 
         sleep 0.1
     done
 }
-running() { pgrep -x libvirtd >/dev/null; }
+running() { ps -C libvirtd -o stat= 2>/dev/null | grep -qv '^Z'; }  # a zombie (not yet reaped) is not running
 not_running() { ! running; }
 stop_libvirtd() {
     pkill -x libvirtd

@@ -1,7 +1,8 @@
 """scripts/ensure-system.sh's decisions, run against stand-ins for virsh, pgrep, pkill, libvirtd and dpkg-query.
 
 The real script runs (as root here, so its /dev/kvm step is real and idempotent); only the commands that
-would touch the shared libvirtd are replaced by scripts on PATH that log their calls. A virsh that never
+would touch the shared libvirtd are replaced by scripts on PATH that log their calls (``ps`` also lists a
+zombie libvirtd, which must not count as running). A virsh that never
 answers must make the script give up within its bounds, naming the cause; a libvirtd that is not running
 is started; one that answers is left alone.
 """
@@ -28,6 +29,7 @@ def stand_ins(directory: Path, *, running: bool, version: str, probe: str) -> Pa
     scripts = {
         "dpkg-query": "echo 'install ok installed'",
         "pgrep": f'echo pgrep "$@" >> {log}; [ -e {directory}/running ]',
+        "ps": f'echo ps "$@" >> {log}; [ -e {directory}/running ] && echo Ssl; echo Z',  # and a zombie
         "pkill": f'echo pkill "$@" >> {log}; rm -f {directory}/running',
         "libvirtd": f'echo libvirtd "$@" >> {log}; touch {directory}/running',
         "virtlogd": f'echo virtlogd "$@" >> {log}',
