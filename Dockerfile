@@ -19,16 +19,23 @@ ENV VIRTUAL_ENV=/opt/venv \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 RUN python -m venv "$VIRTUAL_ENV"
+# The dependencies from the hash-pinned locks (scripts/lock.sh) first, in their own layer: the build backend
+# (setuptools) and the runtime pins, every file checked against its hash.
+COPY requirements/build.txt requirements/runtime.txt requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    "$VIRTUAL_ENV/bin/pip" install --require-hashes -r requirements/build.txt -r requirements/runtime.txt
 COPY pyproject.toml README.md ./
 COPY schemas/ schemas/
 COPY plugin/ plugin/
 COPY launcher_hook/ launcher_hook/
 COPY xmlgen/ xmlgen/
-# A wheel first (what pip would publish), then the wheel and its dependencies into the venv: no source tree,
-# no editable install, no build tools in the runtime image.
+# A wheel (what pip would publish, built with the locked setuptools), installed without resolving anything
+# more; then the build backend leaves: no source tree, no editable install, no build tools in the image.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    "$VIRTUAL_ENV/bin/pip" wheel --no-deps --wheel-dir dist . \
-    && "$VIRTUAL_ENV/bin/pip" install dist/*.whl
+    "$VIRTUAL_ENV/bin/pip" wheel --no-deps --no-build-isolation --wheel-dir dist . \
+    && "$VIRTUAL_ENV/bin/pip" install --no-deps dist/*.whl \
+    && "$VIRTUAL_ENV/bin/pip" check \
+    && "$VIRTUAL_ENV/bin/pip" uninstall -y setuptools
 
 FROM ${PYTHON_IMAGE} AS runtime
 # Debian's pci.ids: device names (and so resource names, FACTS.md §7) do not depend on the node's own file,

@@ -8,7 +8,7 @@ test:   ## every test (short reliability runs included), lint and types
 	bash scripts/test.sh
 
 soak:   ## the reliability suites at full length, printing their figures
-	bash scripts/test.sh -m soak --soak -s -q
+	bash scripts/test.sh -m soak --soak -s -q --timeout 7200
 
 fuzz:   ## coverage-guided fuzzing (atheris) of the parsers and the builder, bounded; crash inputs land in .fuzz/
 	bash scripts/bootstrap.sh dev

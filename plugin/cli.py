@@ -16,6 +16,7 @@ DaemonSet sets it, and its probes use the ``/healthz`` and ``/readyz`` served th
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from pathlib import Path
@@ -29,6 +30,7 @@ from plugin.log import configure_logging, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
 from plugin.metrics import MetricsServer, parse_address
 from plugin.server import DEFAULT_KUBELET_DIR
+from schemas.clirun import run_cli
 from schemas.errors import InputError
 from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
 
@@ -39,6 +41,13 @@ PROCESS_ENV = (
     "GPU_PLUGIN_LOG_FORMAT",
 )
 """Variables for the process that :func:`plugin.config.load_config` must not see (it refuses unknown ones)."""
+
+
+def _finite_interval(context: click.Context, parameter: click.Parameter, value: float) -> float:
+    """FloatRange lets nan through (every comparison with it is false): refuse it, and inf, by name."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds")
+    return value
 
 
 def _address(context: click.Context, parameter: click.Parameter, value: str | None) -> tuple[str, int] | None:
@@ -89,6 +98,7 @@ def cli() -> None:
     show_default=True,
     envvar="GPU_PLUGIN_SCAN_INTERVAL",
     show_envvar=True,
+    callback=_finite_interval,
     help="Seconds between full sysfs rescans (driver changes, hot-plug, new mdevs); /dev/vfio changes are "
     "seen at once.",
 )
@@ -145,6 +155,8 @@ def _serve(
         )
         if not Path(config.host_root).is_dir():
             raise InputError(f"host root {config.host_root!r} is not a directory")
+        if kubelet_dir.exists() and not kubelet_dir.is_dir():
+            raise InputError(f"kubelet dir {str(kubelet_dir)!r} is not a directory")
         manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval)
     except InputError as exc:
         raise click.ClickException(str(exc)) from None
@@ -186,4 +198,4 @@ def _serve(
 
 
 def main() -> None:
-    cli(prog_name="gpu-device-plugin")
+    run_cli(cli, "gpu-device-plugin")  # every failure an `error: …` line (schemas/clirun.py)

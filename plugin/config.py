@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,8 @@ from schemas.naming import validate_resource_name
 
 ENV_PREFIX = "GPU_PLUGIN_"
 CONFIG_FILE_ENV = "GPU_PLUGIN_CONFIG"
+MAX_CONFIG_BYTES = 1024 * 1024
+"""Largest configuration file read (1 MiB; a real one is a few hundred bytes)."""
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plugin-config.schema.json"
 
 _SELECTOR = re.compile(r"[0-9A-Fa-f]{4}:([0-9A-Fa-f]{4}|\*)")
@@ -172,6 +175,8 @@ def _split_overrides(variable: str, value: str) -> dict[str, str]:
             loaded = json.loads(value)
         except json.JSONDecodeError as exc:
             raise InputError(f"environment variable {variable}: not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise InputError(f"environment variable {variable}: nested too deeply") from None
         if not isinstance(loaded, dict):
             raise InputError(f"environment variable {variable}: expected a JSON object")
         return {str(key): str(item) for key, item in loaded.items()}
@@ -207,13 +212,25 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _from_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        info = path.stat()  # before opening: opening a FIFO would block, /dev/zero never ends
     except FileNotFoundError:
         raise InputError(f"config file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"config file {str(path)!r} is not a regular file")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise InputError(f"config file {str(path)!r} is over the {MAX_CONFIG_BYTES}-byte limit")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read config file {str(path)!r}: {exc}") from None
     try:
         loaded = yaml.safe_load(text)
+    except RecursionError:
+        raise InputError(f"config file {str(path)!r} is nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -20,7 +20,16 @@ from schemas.errors import InputError
 SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/pci.ids")
 """Relative to the host root first, then to the image's root: hwdata, Debian's pci.ids, NVIDIA's image."""
 
-_NEXT_SECTION = re.compile(r"\n[^\t#\n]")  # a line that is not a device, subsystem, comment or blank
+_TOP_LEVEL = re.compile(r"\n(?=[^\t\r\n# ])")  # where a vendor's section surely ends (the loop checks the rest)
+_DEVICE_LINE = re.compile(r"\t([0-9a-fA-F]{4})[ \t][ \t]*([^\s][^\r]*)")  # tab, ID, one blank or more, name
+
+
+def _vendor_line_end(text: str, vendor: int) -> int | None:
+    """Where ``vendor``'s line (its four hex digits in either case at the start of a line, then a space or
+    tab) ends its ID, or None. A leading ``\n`` in the pattern keeps the scan fast (a literal prefix)."""
+    digits = "".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in f"{vendor:04x}")
+    match = re.match(rf"{digits}[ \t]", text) or re.search(rf"\n{digits}[ \t]", text)
+    return match.end() if match is not None else None
 
 
 @dataclass(frozen=True)
@@ -53,23 +62,22 @@ class PciIds:
         return section.get(device)
 
     def _parse_vendor(self, vendor: int) -> dict[int, str]:
-        text = self.text
-        marker = f"{vendor:04x}  "
-        start = 0 if text.startswith(marker) else text.find("\n" + marker)
-        if start < 0:
+        """The device lines of ``vendor``'s section, read as pciutils' ``id_parse_list`` reads them: an ID
+        (hex, either case) then one space or tab, then any blanks before the name; CRLF and a trailing blank
+        dropped; lines of blanks and comments skipped; nesting by leading tabs; a top-level line ends the
+        section. A line pciutils would call a parse error names nothing (the rest of the file still counts)."""
+        start = _vendor_line_end(self.text, vendor)
+        if start is None:
             return {}
-        following = _NEXT_SECTION.search(text, start + 1)
-        end = following.start() if following is not None else len(text)
+        following = _TOP_LEVEL.search(self.text, start)
+        end = following.start() if following is not None else len(self.text)
         devices: dict[int, str] = {}
-        lines = text[start:end].lstrip("\n").split("\n")
-        for line in lines[1:]:  # lines[0] is the vendor line itself
-            if not line.startswith("\t") or line.startswith("\t\t"):
-                continue  # a comment, a blank or a subsystem line
-            ident, _, name = line[1:].partition(" ")
-            try:
-                devices.setdefault(int(ident, 16), name.strip())
-            except ValueError:
-                continue
+        for line in self.text[start:end].split("\n"):
+            # nesting 1 only: subsystems (two tabs), blanks and comments (no hex after the tab) name nothing
+            if line.startswith("\t") and not line.startswith("\t\t"):
+                match = _DEVICE_LINE.match(line)
+                if match is not None:
+                    devices.setdefault(int(match.group(1), 16), match.group(2).rstrip())
         return devices
 
 

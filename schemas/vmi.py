@@ -7,6 +7,7 @@ the fields read are type-checked strictly so that a wrong shape is an error, not
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Any
 
@@ -85,6 +86,8 @@ def _problems(error: ValidationError) -> str:
 def parse_vmi(data: bytes, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> VirtualMachineInstance:
     """Parse VMI JSON (a VirtualMachine's template is accepted too); refuse bad input with a clear error."""
     text = check_utf8(data, "VMI JSON", max_bytes)
+    if data.startswith(codecs.BOM_UTF8):  # a UTF-8 BOM is allowed (README, Input limits); JSON parsers refuse it
+        data, text = data[len(codecs.BOM_UTF8) :], text[1:]
     if b'"VirtualMachine"' not in data:
         # The usual case, a VMI: pydantic's own JSON parser (fast; its recursion limit is an error).
         try:

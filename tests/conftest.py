@@ -1,8 +1,13 @@
-"""Shared pytest setup: paths to fixtures and the ``--regen-golden`` switch."""
+"""Shared pytest setup: paths to fixtures, the ``--regen-golden`` switch and the timeout backstop's message."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +40,46 @@ def soak(request: pytest.FixtureRequest) -> bool:
 def scaled(full: int, soak: bool, short: int) -> int:
     """``full`` iterations under ``--soak``, ``short`` in the default test run."""
     return full if soak else short
+
+
+# -- the pytest-timeout backstop (pyproject.toml: timeout, timeout_method = "thread") ------------------------
+# pytest-timeout's own thread method prints stacks without saying which test hung; this one names it first,
+# then dumps every thread's stack and ends the run (exit 1), as the plugin would.
+
+_timers: dict[str, threading.Timer] = {}
+
+
+def _expire(item: pytest.Item, timeout: float) -> None:
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    sys.stderr.flush()
+    name = item.nodeid if not item.nodeid.startswith("::") else f"{item.path}{item.nodeid}"
+    message = (
+        f"\nerror: {name} was still running after {timeout:g} s (pytest-timeout backstop, "
+        "pyproject.toml [tool.pytest.ini_options] timeout); every thread's stack follows\n"
+    )
+    os.write(2, message.encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)
+    os._exit(1)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    if settings.method != "thread" or not settings.timeout or settings.timeout <= 0:
+        return None  # pytest-timeout's own handling (signal method, or no timeout)
+    timer = threading.Timer(settings.timeout, _expire, (item, settings.timeout))
+    timer.daemon = True
+    timer.name = "pytest-timeout backstop"
+    _timers[item.nodeid] = timer
+    timer.start()
+    return True
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    timer = _timers.pop(item.nodeid, None)
+    if timer is None:
+        return None
+    timer.cancel()
+    return True

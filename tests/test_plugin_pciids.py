@@ -100,3 +100,51 @@ def test_explicit_file_wins_and_must_exist(tmp_path: Path) -> None:
         locate_pci_ids(tmp_path / "missing.ids", tmp_path / "host", tmp_path)
     with pytest.raises(InputError, match="not a file"):
         locate_pci_ids(tmp_path, tmp_path / "host", tmp_path)
+
+
+# -- what pciutils' own reader (lib/names-parse.c, id_parse_list) accepts ------------------------------------
+# An ID is followed by one space or tab, then any run of spaces/tabs before the name; hex digits of either
+# case; CRLF line ends; a line of only blanks or whose first non-blank is '#' is skipped; a trailing blank
+# is dropped; the nesting is the number of leading tabs.
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # NVIDIA's own tests write the vendor line with one space
+        ("10de NVIDIA Corporation\n\t1f08  TU106 [GeForce RTX 2060 Rev. A]\n", "TU106 [GeForce RTX 2060 Rev. A]"),
+        ("10de\tNVIDIA Corporation\n\t1f08\tTU106\n", "TU106"),
+        ("10de  NVIDIA Corporation\n\t1f08 TU106\n", "TU106"),
+        ("10DE  NVIDIA Corporation\n\t1F08  TU106\n", "TU106"),
+        ("10de  NVIDIA Corporation\r\n\t1f08  TU106\r\n", "TU106"),
+        ("10de  NVIDIA Corporation\n\t1f08 \t  TU106 \n", "TU106"),
+        ("10de  NVIDIA Corporation\n\n   \n  # indented comment\n\t1f08  TU106\n", "TU106"),
+        ("1002  AMD\n\t1f08  Not NVIDIA\n10de NVIDIA Corporation\n\t1f08  TU106\n", "TU106"),
+    ],
+)
+def test_lines_pciutils_accepts(text: str, expected: str) -> None:
+    assert PciIds.from_text(text).device_name(0x10DE, 0x1F08) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "10de NVIDIA Corporation\n\t1f08\n",  # no name
+        "10deNVIDIA Corporation\n\t1f08  TU106\n",  # no blank after the vendor ID
+        "10de NVIDIA Corporation\n\t1f08TU106\n",  # no blank after the device ID
+        "10de NVIDIA Corporation\n\t\t1f08 1234  a subsystem\n",  # nested twice: not a device
+        "10dea NVIDIA\n\t1f08  TU106\n",  # a five-digit ID is no vendor 10de
+        "10de NVIDIA Corporation\nC 03  Display controller\n\t1f08  not a device\n",  # another block
+    ],
+)
+def test_lines_pciutils_refuses_or_reads_otherwise_name_nothing(text: str) -> None:
+    assert PciIds.from_text(text).device_name(0x10DE, 0x1F08) is None
+
+
+def test_single_space_vendor_lines_name_gpus_in_a_whole_file() -> None:
+    """A whole excerpt rewritten with one space after every vendor ID names the same devices."""
+    two = PciIds.from_text(SAMPLE)
+    one = PciIds.from_text("\n".join(line.replace("  ", " ", 1) if line[:1].isalnum() else line
+                                     for line in SAMPLE.splitlines()))  # fmt: skip
+    for vendor, device in ((0x10DE, 0x1F08), (0x10DE, 0x2236), (0x1002, 0x1F08), (0x10DF, 0x2FFF)):
+        assert one.device_name(vendor, device) == two.device_name(vendor, device)

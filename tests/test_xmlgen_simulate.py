@@ -53,6 +53,7 @@ def qemu_devices(stderr: str) -> dict[str, str]:
     return {device["id"]: device.get("host") or device["sysfsdev"].rpartition("/")[2] for device in devices}
 
 
+@pytest.mark.libvirt
 def test_node01_seed_vm_gets_two_gpus_into_qemus_argv() -> None:
     done = simulate("--check")
     assert done.returncode == 0, done.stderr
@@ -68,6 +69,7 @@ def test_node01_seed_vm_gets_two_gpus_into_qemus_argv() -> None:
     assert '"driver":"vfio-pci"' in done.stderr
 
 
+@pytest.mark.libvirt
 def test_vgpu_node_desktop_gets_mdevs_with_a_display() -> None:
     done = simulate("--node", "vgpu", "--check")
     assert done.returncode == 0, done.stderr

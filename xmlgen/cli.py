@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import click
 
+from schemas.clirun import run_cli
 from xmlgen.discover_cmd import discover
 from xmlgen.doctor_cmd import doctor
 from xmlgen.render_cmd import render
@@ -28,4 +29,4 @@ cli.add_command(simulate_command, name="simulate")
 
 
 def main() -> None:
-    cli(prog_name="xmlgen")
+    run_cli(cli, "xmlgen")  # every failure an `error: …` line (schemas/clirun.py)

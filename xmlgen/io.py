@@ -10,25 +10,39 @@ import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import BinaryIO, ParamSpec, TypeVar
 
 import click
 
 from schemas import InputError
+from schemas.clirun import escape_controls
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _read_bounded(handle: BinaryIO, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` + 1 bytes, read in 1 MiB chunks: a huge limit allocates nothing up front."""
+    chunks: list[bytes] = []
+    left = max_bytes + 1
+    while left > 0:
+        chunk = handle.read(min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_input(source: str, what: str, max_bytes: int) -> bytes:
     """Read a file, or stdin for ``-``; over ``max_bytes`` (+1 read to tell) or unreadable is an InputError."""
     try:
         if source == "-":
-            data = sys.stdin.buffer.read(max_bytes + 1)
+            data = _read_bounded(sys.stdin.buffer, max_bytes)
         else:
             with Path(source).open("rb") as handle:
-                data = handle.read(max_bytes + 1)
+                data = _read_bounded(handle, max_bytes)
     except OSError as exc:
         raise InputError(f"cannot read {what} {source!r}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:
@@ -37,7 +51,7 @@ def read_input(source: str, what: str, max_bytes: int) -> bytes:
 
 
 def fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {escape_controls(message)}", err=True)
     sys.exit(1)
 
 

@@ -4,6 +4,13 @@ Our own validator explains problems; this module gets libvirt's verdict: does th
 domain and keep our aliases and sources, do the hostdevs alone pass ``VIR_DOMAIN_DEFINE_VALIDATE``, and
 which ``-device vfio-pci`` arguments would QEMU get (``domxml-to-native``, needs a running libvirtd).
 libvirt-python is imported lazily: it is a dev/check dependency, not needed to render.
+
+Every libvirt call runs in a worker thread with a deadline (libvirt-python blocks in C, where no signal
+reaches it): a libvirtd that accepts and never answers (e.g. one stuck re-probing QEMU because libvirt-qemu
+cannot open /dev/kvm) makes the call fail with :class:`LibvirtTimeout` naming the call, the URI and the
+likely cause instead of hanging. The stuck thread is abandoned (a daemon thread), and later calls to the
+same URI fail at once with the same message. ``$XMLGEN_LIBVIRT_TIMEOUT`` (seconds, default 30) sets the
+deadline, ``$XMLGEN_LIBVIRT_QEMU_URI`` the QEMU driver's URI (default ``qemu:///system``).
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lxml import etree
 
@@ -28,10 +35,79 @@ QEMU_URI = "qemu:///system"
 TEST_URI = "test:///default"
 _DEVICE_ARG = re.compile(r"-device\s+'?(\{.*?\})'?(?=\s+-|\s*$)")
 _lock = threading.Lock()
+DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "XMLGEN_LIBVIRT_TIMEOUT"
+QEMU_URI_ENV = "XMLGEN_LIBVIRT_QEMU_URI"
+_T = TypeVar("_T")
+_stuck: dict[str, str] = {}  # URI → the message of the call that timed out on it
 
 
 class LibvirtUnavailable(RuntimeError):
     """A piece of libvirt needed for the check is missing; the message says which and how to get it."""
+
+
+class LibvirtTimeout(RuntimeError):
+    """libvirt did not answer a call within its deadline; the message names the call, the URI and the likely
+    cause. Not a :class:`LibvirtUnavailable`: a hung libvirtd is broken, not missing, so tests fail on it."""
+
+
+def libvirt_timeout() -> float:
+    """The deadline of one libvirt call, from ``$XMLGEN_LIBVIRT_TIMEOUT`` (seconds) or 30 s."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86400:  # also refuses nan and inf
+        raise LibvirtUnavailable(f"${TIMEOUT_ENV} must be a number of seconds in (0, 86400), not {raw!r}")
+    return value
+
+
+def qemu_uri() -> str:
+    """The QEMU driver's URI: ``$XMLGEN_LIBVIRT_QEMU_URI`` or ``qemu:///system``."""
+    return os.environ.get(QEMU_URI_ENV) or QEMU_URI
+
+
+def _hint(uri: str) -> str:
+    if uri.startswith("test:"):
+        return "libvirt's in-process test driver should never wait"
+    return "is libvirtd running, and is /dev/kvm usable by libvirt-qemu? see scripts/ensure-system.sh"
+
+
+def call_with_deadline(
+    what: str, uri: str, function: Callable[..., _T], *args: Any, timeout: float | None = None
+) -> _T:
+    """``function(*args)`` in a worker thread; :class:`LibvirtTimeout` if it has not returned in ``timeout``.
+
+    ``what`` names the call (``domainXMLToNative``) and ``uri`` the connection, for the message. Exceptions of
+    the call are raised here as they are.
+    """
+    if uri in _stuck:
+        raise LibvirtTimeout(f"{_stuck[uri]} (an earlier call timed out; not waiting again)")
+    deadline = libvirt_timeout() if timeout is None else timeout
+    outcome: list[_T] = []
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(function(*args))
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"libvirt {what}", daemon=True).start()
+    if not done.wait(deadline):
+        who = "libvirt's test driver" if uri.startswith("test:") else "libvirtd"
+        message = f"{who} did not answer {what} on {uri} within {deadline:g} s; {_hint(uri)}"
+        _stuck[uri] = message
+        raise LibvirtTimeout(message)
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 class LibvirtRejected(AssertionError):
@@ -112,14 +188,16 @@ def check_domain(domain_xml: bytes, *, qemu: bool = True, qemu_optional: bool = 
     wanted = _hostdev_map(parsed.root)
 
     with _lock:  # the test driver's default state is shared by the whole process
-        test = libvirt.open(TEST_URI)
+        test = call_with_deadline("open", TEST_URI, libvirt.open, TEST_URI)
         try:
             whole = _renamed(parsed.root)
-            domain = test.defineXMLFlags(etree.tostring(whole, encoding="unicode"), 0)
+            domain = call_with_deadline(
+                "defineXML", TEST_URI, test.defineXMLFlags, etree.tostring(whole, encoding="unicode"), 0
+            )
             try:
-                read_back = _hostdev_map(etree.fromstring(domain.XMLDesc(0)))
+                read_back = _hostdev_map(etree.fromstring(call_with_deadline("XMLDesc", TEST_URI, domain.XMLDesc, 0)))
             finally:
-                domain.undefine()
+                call_with_deadline("undefine", TEST_URI, domain.undefine)
             minimal = etree.fromstring(
                 b'<domain type="test"><name>x</name><memory>1024</memory><os><type>hvm</type></os><devices/></domain>'
             )
@@ -129,13 +207,20 @@ def check_domain(domain_xml: bytes, *, qemu: bool = True, qemu_optional: bool = 
                 devices.append(copy.deepcopy(hostdev))
             flags = libvirt.VIR_DOMAIN_DEFINE_VALIDATE
             try:
-                test.defineXMLFlags(etree.tostring(_renamed(minimal), encoding="unicode"), flags).undefine()
+                validated = call_with_deadline(
+                    "defineXML (VALIDATE)",
+                    TEST_URI,
+                    test.defineXMLFlags,
+                    etree.tostring(_renamed(minimal), encoding="unicode"),
+                    flags,
+                )
+                call_with_deadline("undefine", TEST_URI, validated.undefine)
             except libvirt.libvirtError as exc:
                 raise LibvirtRejected(f"libvirt's schema validation refused the hostdevs: {exc}") from None
         except libvirt.libvirtError as exc:
             raise LibvirtRejected(f"libvirt's test driver refused the domain: {exc}") from None
         finally:
-            test.close()
+            call_with_deadline("close", TEST_URI, test.close)
     if read_back != wanted:
         raise LibvirtRejected(f"libvirt read the hostdevs back differently: wrote {wanted}, got {read_back}")
     report = LibvirtReport(read_back)
@@ -149,21 +234,27 @@ def check_domain(domain_xml: bytes, *, qemu: bool = True, qemu_optional: bool = 
     return report
 
 
-def qemu_vfio_devices(domain_xml: str) -> list[dict[str, Any]]:
-    """The vfio devices of the QEMU command line libvirt would run for ``domain_xml``."""
+def qemu_vfio_devices(domain_xml: str, uri: str | None = None, timeout: float | None = None) -> list[dict[str, Any]]:
+    """The vfio devices of the QEMU command line libvirt would run for ``domain_xml``.
+
+    ``uri`` defaults to :func:`qemu_uri`, ``timeout`` (per call) to :func:`libvirt_timeout`.
+    """
     libvirt = _libvirt()
+    uri = uri or qemu_uri()
     try:
-        connection = libvirt.open(QEMU_URI)
+        connection = call_with_deadline("open", uri, libvirt.open, uri, timeout=timeout)
     except libvirt.libvirtError as exc:
         raise LibvirtUnavailable(
-            f"libvirtd with the QEMU driver is not reachable at {QEMU_URI} ({exc}); as root: scripts/ensure-system.sh"
+            f"libvirtd with the QEMU driver is not reachable at {uri} ({exc}); as root: scripts/ensure-system.sh"
         ) from None
     try:
-        argv = connection.domainXMLToNative("qemu-argv", domain_xml, 0)
+        argv = call_with_deadline(
+            "domainXMLToNative", uri, connection.domainXMLToNative, "qemu-argv", domain_xml, 0, timeout=timeout
+        )
     except libvirt.libvirtError as exc:
+        call_with_deadline("close", uri, connection.close, timeout=timeout)
         raise LibvirtRejected(f"libvirt's QEMU driver refused the domain: {exc}") from None
-    finally:
-        connection.close()
+    call_with_deadline("close", uri, connection.close, timeout=timeout)
     devices = [json.loads(match) for match in _DEVICE_ARG.findall(argv)]
     return [device for device in devices if device.get("driver") in ("vfio-pci", "vfio-pci-nohotplug")]
 

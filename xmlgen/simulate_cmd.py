@@ -6,7 +6,7 @@ import click
 
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from xmlgen.io import fail, read_input, user_errors, write_stdout
-from xmlgen.libvirt_check import LibvirtRejected, LibvirtUnavailable, check_domain, qemu_sources
+from xmlgen.libvirt_check import LibvirtRejected, LibvirtTimeout, LibvirtUnavailable, check_domain, qemu_sources
 from xmlgen.simulate import BUNDLED_NODES, default_vmi, example, simulate
 
 
@@ -50,7 +50,7 @@ def simulate_command(node: str, vmi_path: str | None, domain_path: str | None, c
     if check:
         try:
             report = check_domain(result.domain_xml, qemu_optional=True)
-        except (LibvirtRejected, LibvirtUnavailable) as exc:
+        except (LibvirtRejected, LibvirtTimeout, LibvirtUnavailable) as exc:
             fail(f"libvirt check: {exc}")
             return
         _log(
