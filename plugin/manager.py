@@ -257,11 +257,14 @@ class PluginManager:
         failures = dict(self._serve_failures)
         if failures:
             return "; ".join(f"cannot serve {name}: {error}" for name, (error, _) in sorted(failures.items()))
+        # Registered with the kubelet that is there now: a socket (lstat: not a file, directory or symlink)
+        # that answers, the one we registered with.
+        waiting_for = f"not registered with the kubelet: {', '.join(sorted(self._served)) or 'no resources'}"
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
-            return f"no kubelet: {self.kubelet_socket} is missing or not a socket"
+            return f"{waiting_for} (no kubelet: {self.kubelet_socket} is missing or not a socket)"
         if not socket_answers(self.kubelet_socket):
-            return f"no kubelet: nobody answers on {self.kubelet_socket}"
+            return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
         waiting = sorted(name for name, served in list(self._served.items()) if served.registered != kubelet)
         if waiting:
             return f"not registered with the kubelet: {', '.join(waiting)}"

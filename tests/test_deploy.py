@@ -520,3 +520,23 @@ def test_deploy_readme_describes_every_manifest() -> None:
         assert f"`{path.relative_to(DEPLOY).as_posix()}`" in readme, path
     top = (ROOT / "README.md").read_text()
     assert "## Deploying" in top and "(deploy/README.md)" in top
+
+
+def test_network_policy_admits_only_the_metrics_port_from_monitoring(built: list[Doc]) -> None:
+    """Issue 11, finding 2: the metrics port is reachable from the monitoring namespace only; no egress."""
+    policy = one(built, "NetworkPolicy", "gpu-device-plugin")
+    daemonset = one(built, "DaemonSet", "gpu-device-plugin")
+    assert policy["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    spec = policy["spec"]
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+    assert spec["egress"] == []  # unix sockets only: nothing leaves the pod
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    ports = {port["name"]: port["containerPort"] for port in container(daemonset)["ports"]}
+    (allowed,) = rule["ports"]
+    assert allowed["protocol"] == "TCP"
+    assert ports.get(allowed["port"], allowed["port"]) == METRICS_PORT
+    # the probes use the same port: they come from the node, which NetworkPolicy never blocks
+    assert container(daemonset)["livenessProbe"]["httpGet"]["port"] == allowed["port"]

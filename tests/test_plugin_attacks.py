@@ -5,6 +5,7 @@
 - 3: the kubelet's directory removed under the plugin: caught, logged, health red, served again once it is back;
 - 9: a ``ListAndWatch`` message that cannot be built is logged and turns health red (no silent 0 devices);
 - 11: a second server on a live socket refuses instead of unlinking it; a stale one is still replaced;
+- 2: idle or slow connections to the metrics port must not pile up threads or starve the probes;
 - 13: ``GetPreferredAllocation`` never hands back an ID it does not serve; ``/readyz`` needs a kubelet socket
   that is a socket and answers.
 
@@ -14,10 +15,12 @@ Everything runs on this machine over unix sockets, with bounded waits.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -27,6 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from plugin import metrics
 from plugin.fixture_nodes import NODE01
 from plugin.inventory import Resource
 from plugin.kubelet_standin import KubeletStandIn
@@ -344,3 +348,109 @@ def test_readiness_needs_a_kubelet_socket_that_answers(base: Path, kind: str) ->
         assert problem is not None and "kubelet" in problem
         if kind == "symlink":
             other.close()
+
+
+# -- 2: the metrics port --------------------------------------------------------------------------------------
+
+IDLE_CONNECTIONS = 500
+
+
+def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def _connect_idle(port: int, count: int) -> list[socket.socket]:
+    idle = []
+    for _ in range(count):  # bounded; connect() completes in the kernel's backlog even when nobody accepts
+        idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+    return idle
+
+
+@pytest.fixture
+def http_endpoint() -> Iterator[metrics.MetricsServer]:
+    server = metrics.MetricsServer("127.0.0.1", 0, metrics.PluginMetrics(), lambda: None, lambda: None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_500_idle_connections_keep_threads_bounded_and_healthz_answering(
+    http_endpoint: metrics.MetricsServer,
+) -> None:
+    before = threading.active_count()
+    idle = _connect_idle(http_endpoint.port, IDLE_CONNECTIONS)
+    try:
+        started = time.monotonic()
+        assert _get(http_endpoint.port, "/healthz") == (200, "ok\n")
+        assert time.monotonic() - started < 2.0
+        assert threading.active_count() <= before + 2  # was one thread per connection: 500 more
+        assert http_endpoint.connections <= metrics.MAX_CONNECTIONS
+        assert _get(http_endpoint.port, "/metrics")[0] == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_slow_or_oversized_request_is_cut_off(
+    http_endpoint: metrics.MetricsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT", 0.5)
+    with socket.create_connection(("127.0.0.1", http_endpoint.port), timeout=WAIT) as slow:
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished (slowloris)
+        assert slow.recv(100) == b""  # closed by the server after the idle timeout
+    with socket.create_connection(("127.0.0.1", http_endpoint.port), timeout=WAIT) as big:
+        big.sendall(b"GET /healthz HTTP/1.1\r\nX: " + b"a" * (metrics.MAX_REQUEST_BYTES + 10))
+        assert big.recv(100).startswith(b"HTTP/1.1 431 ")
+    with socket.create_connection(("127.0.0.1", http_endpoint.port), timeout=WAIT) as post:
+        post.sendall(b"POST /healthz HTTP/1.1\r\nContent-Length: 2\r\n\r\nab")
+        assert post.recv(100).startswith(b"HTTP/1.1 405 ")
+    connection = http.client.HTTPConnection("127.0.0.1", http_endpoint.port, timeout=WAIT)
+    try:  # keep-alive still works for a well-behaved scraper
+        for _ in range(3):
+            connection.request("GET", "/readyz")
+            response = connection.getresponse()
+            assert (response.status, response.read()) == (200, b"ok\n")
+    finally:
+        connection.close()
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def test_serve_with_500_idle_metrics_connections_stays_healthy_and_stops_on_sigterm(base: Path) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    log = base / "plugin.log"
+    with (
+        KubeletStandIn(kubelet_dir) as kubelet,
+        serve_process(root, kubelet_dir, "--metrics-address", "127.0.0.1:0", log=log) as process,
+    ):
+        kubelet.wait_for_registration(TU106, timeout=15)
+        port = next(
+            int(event["port"])
+            for event in (json.loads(line) for line in log.read_text().splitlines() if line.startswith("{"))
+            if event.get("event") == "metrics_serving"
+        )
+        threads = _threads(process.pid)
+        idle = _connect_idle(port, IDLE_CONNECTIONS)
+        try:
+            assert _get(port, "/healthz") == (200, "ok\n")
+            assert _threads(process.pid) <= threads + 2
+            assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(WAIT) == 0
+        finally:
+            for sock in idle:
+                sock.close()
