@@ -403,7 +403,9 @@ def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], t
         target = container_root / mount["mountPath"].lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         source.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(source, target_is_directory=True)
+        # A bind mount shows the tree itself at the target: copy it (links kept as they are). A symlink to the
+        # node's tree would be an absolute link out of the host root, which discovery re-roots (issue 11).
+        shutil.copytree(source, target, symlinks=True)
     host_root = container_root / main["args"][main["args"].index("--host-root") + 1].lstrip("/")
     inventory = discover(host_root, pci_ids=str(node / "usr" / "share" / "misc" / "pci.ids"))
     resource = next(resource for resource in inventory.resources if resource.name == TU106)
