@@ -207,6 +207,32 @@ def test_kubelet_dir_removed_is_logged_red_and_served_again_when_back(
     assert any(event.get("event") == "serve_recovered" for event in events)
 
 
+def test_serve_process_survives_its_kubelet_dir_removed_and_serves_again(base: Path) -> None:
+    """As reported: ``serve`` exited 1 with a RuntimeError traceback when the directory went away."""
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    log = base / "plugin.log"
+    kubelet = KubeletStandIn(kubelet_dir)
+    kubelet.start()
+    try:
+        with serve_process(root, kubelet_dir, log=log) as process:
+            kubelet.wait_for_registration(TU106, timeout=15)
+            kubelet.stop()
+            shutil.rmtree(kubelet_dir)
+            wait_until(lambda: "serve_failed" in log.read_text(), timeout=15, what="serve_failed")
+            time.sleep(1.0)  # several loop turns and scans without the directory
+            assert process.poll() is None, log.read_text()[-2000:]
+            kubelet.start()
+            kubelet.wait_for_registration(TU106, count=2, timeout=15)
+            assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(WAIT) == 0
+    finally:
+        kubelet.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "RuntimeError" not in text
+
+
 def test_start_in_a_missing_directory_is_a_serve_error_not_a_runtime_error(base: Path) -> None:
     root = build_tree(NODE01, base)
     server = ResourceServer(discover(root).resource(TU106), base / "gone", root)
