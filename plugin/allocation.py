@@ -92,7 +92,11 @@ def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozense
     root = os.fspath(host_root)
     if device.iommu_group is None:
         return "it has no IOMMU group"
-    fs = HostRoot(root)  # links resolved inside the host root, as discovery does
+    with HostRoot(root) as fs:  # links resolved inside the host root, as discovery does
+        return _recheck(device, root, fs, vfio_drivers)
+
+
+def _recheck(device: Device, root: str, fs: HostRoot, vfio_drivers: frozenset[str]) -> str | None:
     sysfs = _sysfs_dir(device, "")
     group_name = fs.readlink_name(f"{sysfs}/iommu_group")
     if group_name is None:
@@ -134,16 +138,16 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
 
     The kernel lists it as ``<sysfs device>/vfio-dev/vfioN``; the node must exist under the host root.
     """
-    fs = HostRoot(os.fspath(host_root))
-    try:
-        names = fs.listdir(f"{_sysfs_dir(device, '')}/vfio-dev")
-    except OSError:
+    with HostRoot(os.fspath(host_root)) as fs:
+        try:
+            names = fs.listdir(f"{_sysfs_dir(device, '')}/vfio-dev")
+        except OSError:
+            return None
+        for name in sorted(names):
+            if name.startswith("vfio") and name[4:].isdigit():
+                path = f"{VFIO_CDEV_DIR}/{name}"
+                return path if fs.exists(path) else None
         return None
-    for name in sorted(names):
-        if name.startswith("vfio") and name[4:].isdigit():
-            path = f"{VFIO_CDEV_DIR}/{name}"
-            return path if fs.exists(path) else None
-    return None
 
 
 def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
@@ -193,8 +197,9 @@ def allocate(
             raise AllocationError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{resource.name}: device {device.id}: {problem}", device.id
             )
-    fs = HostRoot(root)
-    if not fs.exists(VFIO_CONTAINER):
+    with HostRoot(root) as fs:
+        container, iommu = fs.exists(VFIO_CONTAINER), fs.exists(IOMMU_DEVICE)
+    if not container:
         raise AllocationError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{resource.name}: {VFIO_CONTAINER} is missing on the node (is the vfio module loaded?)",
@@ -207,7 +212,7 @@ def allocate(
         if group is not None and group not in groups:
             groups.add(group)
             specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
-    if fs.exists(IOMMU_DEVICE):
+    if iommu:
         specs.append(DeviceSpec.node(IOMMU_DEVICE))
         cdevs: set[str] = set()
         for device in chosen:

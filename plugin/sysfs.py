@@ -227,20 +227,32 @@ class HostRoot:
         finally:
             os.close(descriptor)
 
+    def _kernel_open(self, path: str, flags: int) -> int | None:
+        """``path`` opened by the kernel inside the root (``openat2`` ``RESOLVE_IN_ROOT``); None where that is
+        unavailable (the caller resolves in Python). Raises ``OSError`` as ``open`` does."""
+        openat2 = HostRoot.openat2
+        if openat2 is None:
+            return None
+        if self._root_fd is None:
+            self._root_fd = os.open(self.root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return openat2(self._root_fd, os.fsencode(path.lstrip("/") or "."), flags | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM):
+                raise
+            HostRoot.openat2 = None  # not on this kernel or refused by seccomp: resolve in Python from now on
+            return None
+
     def _open(self, path: str, flags: int) -> int | None:
         """A descriptor for ``path`` resolved inside the root (None: a parent does not resolve)."""
-        openat2 = HostRoot.openat2
-        if openat2 is not None:
-            if self._root_fd is None:
-                self._root_fd = os.open(self.root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                return openat2(self._root_fd, os.fsencode(path.lstrip("/") or "."), flags)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSYS, errno.EPERM):
-                    if exc.errno == errno.ELOOP:
-                        raise ReadError(f"{path}: too many links (a loop?)") from None
-                    raise
-                HostRoot.openat2 = None  # not on this kernel or refused by seccomp: resolve in Python from now on
+        try:
+            descriptor = self._kernel_open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ReadError(f"{path}: too many links (a loop?)") from None
+            raise
+        if descriptor is not None:
+            return descriptor
         split = self._split(path)
         if split is None:
             return None
@@ -263,6 +275,18 @@ class HostRoot:
 
     def readlink_name(self, path: str) -> str | None:
         """The last component of the symlink ``path``'s target (``driver`` → ``vfio-pci``); None when absent."""
+        parent, _, name = path.rpartition("/")
+        try:
+            directory = self._kernel_open(parent or "/", os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return None
+        if directory is not None:
+            try:
+                return os.path.basename(os.path.normpath(os.readlink(name, dir_fd=directory)))
+            except OSError:
+                return None
+            finally:
+                os.close(directory)
         split = self._split(path)
         if split is None:
             return None
@@ -275,13 +299,32 @@ class HostRoot:
 
     def listdir(self, path: str) -> list[str]:
         """Entries of the directory ``path`` (resolved inside the root); raises ``OSError`` as ``os.listdir``."""
+        directory = self._kernel_open(path, os.O_RDONLY | os.O_DIRECTORY)
+        if directory is not None:
+            try:
+                return os.listdir(directory)
+            finally:
+                os.close(directory)
         resolved = self.resolve(path)
         if resolved is None:
             raise FileNotFoundError(errno.ENOENT, "no such directory inside the host root", path)
         return os.listdir(self.root + resolved)
 
     def exists(self, path: str) -> bool:
+        try:
+            descriptor = self._kernel_open(path, os.O_PATH)
+        except OSError:
+            return False
+        if descriptor is not None:
+            os.close(descriptor)
+            return True
         return self.resolve(path) is not None
+
+    def __enter__(self) -> HostRoot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _file_kind(mode: int) -> str:
