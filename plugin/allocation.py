@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
+from plugin.sysfs import HostRoot
 from schemas.naming import ResourceKind
 
 IOMMU_DEVICE = "/dev/iommu"
@@ -91,16 +92,20 @@ def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozense
     root = os.fspath(host_root)
     if device.iommu_group is None:
         return "it has no IOMMU group"
-    sysfs = _sysfs_dir(device, root)
-    try:
-        group_name = os.path.basename(os.readlink(f"{sysfs}/iommu_group"))
-    except OSError:
-        return f"{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
+    with HostRoot(root) as fs:  # links resolved inside the host root, as discovery does
+        return _recheck(device, root, fs, vfio_drivers)
+
+
+def _recheck(device: Device, root: str, fs: HostRoot, vfio_drivers: frozenset[str]) -> str | None:
+    sysfs = _sysfs_dir(device, "")
+    group_name = fs.readlink_name(f"{sysfs}/iommu_group")
+    if group_name is None:
+        return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
     if group_name != str(device.iommu_group):
         return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
     group = device.iommu_group
     try:
-        members = set(os.listdir(f"{root}/sys/kernel/iommu_groups/{group}/devices"))
+        members = set(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))
     except OSError:
         return f"IOMMU group {group} is gone"
     expected = {device.id, *(str(companion.address) for companion in device.companions)}
@@ -116,20 +121,14 @@ def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozense
         )
         return f"IOMMU group {group} changed since the last scan: {change}"
     if device.kind is ResourceKind.PCI:
-        try:
-            driver = os.path.basename(os.readlink(f"{sysfs}/driver"))
-        except OSError:
-            driver = None
+        driver = fs.readlink_name(f"{sysfs}/driver")
         if driver not in vfio_drivers:
             return f"it is now bound to {driver or 'no driver'}, not to {' or '.join(sorted(vfio_drivers))}"
     for companion in device.companions:
-        try:
-            bound = os.path.basename(os.readlink(f"{root}/sys/bus/pci/devices/{companion.address}/driver"))
-        except OSError:
-            bound = None
+        bound = fs.readlink_name(f"/sys/bus/pci/devices/{companion.address}/driver")
         if bound is not None and bound not in vfio_drivers and not (companion.viable and bound == companion.driver):
             return f"IOMMU group {group} is not viable: {companion.address} is now bound to {bound}"
-    if not os.path.exists(f"{root}{VFIO_DEV_DIR}/{group}"):
+    if not fs.exists(f"{VFIO_DEV_DIR}/{group}"):
         return f"{VFIO_DEV_DIR}/{group} is missing (IOMMU group {group} is not usable by VFIO)"
     return None
 
@@ -139,16 +138,16 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
 
     The kernel lists it as ``<sysfs device>/vfio-dev/vfioN``; the node must exist under the host root.
     """
-    root = os.fspath(host_root)
-    try:
-        names = os.listdir(f"{_sysfs_dir(device, root)}/vfio-dev")
-    except OSError:
+    with HostRoot(os.fspath(host_root)) as fs:
+        try:
+            names = fs.listdir(f"{_sysfs_dir(device, '')}/vfio-dev")
+        except OSError:
+            return None
+        for name in sorted(names):
+            if name.startswith("vfio") and name[4:].isdigit():
+                path = f"{VFIO_CDEV_DIR}/{name}"
+                return path if fs.exists(path) else None
         return None
-    for name in sorted(names):
-        if name.startswith("vfio") and name[4:].isdigit():
-            path = f"{VFIO_CDEV_DIR}/{name}"
-            return path if os.path.exists(f"{root}{path}") else None
-    return None
 
 
 def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
@@ -198,7 +197,9 @@ def allocate(
             raise AllocationError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{resource.name}: device {device.id}: {problem}", device.id
             )
-    if not os.path.exists(f"{root}{VFIO_CONTAINER}"):
+    with HostRoot(root) as fs:
+        container, iommu = fs.exists(VFIO_CONTAINER), fs.exists(IOMMU_DEVICE)
+    if not container:
         raise AllocationError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{resource.name}: {VFIO_CONTAINER} is missing on the node (is the vfio module loaded?)",
@@ -211,7 +212,7 @@ def allocate(
         if group is not None and group not in groups:
             groups.add(group)
             specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
-    if os.path.exists(f"{root}{IOMMU_DEVICE}"):
+    if iommu:
         specs.append(DeviceSpec.node(IOMMU_DEVICE))
         cdevs: set[str] = set()
         for device in chosen:

@@ -27,6 +27,9 @@ LEVELS: dict[str, int] = {
     "allocate_refused": logging.WARNING,
     "socket_gone": logging.WARNING,
     "serve_failed": logging.ERROR,
+    "stream_replaced": logging.WARNING,
+    "list_and_watch_failed": logging.ERROR,
+    "kubelet_dir_unusable": logging.ERROR,
     "metrics_failed": logging.ERROR,
 }
 """Events above INFO; every other event is INFO."""

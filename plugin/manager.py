@@ -45,7 +45,7 @@ from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
 from plugin.metrics import PluginMetrics
 from plugin.pciids import PciIds, locate_pci_ids
-from plugin.server import KUBELET_SOCKET, ResourceServer, SocketInUse, describe_rpc_error
+from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
 from plugin.sysfs import scan
 from schemas.errors import InputError
 
@@ -158,6 +158,8 @@ class PluginManager:
         self._kubelet_missing = False
         self._kubelet_missing_since: float | None = None
         self.kubelet_missing_bound = kubelet_missing_bound
+        self._serve_failures: dict[str, tuple[str, float]] = {}
+        """Resources whose socket cannot be served now: the error and since when (retried every loop turn)."""
 
     @classmethod
     def from_config(
@@ -228,7 +230,22 @@ class PluginManager:
                 f"no kubelet: {self.kubelet_socket} missing for {now - missing_since:.0f} s "
                 f"(bound {self.kubelet_missing_bound:.0f} s); was the device-plugins directory replaced?"
             )
+        for name, (error, since) in sorted(dict(self._serve_failures).items()):
+            if now - since > self.kubelet_missing_bound:
+                return f"cannot serve {name} for {now - since:.0f} s: {error}"
+        faults = self._faults()
+        if faults:
+            return faults
         return None
+
+    def _faults(self) -> str | None:
+        """Resources whose ``ListAndWatch`` message cannot be built: the kubelet is not told the truth."""
+        faults = [
+            f"{name}: {served.server.state.fault}"
+            for name, served in sorted(dict(self._served).items())
+            if served.server.state.fault is not None
+        ]
+        return "; ".join(faults) if faults else None
 
     def readiness(self) -> str | None:
         """None once the first scan is served and every resource is registered with the current kubelet."""
@@ -237,10 +254,33 @@ class PluginManager:
             return problem
         if not self.ready.is_set():
             return "starting: the first scan is not served yet"
-        waiting = sorted(set(self.served()) - set(self.registered()))
+        failures = dict(self._serve_failures)
+        if failures:
+            return "; ".join(f"cannot serve {name}: {error}" for name, (error, _) in sorted(failures.items()))
+        # Registered with the kubelet that is there now: a socket (lstat: not a file, directory or symlink)
+        # that answers, the one we registered with.
+        waiting_for = f"not registered with the kubelet: {', '.join(sorted(self._served)) or 'no resources'}"
+        kubelet = socket_identity(self.kubelet_socket)
+        if kubelet is None:
+            return f"{waiting_for} (no kubelet: {self.kubelet_socket} is missing or not a socket)"
+        if not socket_answers(self.kubelet_socket):
+            return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
+        waiting = sorted(name for name, served in list(self._served.items()) if served.registered != kubelet)
         if waiting:
             return f"not registered with the kubelet: {', '.join(waiting)}"
         return None
+
+    def _serve_failed(self, name: str, socket: Path, error: BaseException) -> None:
+        """Log a resource's socket that cannot be served (once per distinct error); health turns red."""
+        text = f"{type(error).__name__}: {error}" if not isinstance(error, ServeError | OSError) else str(error)
+        previous = self._serve_failures.get(name)
+        if previous is None or previous[0] != text:
+            log_event("serve_failed", resource=name, socket=str(socket), error=text, retry="at the next scan")
+        self._serve_failures[name] = (text, previous[1] if previous is not None else time.monotonic())
+
+    def _serve_ok(self, name: str) -> None:
+        if self._serve_failures.pop(name, None) is not None:
+            log_event("serve_recovered", resource=name)
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -257,7 +297,10 @@ class PluginManager:
         self._finished = False
         self._heartbeat = time.monotonic()
         try:
-            self.kubelet_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.kubelet_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # served once it exists (retried at every scan)
+                log_event("kubelet_dir_unusable", directory=str(self.kubelet_dir), error=str(exc))
             self._ensure_watches()
             self._rescan()
             self._reconcile()
@@ -357,6 +400,8 @@ class PluginManager:
         self._problem(None)
         self._note_inventory(inventory)
         current = {resource.name: resource for resource in inventory.resources}
+        for name in [name for name in self._serve_failures if name not in current]:
+            del self._serve_failures[name]  # no longer offered: nothing to serve
         for name in [name for name in self._served if name not in current]:
             served = self._served.pop(name)
             self._log_changes(served.server.state.resource, None, inventory)
@@ -378,10 +423,11 @@ class PluginManager:
             )
             try:
                 server.start()
-            except (SocketInUse, OSError) as exc:
-                log_event("serve_failed", resource=name, socket=str(server.socket_path), error=str(exc))
+            except Exception as exc:  # the directory gone, the path taken...: logged, health red, retried
+                self._serve_failed(name, server.socket_path, exc)
                 server.stop(grace=0)
                 continue
+            self._serve_ok(name)
             self._served[name] = _Served(server)
             log_event(
                 "resource_added",
@@ -439,13 +485,16 @@ class PluginManager:
         for served in self._served.values():
             server = served.server
             if not server.socket_intact():
-                log_event("socket_gone", resource=server.name, socket=str(server.socket_path))
+                if server.serving:
+                    log_event("socket_gone", resource=server.name, socket=str(server.socket_path))
                 try:
                     server.restart()
-                except (SocketInUse, OSError) as exc:
-                    log_event("serve_failed", resource=server.name, error=str(exc))
+                except Exception as exc:  # the directory gone, the path taken...: logged, health red, retried
+                    self._serve_failed(server.name, server.socket_path, exc)
                     server.stop(grace=0)
+                    served.registered = served.failed = None
                     continue
+                self._serve_ok(server.name)
                 served.registered = served.failed = None
                 served.failures = 0
             if kubelet is None or served.pending or served.registered == kubelet:

@@ -6,8 +6,8 @@ servicer's ``Allocate``), and each of them should record a fact with one call an
 (never the global one), so tests and several managers in one process do not collide. ``Allocate`` only
 increments a counter; everything else is recorded from the manager's single thread.
 
-:class:`MetricsServer` is ``gpu-device-plugin serve --metrics-address HOST:PORT``: a small threaded HTTP
-server answering
+:class:`MetricsServer` is ``gpu-device-plugin serve --metrics-address HOST:PORT``: a small HTTP server in
+one thread (a selector; bounded connections, request size and idle time, see :class:`_Server`) answering
 
 - ``GET /metrics``: the registry in Prometheus' text format;
 - ``GET /healthz``: ``200 ok`` while the manager's loop is alive (its heartbeat is younger than the bound and
@@ -22,18 +22,18 @@ Requests are not logged (the plugin's stderr carries its event lines only).
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socketserver import TCPServer
-from typing import Any
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from plugin.inventory import Resource
+from plugin.log import log_event
 
 PREFIX = "gpu_device_plugin_"
 HEALTHS = ("Healthy", "Unhealthy")
@@ -144,55 +144,238 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, port
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+MAX_CONNECTIONS = 64
+"""Open HTTP connections at most; a new one beyond this closes the one idle for longest (probes and a scraper
+need a handful)."""
+IDLE_TIMEOUT = 10.0
+"""Seconds a connection may take to send a complete request, or stay idle between keep-alive requests, or to
+read our answer; then it is closed (a probe's whole exchange takes milliseconds)."""
+MAX_REQUEST_BYTES = 8192
+"""A request line and headers larger than this are refused with 431 and the connection closed."""
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    deadline: float
+    received: bytearray = field(default_factory=bytearray)
+    pending: bytes = b""
+    close_after: bool = False
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (empty host: every interface, IPv6 dual-stack when possible)."""
+    dual_stack = host == ""
+    if dual_stack:
+        family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+        host = "::" if socket.has_ipv6 else "0.0.0.0"  # noqa: S104 -- asked for: every interface
+    else:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+class _Server:
+    """A small HTTP/1.1 server in one thread around a selector: bounded connections, buffers and waits.
+
+    Why not :class:`http.server.ThreadingHTTPServer`: it starts a thread per connection and waits on each
+    without a timeout, so idle connections pile up threads and memory until the probes fail and the process
+    no longer stops (issue 11, finding 2). Here one thread serves every connection; each has at most
+    :data:`MAX_REQUEST_BYTES` of request and one answer buffered, :data:`IDLE_TIMEOUT` to make progress, and
+    at most :data:`MAX_CONNECTIONS` are open (the longest-idle one makes room for a new one). Answers are
+    computed in microseconds to milliseconds (a registry exposition, two health checks), so serving them
+    inline keeps every client answered in turn.
+    """
 
     def __init__(self, host: str, port: int, app: MetricsServer) -> None:
         self.app = app
-        self._dual_stack = host == ""
-        if self._dual_stack:
-            self.address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
-            host = "::" if socket.has_ipv6 else "0.0.0.0"  # noqa: S104 -- asked for: every interface
-        else:
-            self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        super().__init__((host, port), _Handler)
+        self.listener = _listening_socket(host, port)
+        self.server_address = self.listener.getsockname()
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._stopping = threading.Event()
+        self._accept_error = ""
 
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if self._dual_stack else 1)
-        # HTTPServer.server_bind would look up the host's FQDN (a DNS query at start); the TCP bind is enough.
-        TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+    @property
+    def connections(self) -> int:
+        """Connections open now (for tests and the soak)."""
+        return len(self._connections)
 
+    def serve_forever(self) -> None:
+        self._selector.register(self.listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        try:
+            while not self._stopping.is_set():
+                self._turn()
+        finally:
+            for connection in list(self._connections.values()):
+                self._close(connection)
+            self._selector.close()
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
+    def shutdown(self) -> None:
+        """Ask :meth:`serve_forever` to return (from another thread); it closes every connection."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
 
-    def do_GET(self) -> None:
-        app = self.server.app
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._answer(200, app.metrics.exposition(), CONTENT_TYPE_LATEST)
-        elif path in ("/healthz", "/readyz"):
-            problem = (app.liveness if path == "/healthz" else app.readiness)()
-            if problem is None:
-                self._answer(200, b"ok\n")
+    def server_close(self) -> None:
+        self.listener.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        timeout = min((connection.deadline for connection in self._connections.values()), default=now + 1.0) - now
+        for key, mask in self._selector.select(max(0.0, min(timeout, 1.0))):
+            target = key.fileobj
+            if target is self.listener:
+                self._accept()
+            elif target is self._wake_read:
+                with contextlib.suppress(OSError):
+                    self._wake_read.recv(4096)
             else:
-                self._answer(503, problem.encode() + b"\n")
-        else:
-            self._answer(404, b"not found: try /metrics, /healthz or /readyz\n")
+                connection = self._connections.get(target)  # type: ignore[call-overload]
+                if connection is None:
+                    continue
+                try:
+                    if mask & selectors.EVENT_READ:
+                        self._receive(connection)
+                    elif mask & selectors.EVENT_WRITE:
+                        self._send(connection)
+                except OSError:
+                    self._close(connection)
+                except Exception as exc:  # never let one connection end the endpoint
+                    log_event("metrics_failed", error=f"{type(exc).__name__}: {exc}")
+                    self._close(connection)
+        now = time.monotonic()
+        for connection in [c for c in self._connections.values() if c.deadline <= now]:
+            self._close(connection)
 
-    def _answer(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def _accept(self) -> None:
+        for _ in range(MAX_CONNECTIONS):  # bounded per turn: timeouts and answers get their turn too
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: let the backlog wait a little, say why once
+                if str(exc) != self._accept_error:
+                    log_event("metrics_failed", error=f"accept: {exc}")
+                self._accept_error = str(exc)
+                time.sleep(0.05)  # the listener stays readable: do not spin
+                return
+            if len(self._connections) >= MAX_CONNECTIONS:
+                idle = [c for c in self._connections.values() if not c.pending]
+                oldest = min(idle or self._connections.values(), key=lambda c: c.deadline)
+                self._close(oldest)
+            sock.setblocking(False)
+            connection = _Connection(sock, time.monotonic() + IDLE_TIMEOUT)
+            self._connections[sock] = connection
+            self._selector.register(sock, selectors.EVENT_READ)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # no access log on stderr: it would break the one-event-per-line log
+    def _close(self, connection: _Connection) -> None:
+        if self._connections.pop(connection.sock, None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(connection.sock)
+        connection.sock.close()
+
+    def _receive(self, connection: _Connection) -> None:
+        data = connection.sock.recv(4096)
+        if not data:
+            self._close(connection)
+            return
+        connection.received += data
+        end = connection.received.find(b"\r\n\r\n")
+        if end < 0:
+            if len(connection.received) > MAX_REQUEST_BYTES:
+                self._answer(connection, 431, b"request too large\n", close=True)
+            return
+        head = bytes(connection.received[:end])
+        rest = connection.received[end + 4 :]
+        connection.received = bytearray()
+        self._handle(connection, head, bool(rest))
+
+    def _handle(self, connection: _Connection, head: bytes, more: bool) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._answer(connection, 400, b"bad request\n", close=True)
+            return
+        method, target, version = parts
+        headers = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if colon:
+                headers[name.strip().lower()] = value.strip().lower()
+        body = headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers
+        close = (
+            more  # pipelined requests are not served: answer the first, then close
+            or body
+            or headers.get("connection") == "close"
+            or (version == "HTTP/1.0" and headers.get("connection") != "keep-alive")
+        )
+        if method not in ("GET", "HEAD"):
+            self._answer(connection, 405, b"only GET\n", close=True)
+            return
+        status, content, content_type = self.app.respond(target.split("?", 1)[0])
+        self._answer(connection, status, content, content_type, close=close, head_only=method == "HEAD")
+
+    def _answer(
+        self,
+        connection: _Connection,
+        status: int,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
+        *,
+        close: bool,
+        head_only: bool = False,
+    ) -> None:
+        header = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            + ("Connection: close\r\n" if close else "")
+            + "\r\n"
+        )
+        connection.pending = header.encode("latin-1") + (b"" if head_only else body)
+        connection.close_after = close
+        connection.deadline = time.monotonic() + IDLE_TIMEOUT
+        self._selector.modify(connection.sock, selectors.EVENT_WRITE)
+        self._send(connection)
+
+    def _send(self, connection: _Connection) -> None:
+        try:
+            sent = connection.sock.send(connection.pending)
+        except BlockingIOError:
+            return
+        connection.pending = connection.pending[sent:]
+        if connection.pending:
+            return
+        if connection.close_after:
+            self._close(connection)
+            return
+        connection.deadline = time.monotonic() + IDLE_TIMEOUT
+        self._selector.modify(connection.sock, selectors.EVENT_READ)
 
 
 class MetricsServer:
@@ -213,13 +396,30 @@ class MetricsServer:
         return str(host), int(port)
 
     @property
+    def connections(self) -> int:
+        """HTTP connections open now (bounded by :data:`MAX_CONNECTIONS`)."""
+        return self._server.connections
+
+    def respond(self, path: str) -> tuple[int, bytes, str]:
+        """Status, body and content type for ``GET path``; a failing check is a 500 naming the error."""
+        text = "text/plain; charset=utf-8"
+        try:
+            if path == "/metrics":
+                return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST
+            if path in ("/healthz", "/readyz"):
+                problem = (self.liveness if path == "/healthz" else self.readiness)()
+                return (200, b"ok\n", text) if problem is None else (503, problem.encode() + b"\n", text)
+        except Exception as exc:
+            log_event("metrics_failed", path=path, error=f"{type(exc).__name__}: {exc}")
+            return 500, f"{path} failed: {type(exc).__name__}\n".encode(), text
+        return 404, b"not found: try /metrics, /healthz or /readyz\n", text
+
+    @property
     def port(self) -> int:
         return self.address[1]
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="metrics-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

@@ -7,8 +7,11 @@ itself, so the answer must be exactly ``size`` IDs out of what it offered.
 
 The choice, for the IDs left after ``must_include``:
 
-1. healthy devices the plugin knows, before unhealthy ones and before IDs it does not know (a rescan may lag
-   behind the kubelet): those come only when nothing else is left;
+1. healthy devices before unhealthy ones (those come only when nothing else is left); only IDs this resource
+   serves: the kubelet sends only IDs it got from ``ListAndWatch`` and intersects the answer with what it
+   offered (``pkg/kubelet/cm/devicemanager``, ``devicesToAllocate``), so an unknown ``must_include`` ID is
+   refused (the kubelet's choice cannot be honoured) and an unknown offered ID is never chosen (a rescan
+   may have just removed it; the kubelet learns that from the next ``ListAndWatch`` message);
 2. all on one NUMA node when one can hold them: the must-include devices' node first, then a node where one
    PCIe root can hold them all, then the node with the fewest candidates (best fit, which keeps large nodes
    whole for large VMs), then the lower node number; devices with unknown NUMA node only after known nodes;
@@ -115,28 +118,36 @@ def preferred_allocation(
     """Exactly ``size`` IDs of ``available`` and ``must_include``: must-include first, then by topology (see module).
 
     ``devices`` are the resource's devices as the plugin knows them (health, NUMA node, PCIe root).
-    Repeated IDs count once. Raises :class:`PreferenceError` when ``size`` is negative, smaller than the
-    must-include IDs, or larger than the IDs offered.
+    Repeated IDs count once; the answer holds only IDs of ``devices``. Raises :class:`PreferenceError` when
+    ``size`` is negative, smaller than the must-include IDs, larger than the known IDs offered, or when a
+    must-include ID is not one of ``devices`` (the message names it).
     """
+    known = {device.id: device for device in devices}
     must = sorted(_unique(must_include))
-    offered = _unique([*available, *must])
     if size < 0:
         raise PreferenceError(f"allocation size {size} is negative")
+    for device_id in must:
+        if device_id not in known:
+            raise PreferenceError(f"must-include device ID {device_id[:63]!r} is not a device of this resource")
     if len(must) > size:
         raise PreferenceError(f"{len(must)} must-include device IDs do not fit an allocation of {size}")
+    unknown_offered = [device_id for device_id in _unique(available) if device_id not in known]
+    offered = _unique([*(device_id for device_id in available if device_id in known), *must])
     if len(offered) < size:
-        raise PreferenceError(f"allocation size {size} is more than the {len(offered)} available device IDs")
-    known = {device.id: device for device in devices}
+        ignored = f" (not devices of this resource: {', '.join(repr(i[:63]) for i in unknown_offered[:4])})"
+        raise PreferenceError(
+            f"allocation size {size} is more than the {len(offered)} available device IDs"
+            + (ignored if unknown_offered else "")
+        )
     must_set = set(must)
     rest = sorted(device_id for device_id in offered if device_id not in must_set)
-    healthy = [known[device_id] for device_id in rest if device_id in known and known[device_id].healthy]
+    healthy = [known[device_id] for device_id in rest if known[device_id].healthy]
     count = size - len(must)
-    anchors = [known[device_id] for device_id in must if device_id in known]
+    anchors = [known[device_id] for device_id in must]
     numa_anchors = {device.numa_node for device in anchors if device.numa_node is not None}
     root_anchors = {device.pcie_root for device in anchors if device.pcie_root}
     chosen = [device.id for device in _choose(healthy, min(count, len(healthy)), numa_anchors, root_anchors)]
     if len(chosen) < count:
-        unhealthy = [device_id for device_id in rest if device_id in known and not known[device_id].healthy]
-        unknown = [device_id for device_id in rest if device_id not in known]
-        chosen.extend((unhealthy + unknown)[: count - len(chosen)])
+        unhealthy = [device_id for device_id in rest if not known[device_id].healthy]
+        chosen.extend(unhealthy[: count - len(chosen)])
     return must + sorted(chosen)

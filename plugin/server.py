@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +49,18 @@ MAX_DEVICES_PER_REQUEST = 4096
 """More IDs than any node has; a longer request is refused rather than processed."""
 MAX_STATUS_MESSAGE = 512
 """Status messages quote the request; a bigger one would break gRPC's metadata limit (8 KiB), so cut it."""
+MAX_STREAMS = 2
+"""Open ``ListAndWatch`` streams per resource. The kubelet holds one and opens a new one when it restarts, while
+the old one may linger; a stream beyond this ends the oldest (the newest wins), so streams never hold more than
+``MAX_STREAMS`` workers and the unary calls (``Allocate``, ``GetPreferredAllocation``) always find one."""
+UNARY_WORKERS = 4
+"""gRPC workers left for unary calls, which answer in milliseconds."""
+MAX_WORKERS = MAX_STREAMS + 1 + UNARY_WORKERS
+"""One more than the streams: a new stream's handler runs while it ends the oldest."""
+MAX_CONCURRENT_RPCS = 64
+"""Calls in progress or queued for a worker; gRPC answers ``RESOURCE_EXHAUSTED`` beyond (nothing queues forever)."""
+SOCKET_PROBE_TIMEOUT = 0.5
+"""Seconds to wait for a unix socket to accept a connection before calling it live (a full backlog)."""
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
@@ -79,6 +92,25 @@ def list_response(resource: Resource) -> pb.ListAndWatchResponse:
     return pb.ListAndWatchResponse(devices=[device_message(device) for device in resource.devices])
 
 
+def socket_answers(path: Path, timeout: float = SOCKET_PROBE_TIMEOUT) -> bool:
+    """True if a process accepts connections on the unix socket at ``path`` (a live server), False if none does.
+
+    A refused connection or a missing file means nobody listens (a stale socket from a process that is gone);
+    a full backlog or a permission error counts as live: something is there that we must not take over.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+            return False
+        except (BlockingIOError, TimeoutError, PermissionError):
+            return True
+        except OSError:
+            return False
+        return True
+
+
 def kubelet_view(resource: Resource) -> tuple[tuple[str, bool, int | None], ...]:
     """What the kubelet can see of a resource; a new ``ListAndWatch`` message is sent only when this changes."""
     return tuple((device.id, device.healthy, device.numa_node) for device in resource.devices)
@@ -91,6 +123,9 @@ class ResourceState:
         self.changed = threading.Condition()
         self._resource = resource
         self._version = 0
+        self.fault: str | None = None
+        """Why the last ``ListAndWatch`` message could not be built (the kubelet is not told the truth); None
+        once one is built again. Read by the manager's health checks from any thread."""
 
     @property
     def resource(self) -> Resource:
@@ -112,6 +147,16 @@ class ResourceState:
             return visible
 
 
+class _Stream:
+    """One open ``ListAndWatch`` call: its context (to cancel it) and whether it must end."""
+
+    __slots__ = ("context", "ended")
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+        self.ended = False
+
+
 class DevicePluginServicer:
     """``v1beta1.DevicePlugin`` for one resource (one instance per gRPC server generation)."""
 
@@ -127,6 +172,8 @@ class DevicePluginServicer:
         self._vfio_drivers = vfio_drivers
         self._metrics = metrics
         self._stopped = False
+        self._streams: list[_Stream] = []
+        """Open ``ListAndWatch`` streams, oldest first (guarded by the state's condition)."""
 
     def _count(self, resource: str, code: grpc.StatusCode) -> None:
         if self._metrics is not None:
@@ -145,29 +192,65 @@ class DevicePluginServicer:
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         state = self._state
-        active = [True]
+        stream = _Stream(context)
 
-        def on_done() -> None:  # the client went away or the server is stopping: wake this stream
+        def on_done() -> None:  # the client went away, the stream was replaced or the server is stopping
             with state.changed:
-                active[0] = False
+                stream.ended = True
+                if stream in self._streams:
+                    self._streams.remove(stream)
                 state.changed.notify_all()
 
         if not context.add_callback(on_done):
             return  # the call already ended
+        self._admit(stream)
         sent: int | None = None
         while True:
             with state.changed:
                 while True:
-                    if not active[0] or self._stopped:
+                    if stream.ended or self._stopped:
                         return
                     resource, version = state.snapshot()
                     if version != sent:
                         break
                     state.changed.wait()
+            try:
+                response = list_response(resource)
+            except Exception as exc:  # a device the kubelet cannot be told about: say so, keep the stream
+                problem = f"cannot build the ListAndWatch message: {type(exc).__name__}: {exc}"[:MAX_STATUS_MESSAGE]
+                if state.fault != problem:
+                    log_event("list_and_watch_failed", resource=resource.name, error=problem)
+                state.fault = problem
+                sent = version  # retried when the resource changes again
+                continue
+            if state.fault is not None:
+                state.fault = None
+                log_event("list_and_watch_recovered", resource=resource.name)
             if sent is None:
                 log_event("list_and_watch", resource=resource.name, devices=len(resource.devices))
-            yield list_response(resource)
+            yield response
             sent = version
+
+    def _admit(self, stream: _Stream) -> None:
+        """Count ``stream`` in; end the oldest streams beyond :data:`MAX_STREAMS` (the newest wins)."""
+        with self._state.changed:
+            self._streams.append(stream)
+            evicted = self._streams[:-MAX_STREAMS]
+            del self._streams[:-MAX_STREAMS]
+            for old in evicted:
+                old.ended = True
+            if evicted:
+                self._state.changed.notify_all()
+        for old in evicted:
+            log_event("stream_replaced", resource=self._state.resource.name, limit=MAX_STREAMS)
+            # Its handler returns once woken; cancelling also frees a worker stuck sending to a client that
+            # does not read.
+            old.context.cancel()
+
+    @property
+    def open_streams(self) -> int:
+        with self._state.changed:
+            return len(self._streams)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -175,8 +258,11 @@ class DevicePluginServicer:
         resource = self._state.resource
         responses = []
         for container in request.container_requests:
-            if len(container.available_deviceIDs) > MAX_DEVICES_PER_REQUEST:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "too many available device IDs")
+            if (
+                len(container.available_deviceIDs) > MAX_DEVICES_PER_REQUEST
+                or len(container.must_include_deviceIDs) > MAX_DEVICES_PER_REQUEST
+            ):
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
             try:
                 chosen = preferred.preferred_allocation(
                     resource.devices,
@@ -236,8 +322,12 @@ def allocation_response(
     )
 
 
-class SocketInUse(Exception):
-    """The socket path is taken by something that is not a socket, is too long, or cannot be bound."""
+class ServeError(Exception):
+    """The resource's socket cannot be served now (its directory is gone, the path is taken...); retried later."""
+
+
+class SocketInUse(ServeError):
+    """The socket path is taken (by something that is not a socket, or by a live server), or is too long."""
 
 
 class ResourceServer:
@@ -254,7 +344,7 @@ class ResourceServer:
         host_root: Path,
         *,
         vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
-        max_workers: int = 8,
+        max_workers: int = MAX_WORKERS,
         metrics: PluginMetrics | None = None,
     ) -> None:
         self.name = resource.name
@@ -289,7 +379,12 @@ class ResourceServer:
             return
         if not stat.S_ISSOCK(mode):
             raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        path.unlink()  # stale, from an earlier run of ours
+        if socket_answers(path):
+            raise SocketInUse(
+                f"{path} is in use: a live server answers on it (another gpu-device-plugin on this node?); "
+                "refusing to replace it"
+            )
+        path.unlink()  # stale: nobody answers on it (an earlier run of ours that died)
 
     def start(self) -> None:
         """Serve on the socket (replacing a stale one); the old server, if any, must be stopped first.
@@ -298,15 +393,24 @@ class ResourceServer:
         server listens: the kubelet never sees a socket nobody answers on, and since gRPC unlinks the path
         it bound when it stops, binding elsewhere keeps a stopping server from deleting a newer socket.
         """
+        if not self.kubelet_dir.is_dir():
+            raise ServeError(f"cannot serve {self.socket_path}: the directory {self.kubelet_dir} does not exist")
         self._prepare_path()
         servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers, self.metrics)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}")
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}"),
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
         temporary = self.kubelet_dir / f".kp-{os.getpid()}-{id(self):x}-{self.generation + 1}.sock"
-        if not server.add_insecure_port(f"unix:{temporary}"):
-            raise SocketInUse(f"could not listen on {temporary}")
+        try:
+            bound = server.add_insecure_port(f"unix:{temporary}")
+        except RuntimeError as exc:  # gRPC raises this when the directory is gone or not writable
+            server.stop(0)
+            raise ServeError(f"cannot listen on {temporary}: {exc}") from None
+        if not bound:
+            server.stop(0)
+            raise ServeError(f"cannot listen on {temporary}")
         server.start()
         try:
             os.rename(temporary, self.socket_path)

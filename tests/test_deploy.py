@@ -403,7 +403,9 @@ def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], t
         target = container_root / mount["mountPath"].lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         source.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(source, target_is_directory=True)
+        # A bind mount shows the tree itself at the target: copy it (links kept as they are). A symlink to the
+        # node's tree would be an absolute link out of the host root, which discovery re-roots (issue 11).
+        shutil.copytree(source, target, symlinks=True)
     host_root = container_root / main["args"][main["args"].index("--host-root") + 1].lstrip("/")
     inventory = discover(host_root, pci_ids=str(node / "usr" / "share" / "misc" / "pci.ids"))
     resource = next(resource for resource in inventory.resources if resource.name == TU106)
@@ -520,3 +522,23 @@ def test_deploy_readme_describes_every_manifest() -> None:
         assert f"`{path.relative_to(DEPLOY).as_posix()}`" in readme, path
     top = (ROOT / "README.md").read_text()
     assert "## Deploying" in top and "(deploy/README.md)" in top
+
+
+def test_network_policy_admits_only_the_metrics_port_from_monitoring(built: list[Doc]) -> None:
+    """Issue 11, finding 2: the metrics port is reachable from the monitoring namespace only; no egress."""
+    policy = one(built, "NetworkPolicy", "gpu-device-plugin")
+    daemonset = one(built, "DaemonSet", "gpu-device-plugin")
+    assert policy["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    spec = policy["spec"]
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+    assert spec["egress"] == []  # unix sockets only: nothing leaves the pod
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    ports = {port["name"]: port["containerPort"] for port in container(daemonset)["ports"]}
+    (allowed,) = rule["ports"]
+    assert allowed["protocol"] == "TCP"
+    assert ports.get(allowed["port"], allowed["port"]) == METRICS_PORT
+    # the probes use the same port: they come from the node, which NetworkPolicy never blocks
+    assert container(daemonset)["livenessProbe"]["httpGet"]["port"] == allowed["port"]

@@ -92,12 +92,16 @@ def test_best_fit_keeps_the_larger_node_whole() -> None:
     assert preferred_allocation(devices, ids, [], 4) == ids[:4]
 
 
-def test_healthy_known_devices_first_then_unhealthy_then_unknown() -> None:
+def test_healthy_devices_first_then_unhealthy_and_never_unknown_ids() -> None:
     devices = [gpu("a", 0, "r0"), gpu("b", 0, "r0", healthy=False), gpu("c", 1, "r1")]
     assert preferred_allocation(devices, ["zz", "b", "c", "a"], [], 2) == ["a", "c"]
     assert preferred_allocation(devices, ["zz", "b", "c", "a"], [], 3) == ["a", "b", "c"]
-    assert preferred_allocation(devices, ["zz", "b", "c", "a"], [], 4) == ["a", "b", "c", "zz"]
-    assert preferred_allocation(devices, ["zz", "yy"], ["zz"], 2) == ["zz", "yy"]
+    # issue 11 / 13: an ID the resource does not serve is never handed back, and a must-include one is refused
+    unknown = r"more than the 3 available device IDs \(not devices of this resource: 'zz'\)"
+    with pytest.raises(PreferenceError, match=unknown):
+        preferred_allocation(devices, ["zz", "b", "c", "a"], [], 4)
+    with pytest.raises(PreferenceError, match="must-include device ID 'zz' is not a device of this resource"):
+        preferred_allocation(devices, ["zz", "yy"], ["zz"], 2)
 
 
 def test_unknown_numa_comes_after_known_nodes(tmp_path: Path) -> None:
@@ -127,7 +131,7 @@ def test_duplicates_count_once() -> None:
 )
 def test_impossible_requests_are_clear_errors(available: list[str], must: list[str], size: int, match: str) -> None:
     with pytest.raises(PreferenceError, match=match):
-        preferred_allocation([gpu("a", 0, "r0")], available, must, size)
+        preferred_allocation([gpu("a", 0, "r0"), gpu("b", 0, "r0")], available, must, size)
     assert issubclass(PreferenceError, ValueError)
 
 
@@ -151,8 +155,9 @@ def requests(draw: st.DrawFn) -> tuple[list[Device], list[str], list[str], int]:
         devices.append(gpu(f"0000:{index + 1:02x}:00.0", ROOTS[root], root, healthy))
     ids = [device.id for device in devices]
     available = draw(st.lists(st.sampled_from([*ids, "ghost-1", "ghost-2"]), unique=True))
-    must = draw(st.lists(st.sampled_from(available), unique=True)) if available else []
-    size = draw(st.integers(min_value=len(must), max_value=len(available)))
+    served = [device_id for device_id in available if device_id in ids]  # ghosts: IDs the resource lacks
+    must = draw(st.lists(st.sampled_from(served), unique=True)) if served else []
+    size = draw(st.integers(min_value=len(must), max_value=len(served)))
     return devices, available, must, size
 
 
@@ -166,6 +171,7 @@ def test_properties(request: tuple[list[Device], list[str], list[str], int], rng
     assert set(must) <= set(result)
     assert result[: len(must)] == sorted(must)
     assert set(result) <= set(available)
+    assert set(result) <= {device.id for device in devices}  # never an ID the resource does not serve
     # Deterministic: the same answer for the same sets, whatever their order.
     shuffled_available, shuffled_must, shuffled_devices = list(available), list(must), list(devices)
     rng.shuffle(shuffled_available)

@@ -1,0 +1,193 @@
+"""Issue 11, findings 8 and 9: discovery reads a node's sysfs it must not trust blindly.
+
+- a FIFO where an attribute should be must not hang the scan (nor SIGTERM behind it);
+- a huge attribute file must not be read whole (1 GiB took 5.2 GB);
+- links resolve inside the host root, as a chroot would: an absolute target is re-rooted, ``..`` stops at
+  the root, so no resource is ever named from a file outside it;
+- a ``numa_node`` past int64 (or past the kernel's largest node) means no topology and a warning, and the
+  ``ListAndWatch`` message can still be built.
+
+Each runs twice: with the kernel resolving (``openat2`` ``RESOLVE_IN_ROOT``) and with the Python resolver
+used where ``openat2`` is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from plugin.fixture_nodes import NODE01, VGPU_NODE
+from plugin.inventory import Inventory
+from plugin.server import list_response
+from plugin.sysfs import MAX_ATTRIBUTE_BYTES, HostRoot, ReadError
+from plugin.sysfs_fixture import build
+from tests.discovery_support import discover
+
+SCAN_BOUND = 5.0
+"""Seconds a scan of a small tree may take here; the attacks made it hang or take much longer."""
+TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
+T4_1Q = "nvidia.com/GRID_T4-1Q"
+MDEV = "4b20d080-1b54-4048-85b3-a6a62d165c01"
+
+
+@pytest.fixture(params=["openat2", "python"])
+def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "python":
+        monkeypatch.setattr(HostRoot, "openat2", None)
+    elif HostRoot.openat2 is None:
+        pytest.skip("openat2 is not available here")
+    return str(request.param)
+
+
+def _discover_bounded(root: Path) -> Inventory:
+    """Discover in a thread; fail (instead of hanging the suite) if it takes longer than the bound."""
+    found: list[Inventory] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            found.append(discover(root))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(SCAN_BOUND)
+    if thread.is_alive():
+        raise AssertionError(f"discovery still running after {SCAN_BOUND} s")
+    if errors:
+        raise errors[0]
+    return found[0]
+
+
+@pytest.fixture
+def node01(tmp_path: Path) -> Path:
+    return build(NODE01, tmp_path / "node01")
+
+
+def _gpu_dir(root: Path, address: str = "0000:3b:00.0") -> Path:
+    return (root / "sys" / "bus" / "pci" / "devices" / address).resolve()
+
+
+def test_a_fifo_attribute_does_not_hang_discovery(node01: Path, resolver: str) -> None:
+    vendor = _gpu_dir(node01) / "vendor"
+    vendor.unlink()
+    os.mkfifo(vendor)
+    try:
+        inventory = _discover_bounded(node01)
+    finally:
+        # a scan stuck in open() (before the fix) is released by a writer
+        try:
+            descriptor = os.open(vendor, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(descriptor)
+        except OSError:
+            pass
+    assert "0000:3b:00.0" not in [device.id for device in inventory.resource(TU106).devices]
+    assert len(inventory.resource(TU106).devices) == 3
+    assert any("vendor: not a regular file (a FIFO)" in warning for warning in inventory.warnings)
+
+
+def test_a_huge_attribute_is_not_read_whole(node01: Path, resolver: str) -> None:
+    numa = _gpu_dir(node01) / "numa_node"
+    with numa.open("wb") as handle:
+        handle.truncate(1 << 30)  # 1 GiB, sparse: costs no disk
+    started = time.monotonic()
+    inventory = _discover_bounded(node01)
+    assert time.monotonic() - started < SCAN_BOUND
+    device = inventory.resource(TU106).device("0000:3b:00.0")
+    assert device.numa_node is None and device.healthy
+    assert any(f"numa_node: larger than {MAX_ATTRIBUTE_BYTES} bytes" in warning for warning in inventory.warnings)
+
+
+def test_other_file_kinds_are_refused_with_a_reason(node01: Path, resolver: str) -> None:
+    gpu = _gpu_dir(node01)
+    (gpu / "class").unlink()
+    (gpu / "class").mkdir()
+    inventory = _discover_bounded(node01)
+    assert len(inventory.resource(TU106).devices) == 3
+    assert any("class: not a regular file (a directory)" in warning for warning in inventory.warnings)
+
+
+def _vgpu(tmp_path: Path) -> tuple[Path, Path]:
+    """The vGPU node and, next to it (outside its root), a directory posing as an mdev type named EVIL."""
+    root = build(VGPU_NODE, tmp_path / "vgpu")
+    outside = tmp_path / "outside" / "type"
+    outside.mkdir(parents=True)
+    (outside / "name").write_text("EVIL TYPE\n")
+    return root, outside
+
+
+def _mdev_type_link(root: Path) -> Path:
+    return (root / "sys" / "bus" / "mdev" / "devices" / MDEV).resolve() / "mdev_type"
+
+
+def test_an_absolute_link_out_of_the_root_does_not_name_a_resource(tmp_path: Path, resolver: str) -> None:
+    root, outside = _vgpu(tmp_path)
+    link = _mdev_type_link(root)
+    link.unlink()
+    link.symlink_to(outside)  # absolute: the host's own filesystem, not the node's
+    inventory = _discover_bounded(root)
+    assert not [name for name in inventory.resource_names if "EVIL" in name]
+    assert any(f"skipping mdev {MDEV}" in warning for warning in inventory.warnings)
+
+
+def test_dot_dot_stops_at_the_root(tmp_path: Path, resolver: str) -> None:
+    root, _ = _vgpu(tmp_path)
+    link = _mdev_type_link(root)
+    link.unlink()
+    link.symlink_to("../" * 40 + "outside/type")  # far more .. than the depth: would reach tmp_path/outside
+    inventory = _discover_bounded(root)
+    assert not [name for name in inventory.resource_names if "EVIL" in name]
+
+
+def test_an_absolute_link_is_rerooted_like_a_chroot(tmp_path: Path, resolver: str) -> None:
+    root, _ = _vgpu(tmp_path)
+    link = _mdev_type_link(root)
+    real = link.resolve()
+    link.unlink()
+    link.symlink_to("/" + str(real.relative_to(root)))  # /sys/devices/…/mdev_supported_types/nvidia-230
+    inventory = _discover_bounded(root)
+    assert MDEV in [device.id for device in inventory.resource(T4_1Q).devices]
+
+
+def test_a_link_loop_is_a_missing_file(tmp_path: Path, resolver: str) -> None:
+    root, _ = _vgpu(tmp_path)
+    link = _mdev_type_link(root)
+    link.unlink()
+    link.symlink_to("mdev_type")  # itself
+    inventory = _discover_bounded(root)
+    assert MDEV not in [device.id for resource in inventory.resources for device in resource.devices]
+
+
+def test_host_root_reads_refuse_escapes_directly(tmp_path: Path, resolver: str) -> None:
+    root = tmp_path / "root"
+    (root / "sys").mkdir(parents=True)
+    (tmp_path / "secret").write_text("outside\n")
+    (root / "sys" / "abs").symlink_to(tmp_path / "secret")
+    (root / "sys" / "rel").symlink_to("../../secret")
+    (root / "secret").write_text("inside\n")
+    fs = HostRoot(str(root))
+    try:
+        assert fs.read("/sys/rel") == "inside\n"  # .. stopped at the root, found the root's own /secret
+        assert fs.read("/sys/abs") is None  # /<tmp>/secret does not exist under the root
+        os.mkfifo(root / "fifo")
+        with pytest.raises(ReadError, match="a FIFO"):
+            fs.read("/fifo")
+    finally:
+        fs.close()
+
+
+@pytest.mark.parametrize("value", [str(2**63), "1024", "99999999999999999999999999"])
+def test_numa_node_out_of_range_means_no_topology_and_a_warning(node01: Path, value: str, resolver: str) -> None:
+    (_gpu_dir(node01) / "numa_node").write_text(value + "\n")
+    inventory = _discover_bounded(node01)
+    resource = inventory.resource(TU106)
+    assert resource.device("0000:3b:00.0").numa_node is None
+    assert resource.device("0000:3b:00.0").healthy
+    assert any("past the kernel's largest NUMA node" in warning for warning in inventory.warnings)
+    message = list_response(resource)  # raised ValueError before: the kubelet saw 0 devices
+    assert len(message.devices) == 4
