@@ -386,7 +386,7 @@ def test_daemonset_args_are_the_plugins_and_match_the_mounts(built: list[Doc]) -
         "/host/sys": ("/sys", "Directory", True),
         "/host/dev/vfio": ("/dev/vfio", "Directory", True),
     }
-    assert mounts["/host/sys"][2]["recursiveReadOnly"] == "IfPossible"
+    assert mounts["/host/sys"][2]["recursiveReadOnly"] == "Enabled"
     assert all("mountPropagation" not in mount for _, _, mount in mounts.values())
     assert set(volumes) == {mount["name"] for mount in main["volumeMounts"]}
 
