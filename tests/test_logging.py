@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -123,6 +124,11 @@ def run_plugin(base: Path, *args: str, **env: str) -> str:
         try:
             kubelet.wait_for_registration(TU106)
             kubelet.allocate(TU106, ["0000:86:00.0"])
+            # The stand-in counts a registration when Register arrives; the plugin logs it once Register has
+            # returned. A SIGTERM in between (a loaded machine) would stop it first: wait for the line.
+            deadline = time.monotonic() + WAIT
+            while "registered" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
             process.send_signal(signal.SIGTERM)
             assert process.wait(WAIT) == 0
         finally:
