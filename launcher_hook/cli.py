@@ -80,6 +80,17 @@ def make_source(
     return ProcessEnvSource(env)
 
 
+def force_gpu_aliases_option(function: F) -> F:
+    """``--force-gpu-aliases`` (``LAUNCHER_HOOK_FORCE_GPU_ALIASES``), for ``serve`` and the onDefineDomain shim."""
+    return click.option(
+        "--force-gpu-aliases",
+        is_flag=True,
+        envvar="LAUNCHER_HOOK_FORCE_GPU_ALIASES",
+        help="Alias every GPU ua-gpuN, also those virt-launcher rendered as ua-gpu-<name> (KubeVirt's lookups by "
+        "alias then miss them; each rename is a warning in the call's log line).",
+    )(function)
+
+
 def log_format_option(function: F) -> F:
     """``--log-format json|text`` (env ``LAUNCHER_HOOK_LOG_FORMAT``), shared by ``serve`` and the shim."""
     return click.option(
@@ -125,13 +136,7 @@ def cli() -> None:
     callback=_octal,
     help="Octal mode of the socket (virt-launcher may run as another user than this sidecar).",
 )
-@click.option(
-    "--force-gpu-aliases",
-    is_flag=True,
-    envvar="LAUNCHER_HOOK_FORCE_GPU_ALIASES",
-    help="Alias every GPU ua-gpuN, also those virt-launcher rendered as ua-gpu-<name> (KubeVirt's lookups by "
-    "alias then miss them; each rename is a warning in the call's log line).",
-)
+@force_gpu_aliases_option
 @allocation_options
 @log_format_option
 def serve(

@@ -5,10 +5,11 @@ executable found on ``PATH`` as ``onDefineDomain --vmi <VMI JSON> --domain <doma
 new domain, stderr is logged, a non-zero exit fails the call (FACTS.md §3). So: the whole new domain on
 stdout and exit 0, or the error on stderr, exit 1 (2 for a usage error) and nothing on stdout.
 
-The shim passes no other arguments, so the allocation source is chosen by env variables
+The shim passes no other arguments, so the allocation source and options are chosen by env variables
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
-``LAUNCHER_HOOK_DRIVER``), with the same precedence as ``launcher-hook serve``; so is the log line format
-(``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or ``text``).
+``LAUNCHER_HOOK_DRIVER``, ``LAUNCHER_HOOK_FORCE_GPU_ALIASES``), with the same precedence as
+``launcher-hook serve``; so is the log line format (``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or
+``text``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import click
 
 from launcher_hook.builder import BuildOptions
-from launcher_hook.cli import allocation_options, log_format_option, make_source
+from launcher_hook.cli import allocation_options, force_gpu_aliases_option, log_format_option, make_source
 from launcher_hook.service import HookFault, HookService, configure_logging
 from schemas.logformat import LogFormat
 
@@ -29,6 +30,7 @@ from schemas.logformat import LogFormat
 @click.option("--vmi", "vmi_json", required=True, help="The VirtualMachineInstance as JSON.")
 @click.option("--domain", "domain_xml", required=True, help="The libvirt domain XML virt-launcher will define.")
 @allocation_options
+@force_gpu_aliases_option
 @log_format_option
 def on_define_domain(
     vmi_json: str,
@@ -37,6 +39,7 @@ def on_define_domain(
     environ_file: Path | None,
     container: str,
     driver: str | None,
+    force_gpu_aliases: bool,
     log_format: LogFormat,
 ) -> None:
     """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
@@ -44,7 +47,7 @@ def on_define_domain(
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).
-        outcome = HookService(source, BuildOptions(driver=driver)).define_domain(
+        outcome = HookService(source, BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"
         )
     except HookFault as fault:

@@ -550,6 +550,21 @@ def test_launcher_hook_serve_forces_aliases_by_flag_or_env() -> None:
         assert bool(call["warnings"]) is forced
 
 
+def test_the_shim_forces_aliases_by_flag_or_env() -> None:
+    from tests.test_hook_cli import shim
+
+    domain = domain_with(kubevirt_pci("train0", 0x86)).decode()
+    vmi = vmi_json([{"name": "train0", "deviceName": A100}]).decode()
+    for args, env in (((), {}), (("--force-gpu-aliases",), {}), ((), {"LAUNCHER_HOOK_FORCE_GPU_ALIASES": "1"})):
+        done = shim("--vmi", vmi, "--domain", domain, *args, **{A100_VAR: "0000:86:00.0", **env})
+        assert done.returncode == 0, done.stderr.decode()
+        forced = bool(args or env)
+        assert (b'<alias name="ua-gpu0">' in done.stdout) is forced
+        assert (b'<alias name="ua-gpu-train0">' in done.stdout) is not forced
+        (call,) = [json.loads(line) for line in done.stderr.decode().splitlines()]
+        assert bool(call["warnings"]) is forced
+
+
 @pytest.mark.parametrize(
     "source",
     [
