@@ -242,7 +242,7 @@ class _Scan:
             names = sorted(os.listdir(self.pci_dir))
         except OSError:
             raise InputError(
-                f"no PCI devices under {self.pci_dir!r}: is the host root {self.root!r} right "
+                f"no PCI devices under {self.pci_dir!r}: is the host root {self.root or '/'!r} right "
                 "(it must hold the node's /sys)?"
             ) from None
         vendors = self.config.selector_vendors()
@@ -346,6 +346,13 @@ class _Scan:
                 self.warnings.append(f"skipping mdev {uuid}: cannot read its mdev_type/name under {link}")
                 continue
             parent_dir = os.path.dirname(mdev_dir)
+            if not os.path.exists(f"{parent_dir}/vendor"):
+                # A real kernel's mdev parents need not be PCI functions (the kernel's samples mtty, mdpy and
+                # mbochs are virtual devices): no VENDOR:DEVICE to select them by.
+                where = parent_dir.removeprefix(self.root)
+                reason = f"its parent {os.path.basename(parent_dir)} ({where}) is not a PCI function"
+                self.ignored.append(Ignored(uuid, "-", _link_name(f"{link}/driver"), reason))
+                continue
             parent = self.read_function(parent_dir, os.path.basename(parent_dir))
             if parent is None:
                 continue
@@ -421,7 +428,8 @@ def scan(host_root: Path, config: PluginConfig, pci_ids: PciIds | None, warnings
     ``pci_ids`` names passthrough resources (None: hex names). ``warnings`` are carried into the result
     (e.g. from locating pci.ids). A host root without ``sys/bus/pci/devices`` is an ``InputError``.
     """
-    state = _Scan(os.path.abspath(host_root), config, pci_ids, list(warnings))
+    # A host root of "/" must not make paths "//sys/…" (POSIX keeps a leading "//" through normpath).
+    state = _Scan(os.path.abspath(host_root).rstrip("/"), config, pci_ids, list(warnings))
     state.scan_pci()
     state.scan_mdevs()
     return state.inventory()
