@@ -523,7 +523,9 @@ def inner_qemu_steps(record: Recorder, gpu: str) -> dict[str, Any]:
     if rendered["rc"] != 0:
         return {"render": rendered}
     (RESULTS / "domain.xml").write_text(rendered["stdout"])
-    (RESULTS / "request-native").write_text("domain.xml\n")
+    # Written under another name and renamed: the host acts on (and removes) the request once it exists.
+    (RESULTS / "request-native.tmp").write_text("domain.xml\n")
+    (RESULTS / "request-native.tmp").rename(RESULTS / "request-native")
     answered = wait_for(lambda: (RESULTS / "native.json").exists() or (RESULTS / "native.error").exists(), 60, 0.05)
     if answered is None or not (RESULTS / "native.json").exists():
         return {"render": rendered, "native_error": read(RESULTS / "native.error") or "no answer from the host"}
@@ -569,9 +571,9 @@ def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
     }
     seen["discover_with_mdev"] = xmlgen("discover", "--json")
     seen["discover_table_with_mdev"] = xmlgen("discover")
-    # The plugin rescans every scan_interval (5 s): wait past one for its view of the new mdev.
+    # The mdev's uevent makes the plugin rescan at once; give it 2 s to (not) serve the mdev.
     resource_seen = wait_for(
-        lambda: any(name != RESOURCE for name in _resources(standin)), 7, 0.05
+        lambda: any(name != RESOURCE for name in _resources(standin)), 2, 0.05
     )
     seen["plugin_resources_with_mdev"] = _resources(standin)
     seen["plugin_saw_mdev_after"] = resource_seen
