@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     scenario = commands.add_parser("scenario", help="run one of tests/realnode/inguest.py's scenarios")
     scenario.add_argument("name", choices=["node", "iommu_off"])
     scenario.add_argument("--results", type=Path)
+    simulate = commands.add_parser(
+        "simulate", help="the whole path in a guest node, step by step (stderr), the final domain (stdout)"
+    )
+    simulate.add_argument("--results", type=Path)
     args = parser.parse_args(argv)
     try:
         assets = ensure()
@@ -50,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(result.stderr)
             print(f"realnode: exit {result.rc} after {result.seconds:.1f} s; files in {results}", file=sys.stderr)
             return result.rc
+        if args.command == "simulate":
+            told = run_scenario(assets, "simulate", results)
+            sys.stderr.write(told.boot.stderr)
+            sys.stdout.write(told.boot.stdout)
+            failed = told.boot.rc != 0 or told.observations.get("errors")
+            print(f"realnode: {told.boot.seconds:.1f} s in the guest node; files in {results}", file=sys.stderr)
+            return 1 if failed else 0
         done = run_scenario(assets, args.name, results, iommu=args.name != "iommu_off")
         print(json.dumps(done.observations, indent=2, sort_keys=True))
         print(f"realnode: {args.name} took {done.boot.seconds:.1f} s; files in {results}", file=sys.stderr)

@@ -173,6 +173,7 @@ def boot(
         finally:
             _stop(process)
     seconds = time.monotonic() - started
+    (results / "boot.seconds").write_text(f"{seconds:.1f}\n")
     console_text = console_path.read_text(errors="replace")
     rc_path = results / "rc"
     if not rc_path.is_file():

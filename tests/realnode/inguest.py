@@ -67,7 +67,7 @@ class Recorder:
 
     def note(self, message: str) -> None:
         self.data["timeline"].append(f"{time.monotonic() - self.started:7.2f} {message}")
-        print(f"{time.monotonic() - self.started:7.2f} {message}", flush=True)
+        print(f"{time.monotonic() - self.started:7.2f} {message}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -592,7 +592,59 @@ def _resources(standin: Any) -> dict[str, dict[str, str]]:
     return {name: standin.devices(name) for name in names}
 
 
-SCENARIOS: dict[str, Callable[[Recorder], None]] = {"node": scenario_node, "iommu_off": scenario_iommu_off}
+def scenario_simulate(record: Recorder) -> None:
+    """The whole path on a real kernel, told step by step on stderr; the final domain on stdout."""
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    facts = node_facts()
+    gpu, audio = one_function(GPU_ID), one_function(AUDIO_ID)
+    state = function_state(gpu)
+    say(f"node: Linux {facts['uname']}, {len(facts['iommu_groups'])} IOMMU groups, mdev parents {facts['mdev_bus']}")
+    say(
+        f"node: GPU {gpu} ({GPU_ID}, QEMU's bochs-display standing in for an NVIDIA card) in IOMMU group "
+        f"{state['iommu_group']} with {', '.join(m for m in state['group_members'] if m != gpu)}; "
+        f"drivers: GPU {state['driver']}, audio {function_state(audio)['driver']}"
+    )
+    with running_plugin(record) as standin:
+        for address in (gpu, audio):
+            bind_vfio(address)
+        group = function_state(gpu)["iommu_group"]
+        say(f"bind: {gpu} and {audio} to vfio-pci (driver_override + drivers_probe); /dev/vfio: {dev_vfio()}")
+        say(f"kernel: VFIO_GROUP_GET_STATUS on /dev/vfio/{group}: {group_status(f'/dev/vfio/{group}')}")
+        registration = standin.wait_for_registration(RESOURCE, timeout=120)
+        devices = standin.wait_for_devices(RESOURCE, lambda d: d.get(gpu) == "Healthy", timeout=30)
+        say(f"plugin: registered {registration.resource_name} ({registration.endpoint}); ListAndWatch: {devices}")
+        say(f"kubelet: capacity {standin.capacity(RESOURCE)}, allocatable {standin.allocatable(RESOURCE)}")
+        with contextlib.suppress(Exception):
+            say(f"kubelet: GetPreferredAllocation -> {standin.preferred_allocation(RESOURCE, [gpu], [], 1)}")
+        response = standin.allocate(RESOURCE, [gpu]).container_responses[0]
+        say(f"kubelet: Allocate -> env {dict(response.envs)}, devices {[d.host_path for d in response.devices]}")
+        say(f"kernel: those nodes exist: {all(os.path.exists(d.host_path) for d in response.devices)}")
+        vfio = vfio_open(f"/dev/vfio/{group}", gpu, None)
+        say(
+            f"kernel: opened as QEMU does: group viable {vfio['viable']}, device fd for {gpu} "
+            f"({vfio['num_regions']} regions, {vfio['num_irqs']} IRQ types)"
+        )
+        inner = inner_qemu_steps(record, gpu)
+        if "run" not in inner:
+            say(f"error: libvirt's argv: {inner.get('native_error') or inner}")
+            raise SystemExit(1)
+        say(f"hook: xmlgen render wrote the domain; libvirt (on the host) gives QEMU -device {inner['native'][0]}")
+        pci = [d for bus in inner["run"]["qmp"][2]["return"] for d in bus["devices"] if d["qdev_id"] == "ua-gpu0"]
+        say(
+            f"qemu: started paused in the node with {inner['run']['argv'][-1]}; QMP query-pci shows ua-gpu0 as "
+            f"{pci[0]['id']['vendor']:04x}:{pci[0]['id']['device']:04x} {pci[0]['class_info'].get('desc')}; quit"
+        )
+        sys.stdout.write((RESULTS / "domain.xml").read_text())
+
+
+SCENARIOS: dict[str, Callable[[Recorder], None]] = {
+    "node": scenario_node,
+    "iommu_off": scenario_iommu_off,
+    "simulate": scenario_simulate,
+}
 
 
 def main() -> int:
