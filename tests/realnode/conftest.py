@@ -7,12 +7,13 @@ crash) always fails.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.realnode.assets import AssetError, Assets, ensure
+from tests.realnode.assets import AssetError, Assets, cache_root, ensure
 from tests.realnode.guest import QBOOT, QEMU, BootError
 from tests.realnode.scenarios import Scenario, run_scenario
 
@@ -35,11 +36,31 @@ def realnode_assets() -> Assets:
 
 def _scenario(assets: Assets, name: str, tmp: Path, *, iommu: bool) -> Scenario:
     try:
-        return run_scenario(assets, name, tmp, iommu=iommu)
+        done = run_scenario(assets, name, tmp, iommu=iommu)
     except BootError as exc:
         if f"{QEMU} is not installed" in str(exc) or str(QBOOT) in str(exc):
             missing(str(exc))
         raise
+    _note_figures(name, done)
+    return done
+
+
+def _note_figures(name: str, done: Scenario) -> None:
+    """Keep the last run's timings next to the cache (for docs/real-kernel.md's figures)."""
+    figures = {"boot_seconds": round(done.boot.seconds, 1), "in_guest_seconds": done.observations.get("seconds")}
+    for key, value in done.observations.items():
+        if isinstance(value, dict):
+            figures |= {f"{key}.{k}": v for k, v in value.items() if k.endswith("_after")}
+    path = cache_root() / "last-suite.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known[name] = figures
+    try:
+        path.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
+    except OSError:
+        pass
 
 
 @pytest.fixture(scope="session")
