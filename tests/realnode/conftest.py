@@ -7,6 +7,7 @@ crash) always fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -57,10 +58,8 @@ def _note_figures(name: str, done: Scenario) -> None:
     except (OSError, ValueError):
         known = {}
     known[name] = figures
-    try:
+    with contextlib.suppress(OSError):
         path.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-    except OSError:
-        pass
 
 
 @pytest.fixture(scope="session")
