@@ -297,7 +297,13 @@ def _build_samples(resolved: Resolved, debs: Path, tree: Path, scratch: Path) ->
     try:
         tar_xz = _run_stdin(deb, ["tar", "-xO", member], f"reading {member} from {source_deb.name}")
     finally:
-        deb.wait(timeout=60)
+        if deb.stdout is not None:
+            deb.stdout.close()
+        try:
+            deb.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            deb.kill()
+            deb.wait()
     _run_with_input(
         ["tar", "-xJ", "--strip-components=3", "-C", str(source), "linux-source-6.1/samples/vfio-mdev"],
         tar_xz,

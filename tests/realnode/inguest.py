@@ -187,21 +187,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 # -- the project's programs ---------------------------------------------------------------------------------
 
 
-def run(argv: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> dict[str, Any]:
-    started = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, env=env)
-    result: dict[str, Any] = {
-        "argv": argv,
-        "rc": done.returncode,
-        "stdout": done.stdout,
-        "stderr": done.stderr[-4000:],
-        "seconds": round(time.monotonic() - started, 2),
-    }
-    with contextlib.suppress(ValueError):
-        result["json"] = json.loads(done.stdout)
-    return result
-
-
 def xmlgen(*args: str, config: bool = True) -> dict[str, Any]:
     """``xmlgen ARGS`` in this process (the real click command): one Python start-up under TCG, not one per call."""
     from click.testing import CliRunner
