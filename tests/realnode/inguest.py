@@ -28,7 +28,6 @@ from typing import Any
 
 RESULTS = Path("/tmp/realnode")
 PCI = Path("/sys/bus/pci/devices")
-VENV_BIN = Path(sys.executable).parent
 KUBELET_DIR = Path("/tmp/kubelet")
 RESOURCE = "nvidia.com/QEMU_BOCHS_DISPLAY"
 ENV_VAR = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
@@ -408,7 +407,7 @@ def running_plugin(record: Recorder) -> Iterator[Any]:
     KUBELET_DIR.mkdir(parents=True, exist_ok=True)
     log_path = RESULTS / "plugin.log"
     argv = [
-        str(VENV_BIN / "gpu-device-plugin"), "serve", "--kubelet-dir", str(KUBELET_DIR),
+        sys.executable, "-c", "from plugin.cli import main; main()", "serve", "--kubelet-dir", str(KUBELET_DIR),
         "--config", str(RESULTS / "plugin.yaml"), "--log-format", "text",
     ]  # fmt: skip
     with log_path.open("wb") as log:
