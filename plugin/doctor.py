@@ -24,6 +24,7 @@ from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
 from schemas.errors import InputError
 from schemas.naming import ResourceKind
+from schemas.pci import PciAddress
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 PCI_IDS_MAX_AGE_DAYS = 2 * 365
@@ -50,11 +51,21 @@ class Check:
         return {"check": self.name, "status": self.status.value, "detail": self.detail, "fix": self.fix}
 
 
-def _bind_to_vfio(address: str) -> str:
+def _bind_to_vfio(address: str, bound: bool = True) -> str:
+    """The commands; a function on no driver has no ``driver/unbind`` (the real kernel has no such file)."""
+    unbind = f"echo {address} > /sys/bus/pci/devices/{address}/driver/unbind; " if bound else ""
     return (
         f"bind {address} to vfio-pci: echo vfio-pci > /sys/bus/pci/devices/{address}/driver_override; "
-        f"echo {address} > /sys/bus/pci/devices/{address}/driver/unbind; echo {address} > /sys/bus/pci/drivers_probe"
+        f"{unbind}echo {address} > /sys/bus/pci/drivers_probe"
     )
+
+
+def _is_pci_address(text: str) -> bool:
+    try:
+        PciAddress.parse(text)
+    except InputError:
+        return False
+    return True
 
 
 def _iommu(root: Path) -> Check:
@@ -105,7 +116,10 @@ def _gpu(device: Device, resource: str) -> Check:
         return Check(label, Status.OK, f"{where} → {resource}")
     fixes = [_bind_to_vfio(str(companion.address)) for companion in device.companions if not companion.viable]
     if device.iommu_group is not None and f"/dev/vfio/{device.iommu_group} is missing" in (device.reason or ""):
-        fixes.append(f"the group node appears when every function of group {device.iommu_group} is on vfio-pci")
+        fixes.append(
+            f"the kernel keeps /dev/vfio/{device.iommu_group} while a function of group {device.iommu_group} is on "
+            "vfio-pci (viable or not): check that the host's /dev/vfio is mounted under the host root"
+        )
     return Check(label, Status.FAIL, f"{where} → {resource}: {device.reason}", "; ".join(fixes) or None)
 
 
@@ -126,12 +140,18 @@ def _gpus(inventory: Inventory) -> Iterator[Check]:
                 f"{ignored.vendor_device} on {ignored.driver}: vGPU parent of {count} mdev(s) ({', '.join(names)})",
             )
             continue
-        fix = f"if this node serves VMs (nvidia.com/gpu.workload.config=vm-passthrough), {_bind_to_vfio(ignored.id)}"
+        if not _is_pci_address(ignored.id):  # an mdev whose parent is not a selected GPU: nothing to bind
+            yield Check(f"vGPU {ignored.id}", Status.WARN, f"not offered to VMs, {ignored.reason}")
+            continue
+        fix = (
+            "if this node serves VMs (nvidia.com/gpu.workload.config=vm-passthrough), "
+            f"{_bind_to_vfio(ignored.id, bound=ignored.driver is not None)}"
+        )
         yield Check(
             f"GPU {ignored.id}",
             Status.WARN,
             f"{ignored.vendor_device}: not offered to VMs, {ignored.reason}",
-            fix if ignored.driver else None,
+            fix,
         )
     if not inventory.resources and not inventory.ignored:
         yield Check(

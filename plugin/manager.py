@@ -6,8 +6,10 @@ descriptors (no busy polling):
 
 - inotify on ``<host-root>/dev/vfio``: a group node removed or restored triggers a rescan at once, so the
   group's devices turn Unhealthy (or Healthy) in the kubelet well within a second;
-- a full rescan every ``scan_interval`` seconds catches what inotify cannot see in sysfs (driver rebinds,
-  group viability, hot-added cards, new or removed mdevs): a new resource gets its own server and
+- the kernel's uevents (``plugin/uevent.py``): a driver bound or unbound, an mdev created or removed, triggers
+  a rescan at once (a real kernel keeps ``/dev/vfio/<group>`` while any function of the group is on vfio-pci);
+- a full rescan every ``scan_interval`` seconds catches the rest (a lost event, no netlink in a sandbox,
+  group viability, hot-added cards): a new resource gets its own server and
   registration, a resource with no devices left has its server stopped and its socket removed;
 - inotify on the kubelet's device-plugin directory: a new ``kubelet.sock`` (a kubelet restart) or our own
   socket deleted makes us serve again and re-register; with no kubelet we simply wait for its socket;
@@ -47,6 +49,7 @@ from plugin.metrics import PluginMetrics
 from plugin.pciids import PciIds, locate_pci_ids
 from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
 from plugin.sysfs import scan
+from plugin.uevent import open_uevents
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0
@@ -151,6 +154,9 @@ class PluginManager:
         self._poller.register(self._wake_read, select.POLLIN)
         self._vfio_watch: DirectoryWatch | None = None
         self._kubelet_watch: DirectoryWatch | None = None
+        self._uevents = open_uevents()
+        if self._uevents is not None:
+            self._poller.register(self._uevents.fileno(), select.POLLIN)
         self._next_scan = 0.0
         self._last_problem: str | None = None
         self._last_warnings: tuple[str, ...] = ()
@@ -316,6 +322,8 @@ class PluginManager:
                         rescan = True
                     elif self._kubelet_watch is not None and descriptor == self._kubelet_watch.fileno():
                         self._kubelet_watch = self._drain_watch(self._kubelet_watch)
+                    elif self._uevents is not None and descriptor == self._uevents.fileno():
+                        rescan = self._uevents.drain() or rescan
                 self._take_answers()
                 if self._stop.is_set():
                     break
@@ -563,4 +571,8 @@ class PluginManager:
             if watch is not None:
                 watch.close()
         self._vfio_watch = self._kubelet_watch = None
+        if self._uevents is not None:
+            self._poller.unregister(self._uevents.fileno())
+            self._uevents.close()
+            self._uevents = None
         log_event("stopped", resources=names)

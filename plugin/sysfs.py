@@ -635,6 +635,12 @@ class _Scan:
                 self.warnings.append(f"skipping mdev {uuid}: cannot read its mdev_type/name under {self.shown(link)}")
                 continue
             parent_dir = os.path.dirname(mdev_dir)
+            if not self.fs.exists(f"{parent_dir}/vendor"):
+                # A real kernel's mdev parents need not be PCI functions (the kernel's samples mtty, mdpy and
+                # mbochs are virtual devices): no VENDOR:DEVICE to select them by.
+                reason = f"its parent {os.path.basename(parent_dir)} ({self.shown(parent_dir)}) is not a PCI function"
+                self.ignored.append(Ignored(uuid, "-", self.fs.readlink_name(f"{link}/driver"), reason))
+                continue
             parent = self.read_function(parent_dir, os.path.basename(parent_dir))
             if parent is None:
                 continue

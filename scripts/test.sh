@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure-system.sh
 bash scripts/bootstrap.sh dev
+bash scripts/ensure-realnode.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";          ruff check .
 echo "== mypy --strict"; mypy

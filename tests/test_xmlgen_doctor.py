@@ -82,7 +82,7 @@ def test_vgpu_node_needs_no_vfio_pci_and_its_parents_are_fine_on_nvidia(tmp_path
         ("sys/kernel/iommu_groups", "IOMMU", Status.FAIL, "intel_iommu=on"),
         ("sys/bus/pci/drivers/vfio-pci", "vfio-pci driver", Status.FAIL, "modprobe vfio-pci"),
         ("dev/vfio/vfio", "/dev/vfio/vfio", Status.FAIL, "modprobe vfio"),
-        ("dev/vfio/74", "GPU 0000:86:00.0", Status.FAIL, "every function of group 74 is on vfio-pci"),
+        ("dev/vfio/74", "GPU 0000:86:00.0", Status.FAIL, "while a function of group 74 is on vfio-pci"),
         ("usr/share/misc/pci.ids", "pci.ids", Status.WARN, "apt-get install pci.ids"),
         ("var/lib/kubelet/device-plugins/kubelet.sock", "kubelet device-plugins dir", Status.WARN, "kubelet running"),
         ("var/lib/kubelet", "kubelet device-plugins dir", Status.FAIL, "--kubelet-dir"),

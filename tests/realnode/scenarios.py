@@ -1,0 +1,111 @@
+"""Host side of the in-guest scenarios (``tests/realnode/inguest.py``): boot, serve libvirt, read the record."""
+
+from __future__ import annotations
+
+import compileall
+import json
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.realnode.assets import Assets
+from tests.realnode.guest import BootResult, boot
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN_CONFIG = """pci_selectors: ["1234:1111"]
+name_overrides: {"1234:1111": QEMU_BOCHS_DISPLAY}
+"""
+BASE_DOMAIN = """<domain type="qemu">
+  <name>realnode</name>
+  <memory unit="MiB">64</memory>
+  <os><type arch="x86_64" machine="q35">hvm</type></os>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+  </devices>
+</domain>
+"""
+# The runtime's packages, copied into the guest's tmpfs in one archive: importing them over 9p under TCG
+# costs ~30 s (mostly 9p reads and page faults on their .so files); anything not listed still comes from the
+# venv over 9p (it stays last on the guest's sys.path).
+RUNTIME_PACKAGES = (
+    "grpc", "grpcio-*.dist-info", "lxml", "lxml-*.dist-info", "pydantic", "pydantic-*.dist-info", "pydantic_core",
+    "pydantic_core-*.dist-info", "google", "protobuf-*.dist-info", "yaml", "_yaml", "click", "click-*.dist-info",
+    "prometheus_client", "prometheus_client-*.dist-info", "typing_extensions.py", "typing_extensions-*.dist-info",
+    "annotated_types", "annotated_types-*.dist-info", "typing_inspection", "typing_inspection-*.dist-info",
+    "kubevirt_gpu_passthrough-*.dist-info",
+)  # fmt: skip
+PROJECT_PACKAGES = ("schemas", "plugin", "launcher_hook", "xmlgen", "tests")
+MODULES = ("vfio_pci", "vfio_iommu_type1", "mtty", "mdpy", "mbochs", "snd_hda_intel")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    boot: BootResult
+    observations: dict[str, Any]
+
+
+def libvirt_native(results: Path) -> None:
+    """Answer the guest's ``request-native``: libvirt's QEMU driver (on the host) turns domain.xml into argv."""
+    request = results / "request-native"
+    if not request.exists():
+        return
+    request.unlink()
+    try:
+        from xmlgen.libvirt_check import check_domain
+
+        report = check_domain((results / "domain.xml").read_bytes())
+        (results / "native.json.tmp").write_text(json.dumps(report.qemu_devices))
+        (results / "native.json.tmp").rename(results / "native.json")
+    except Exception as exc:
+        (results / "native.error").write_text(f"{type(exc).__name__}: {exc}")
+
+
+def compile_project() -> None:
+    """Byte-compile the project on the host: the guest sees it read-only, and compiling under TCG costs seconds."""
+    for package in PROJECT_PACKAGES:
+        compileall.compile_dir(REPO / package, quiet=1)
+
+
+def site_packages() -> Path:
+    return REPO / ".venv" / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def python_bundle(target: Path) -> None:
+    """One uncompressed tar of the runtime's packages and the project (with its bytecode) for the guest."""
+    site = site_packages()
+    with tarfile.open(target, "w") as bundle:
+        for pattern in RUNTIME_PACKAGES:
+            for path in sorted(site.glob(pattern)):
+                bundle.add(path, arcname=f"site/{path.name}")
+        for package in PROJECT_PACKAGES:
+            bundle.add(REPO / package, arcname=f"repo/{package}")
+
+
+def run_scenario(assets: Assets, name: str, results: Path, *, iommu: bool = True, timeout: float = 240) -> Scenario:
+    """Boot a guest and run ``python -m tests.realnode.inguest NAME`` in it with the project's venv."""
+    compile_project()
+    results.mkdir(parents=True, exist_ok=True)
+    python_bundle(results / "python.tar")
+    command = (
+        "mkdir -p /tmp/py && tar -xf /tmp/realnode/python.tar -C /tmp/py && rm /tmp/realnode/python.tar\n"
+        f"export PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/py/site:/tmp/py/repo:{site_packages()}\n"
+        f"export PATH={REPO}/.venv/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
+        f"cd /tmp/py/repo && exec /usr/bin/python3 -m tests.realnode.inguest {name}\n"
+    )
+    result = boot(
+        assets,
+        command,
+        results,
+        iommu=iommu,
+        modules=MODULES,
+        files={"plugin.yaml": PLUGIN_CONFIG, "base-domain.xml": BASE_DOMAIN},
+        timeout=timeout,
+        service=libvirt_native,
+    )
+    try:
+        observations = json.loads((results / "observations.json").read_text())
+    except (OSError, ValueError):
+        observations = {}
+    return Scenario(result, observations)

@@ -1,0 +1,217 @@
+"""The project's programs on a real kernel with an IOMMU (one guest boot; see tests/realnode/inguest.py).
+
+Every value asserted here was read from the guest's own kernel (sysfs, /dev/vfio, VFIO ioctls, QMP) or from
+the project's programs running on it: ``xmlgen discover``/``doctor``/``render``, ``gpu-device-plugin serve``
+against the kubelet stand-in. Devices are found by ID; their addresses and groups come from the guest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.libvirt_support import missing as libvirt_missing
+from tests.realnode.scenarios import Scenario
+
+pytestmark = pytest.mark.realnode
+
+RESOURCE = "nvidia.com/QEMU_BOCHS_DISPLAY"
+ENV = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
+
+
+def seen(node: Scenario, key: str, *steps: str) -> Any:
+    """The observation ``key``; fails with the guest's output when it or one of ``steps`` went wrong."""
+    errors = node.observations.get("errors", {})
+    for step in ("scenario", *steps):
+        assert step not in errors, f"step {step!r} failed in the guest:\n{errors[step]}\n{node.boot.describe()}"
+    assert key in node.observations, f"the guest recorded no {key!r}\n{node.boot.describe()}"
+    return node.observations[key]
+
+
+def checks(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    assert "json" in run, f"{run['argv']}: not JSON (exit {run['rc']}): {run['stdout'][:500]} {run['stderr'][:500]}"
+    return {check["check"]: check for check in run["json"]}
+
+
+def test_guest_boots_the_resolved_kernel_with_an_iommu(node: Scenario) -> None:
+    facts = seen(node, "facts")
+    assert node.boot.rc == 0, node.boot.describe()
+    assert facts["uname"].endswith("-amd64")
+    assert "intel_iommu=on" in facts["cmdline"]
+    assert facts["iommu_groups"], "no IOMMU groups: the guest's IOMMU is off"
+    assert facts["mdev_bus"] == ["mbochs", "mdpy", "mtty"]
+
+
+def test_gpu_and_audio_share_a_group_found_by_id(node: Scenario) -> None:
+    facts = seen(node, "facts")
+    (gpu,) = facts["functions"]["1234:1111"]
+    (audio,) = facts["functions"]["8086:293e"]
+    (edu,) = facts["functions"]["1234:11e8"]
+    assert gpu["iommu_group"] == audio["iommu_group"] != edu["iommu_group"]
+    assert gpu["group_members"] == sorted([gpu["address"], audio["address"]])
+    assert gpu["driver"] is None
+    assert audio["driver"] == "snd_hda_intel"
+    assert gpu["real_path"].startswith("/sys/devices/pci0000:00/")
+
+
+def test_discover_and_doctor_before_binding(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    discovered = seen(node, "discover_before_bind", "discover before_bind")
+    assert discovered["rc"] == 0
+    assert discovered["json"]["resources"] == []
+    doctor = checks(seen(node, "doctor_before_bind", "doctor before_bind"))
+    assert doctor["IOMMU"]["status"] == "OK"
+    assert doctor["vfio-pci driver"]["status"] == "OK"
+    assert doctor["/dev/vfio/vfio"]["status"] == "OK"
+    verdict = doctor[f"GPU {gpu}"]
+    assert verdict["status"] == "WARN"
+    assert "bound to no driver" in verdict["detail"]
+    # A GPU on no driver needs no unbind: the fix is driver_override + drivers_probe.
+    assert verdict["fix"] is not None
+    assert "drivers_probe" in verdict["fix"]
+    assert "driver/unbind" not in verdict["fix"]
+
+
+def test_binding_only_the_gpu_creates_a_group_node_that_is_not_viable(node: Scenario) -> None:
+    gpu, audio = seen(node, "gpu"), seen(node, "audio")
+    bound = seen(node, "bind_gpu_only", "bind gpu only")
+    group = bound["gpu"]["iommu_group"]
+    assert bound["gpu"]["driver"] == "vfio-pci"
+    assert bound["audio"]["driver"] == "snd_hda_intel"
+    # The kernel creates /dev/vfio/<group> for the first function bound, viable or not...
+    assert str(group) in bound["dev_vfio"]
+    # ...and says at VFIO_GROUP_GET_STATUS that it is not viable.
+    assert bound["status"]["viable"] is False
+    (resource,) = seen(node, "discover_gpu_only", "discover gpu_only")["json"]["resources"]
+    (device,) = resource["devices"]
+    assert device["id"] == gpu
+    assert device["iommu_group"] == group
+    assert device["healthy"] is False
+    assert f"{audio} (8086:293E audio) is bound to snd_hda_intel" in device["reason"]
+    doctor = checks(seen(node, "doctor_gpu_only", "doctor gpu_only"))
+    assert doctor[f"GPU {gpu}"]["status"] == "FAIL"
+    assert f"echo {audio} > /sys/bus/pci/drivers_probe" in doctor[f"GPU {gpu}"]["fix"]
+    assert seen(node, "plugin_gpu_only", "plugin sees the GPU") == {gpu: "Unhealthy"}
+
+
+def test_binding_the_companion_makes_the_group_viable_and_the_gpu_healthy(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    both = seen(node, "bind_both", "bind audio")
+    assert both["audio"]["driver"] == "vfio-pci"
+    assert both["status"]["viable"] is True
+    # No /dev/vfio event here (the node already exists): the driver's bind uevent makes the plugin rescan.
+    assert both["healthy_after"] is not None
+    assert both["healthy_after"] <= 1.0
+    (resource,) = seen(node, "discover_bound", "discover bound")["json"]["resources"]
+    assert resource["name"] == RESOURCE
+    assert resource["devices"][0]["healthy"] is True
+    assert resource["devices"][0]["companions"] == [both["audio"]["address"]]
+    doctor = checks(seen(node, "doctor_bound", "doctor bound"))
+    assert doctor[f"GPU {gpu}"]["status"] == "OK"
+    assert seen(node, "doctor_bound")["rc"] == 0
+
+
+def test_listandwatch_lists_the_real_device_and_allocate_gives_its_real_group(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    group = seen(node, "bind_both")["gpu"]["iommu_group"]
+    assert seen(node, "listandwatch", "plugin")["devices"] == {gpu: "Healthy"}
+    allocate = seen(node, "allocate", "allocate")
+    assert allocate["envs"] == {ENV: gpu}
+    paths = sorted(spec["host_path"] for spec in allocate["devices"])
+    assert paths == sorted([f"/dev/vfio/{group}", "/dev/vfio/vfio"])
+    assert allocate["char_device"] == dict.fromkeys(paths, True)
+
+
+def test_the_allocated_group_opens_as_qemu_opens_it(node: Scenario) -> None:
+    vfio = seen(node, "vfio", "vfio ioctls")
+    assert vfio["api_version"] == 0
+    assert vfio["type1v2"] == 1
+    assert vfio["viable"] is True
+    assert vfio["set_iommu"] == 0
+    assert vfio["device_fd"] > 0
+    assert vfio["device_fd_link"] == "anon_inode:[vfio-device]"
+    assert vfio["device_is_pci"] is True
+    assert vfio["num_regions"] >= 7  # 6 BARs + ROM (+ config, VGA)
+    # A device of another group cannot be had through this group.
+    assert vfio["other_device"] == "ENODEV"
+
+
+def test_the_hostdev_the_project_writes_attaches_to_a_real_vfio_device(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    inner = seen(node, "inner_qemu", "inner qemu")
+    if "native_error" in inner and "not reachable" in inner["native_error"]:
+        libvirt_missing(inner["native_error"])
+    assert "run" in inner, inner
+    assert [(d["driver"], d["host"], d["id"]) for d in inner["native"]] == [("vfio-pci", gpu, "ua-gpu0")]
+    run = inner["run"]
+    assert run["exit"] == 0, run["log"]
+    greeting, capabilities, pci, quit_reply = run["qmp"]
+    assert "QMP" in greeting
+    assert capabilities == {"return": {}}
+    assert quit_reply == {"return": {}}
+    devices = [device for bus in pci["return"] for device in bus["devices"]]
+    (ours,) = [device for device in devices if device["qdev_id"] == "ua-gpu0"]
+    assert (ours["id"]["vendor"], ours["id"]["device"]) == (0x1234, 0x1111)
+    assert ours["class_info"]["class"] == 0x0380
+
+
+def test_the_whole_group_leaving_vfio_pci_flips_health_within_a_second(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    off = seen(node, "flip_group_off", "health: whole group leaves vfio-pci")
+    assert off["group_node_gone_after"] is not None, "the kernel kept /dev/vfio/<group>"
+    assert off["unhealthy_after"] is not None
+    assert off["unhealthy_after"] <= 1.0
+    assert off["devices"] == {gpu: "Unhealthy"}
+    # Back on vfio-pci the resource is served and registered anew: under TCG that takes up to a few seconds.
+    on = seen(node, "flip_group_on", "health: group back on vfio-pci")
+    assert on["healthy_after"] is not None
+    assert on["healthy_after"] <= 3.0
+    assert on["devices"] == {gpu: "Healthy"}
+
+
+def test_one_function_leaving_vfio_pci_flips_health_within_a_second(node: Scenario) -> None:
+    gpu_off = seen(node, "flip_gpu_off", "health: only the GPU leaves vfio-pci")
+    # The audio function keeps the group on vfio-pci: /dev/vfio/<group> stays, nothing there changes.
+    assert gpu_off["group_node_still_there"] is True
+    assert gpu_off["unhealthy_after"] is not None
+    assert gpu_off["unhealthy_after"] <= 1.0
+    # Served and registered anew, as above.
+    gpu_on = seen(node, "flip_gpu_on")
+    assert gpu_on["healthy_after"] is not None
+    assert gpu_on["healthy_after"] <= 3.0
+
+
+def test_a_real_mdev_is_created_and_removed(node: Scenario) -> None:
+    mdev = seen(node, "mdev", "mdev")
+    created = mdev["created"]
+    assert created["driver"] == "mtty"
+    assert created["real_path"].startswith("/sys/devices/virtual/mtty/mtty/")
+    assert created["group_node_exists"] is True
+    assert mdev["mtty"]["types"]["mtty-2"]["name"] == "Dual port serial"
+    assert mdev["removed"] == {**mdev["removed"], "link_exists": False, "group_node_exists": False}
+
+
+def test_an_mdev_on_a_parent_that_is_no_pci_function_is_named_not_offered(node: Scenario) -> None:
+    mdev = seen(node, "mdev", "mdev")
+    uuid = mdev["created"]["uuid"]
+    discovered = mdev["discover_with_mdev"]
+    assert discovered["rc"] == 0, discovered
+    assert [resource["name"] for resource in discovered["json"]["resources"]] == [RESOURCE]
+    assert "PCI function mtty: cannot read vendor" not in discovered["stderr"]
+    table = mdev["discover_table_with_mdev"]["stdout"]
+    assert "not offered:" in table
+    (line,) = [line for line in table.splitlines() if uuid in line]
+    assert "is not a PCI function" in line
+    # The plugin serves nothing for it either.
+    assert list(mdev["plugin_resources_with_mdev"]) == [RESOURCE]
+
+
+def test_unbinding_back_returns_the_node_to_its_start(node: Scenario) -> None:
+    unbound = seen(node, "unbound", "unbind back")
+    assert unbound["gpu"]["driver"] is None
+    assert unbound["audio"]["driver"] == "snd_hda_intel"
+    assert unbound["dev_vfio"] == ["vfio"]
+    assert seen(node, "discover_after_unbind")["json"]["resources"] == []
+    assert seen(node, "plugin_exit") == 0
+    assert seen(node, "plugin_sockets_left") == []
