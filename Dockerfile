@@ -28,6 +28,7 @@ COPY pyproject.toml README.md ./
 COPY schemas/ schemas/
 COPY plugin/ plugin/
 COPY launcher_hook/ launcher_hook/
+COPY simkit/ simkit/
 COPY xmlgen/ xmlgen/
 # A wheel (what pip would publish, built with the locked setuptools), installed without resolving anything
 # more; then the build backend leaves: no source tree, no editable install, no build tools in the image.

@@ -37,12 +37,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
-from plugin.fixture_nodes import NODE01
 from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.sysfs_fixture import build
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import build
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "plugin_floor_server.py"

@@ -27,9 +27,9 @@ import pytest
 import yaml
 
 from plugin.cli import serve
-from plugin.fixture_nodes import NODE01, VGPU_NODE
 from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
 from schemas.vmi import parse_vmi
+from simkit.fixture_nodes import NODE01, VGPU_NODE
 from tests.discovery_support import build_node, discover
 
 ROOT = Path(__file__).resolve().parent.parent

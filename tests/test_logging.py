@@ -24,10 +24,10 @@ import pytest
 
 from launcher_hook import service
 from plugin import log as plugin_log
-from plugin.fixture_nodes import NODE01
-from plugin.kubelet_standin import KubeletStandIn
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from schemas.logformat import EventFormatter, event_extra, text_value
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.hook_support import seed_case, short_dir, unix_channel
 from tests.plugin_support import WAIT, build_tree, plugin_env, serve_command
 from tests.test_hook_cli import shim, start_serve

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from plugin.allocation import AllocationError, DeviceSpec, allocate, recheck_device, vfio_cdev
-from plugin.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
 from plugin.inventory import Inventory, Resource
-from plugin.sysfs_fixture import Function, Mdev, Node, build
+from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from simkit.sysfs_fixture import Function, Mdev, Node, build
 from tests.discovery_support import build_node, discover
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

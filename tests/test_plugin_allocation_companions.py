@@ -16,12 +16,12 @@ import pytest
 
 from plugin.allocation import AllocationError, allocate, recheck_device
 from plugin.config import PluginConfig
-from plugin.fixture_nodes import NODE01
 from plugin.inventory import Resource
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.pciids import PciIds
 from plugin.sysfs import scan
-from plugin.sysfs_fixture import build
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import build
 from tests.plugin_support import build_tree, rebind, serve_process, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

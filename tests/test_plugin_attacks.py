@@ -31,12 +31,12 @@ import grpc
 import pytest
 
 from plugin import metrics
-from plugin.fixture_nodes import NODE01
 from plugin.inventory import Resource
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.server import MAX_STREAMS, ResourceServer, ServeError, SocketInUse, socket_answers
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.discovery_support import discover
 from tests.plugin_support import WAIT, build_tree, manager_for, running, serve_process, short_dir, wait_until
 

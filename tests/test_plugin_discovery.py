@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import (
+from plugin.inventory import Inventory
+from plugin.pciids import PciIds
+from plugin.sysfs import scan
+from schemas import InputError, PciAddress, ResourceKind
+from simkit.fixture_nodes import (
     CLASS_3D,
     CLASS_AUDIO,
     CLASS_PCI_BRIDGE,
@@ -23,11 +27,7 @@ from plugin.fixture_nodes import (
     root_port,
     tu106_card,
 )
-from plugin.inventory import Inventory
-from plugin.pciids import PciIds
-from plugin.sysfs import scan
-from plugin.sysfs_fixture import Function, Mdev, MdevType, Node
-from schemas import InputError, PciAddress, ResourceKind
+from simkit.sysfs_fixture import Function, Mdev, MdevType, Node
 from tests.discovery_support import build_node, discover
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

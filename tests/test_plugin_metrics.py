@@ -23,12 +23,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin import manager as manager_module
-from plugin.fixture_nodes import NODE01
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.manager import PluginManager
 from plugin.metrics import MetricsServer, PluginMetrics, parse_address
 from plugin.server import MAX_DEVICES_PER_REQUEST
 from plugin.sysfs import scan as real_scan
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.plugin_support import (
     WAIT,
     build_tree,

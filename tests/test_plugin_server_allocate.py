@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.manager import PluginManager
-from plugin.sysfs_fixture import Node
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import Node
 from tests.plugin_support import WAIT, build_tree, manager_for, running, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

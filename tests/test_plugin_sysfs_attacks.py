@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import NODE01, VGPU_NODE
 from plugin.inventory import Inventory
 from plugin.server import list_response
 from plugin.sysfs import MAX_ATTRIBUTE_BYTES, HostRoot, ReadError
-from plugin.sysfs_fixture import build
+from simkit.fixture_nodes import NODE01, VGPU_NODE
+from simkit.sysfs_fixture import build
 from tests.discovery_support import discover
 
 SCAN_BOUND = 5.0

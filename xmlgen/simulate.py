@@ -28,12 +28,9 @@ from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import ProcessEnvSource
 from plugin.config import PluginConfig
-from plugin.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from plugin.inventory import Device, Inventory
-from plugin.kubelet_standin import KubeletStandIn, StandInError
 from plugin.manager import PluginManager
 from plugin.sysfs import discover_node
-from plugin.sysfs_fixture import Node, build
 from schemas import InputError
 from schemas.generated.kubevirt.hooks import (
     info_pb2,
@@ -47,6 +44,9 @@ from schemas.generated.kubevirt.hooks import (
 )
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn, StandInError
+from simkit.sysfs_fixture import Node, build
 
 BUNDLED_NODES: Mapping[str, Node] = {"node01": NODE01, "vgpu": VGPU_NODE, "mixed": MIXED_NODE}
 """The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node)."""
