@@ -9,9 +9,11 @@ This is policy, kept apart from gRPC so that it can be tested on fixture trees a
   (a kernel with iommufd but without VFIO device cdevs has no ``vfio-dev`` entry: the group node is enough
   there). Paths are the node's real paths, never prefixed by the host root the plugin reads through:
   the container runtime resolves them on the node. Permissions ``mrw``;
-- refusals name the device: an ID the resource does not have is the caller's mistake
-  (``INVALID_ARGUMENT``); a device known to be unhealthy, or whose IOMMU group changed under us since the
-  last scan, cannot be given now (``FAILED_PRECONDITION``).
+- refusals name the device and are plain domain errors: an ID the resource does not have is the caller's
+  mistake (:class:`InvalidRequest`); a device known to be unhealthy, or whose IOMMU group changed under us
+  since the last scan, cannot be given now (:class:`DeviceUnavailable`). The gRPC adapter
+  (:mod:`plugin.server`) maps them to ``INVALID_ARGUMENT`` and ``FAILED_PRECONDITION``; nothing here imports
+  grpc.
 
 The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
 stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver links
@@ -25,8 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sysfs import HostRoot
 from schemas.naming import ResourceKind
@@ -39,13 +39,20 @@ VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
 
 
 class AllocationError(Exception):
-    """Allocate must refuse: ``code`` is the gRPC status to answer with, ``message`` names the device."""
+    """Allocate must refuse: ``message`` names the device (``device_id``, when one is to blame)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, device_id: str | None = None) -> None:
+    def __init__(self, message: str, device_id: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
         self.message = message
         self.device_id = device_id
+
+
+class InvalidRequest(AllocationError):
+    """The caller's mistake: no IDs, an ID the resource does not have, an ID asked twice."""
+
+
+class DeviceUnavailable(AllocationError):
+    """The request is well formed but cannot be met now: an unhealthy device, a changed IOMMU group, no VFIO."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +158,7 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
 
 
 def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
-    return AllocationError(
-        grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: unknown device ID {device_id!r}", device_id
-    )
+    return InvalidRequest(f"{resource.name}: unknown device ID {device_id!r}", device_id)
 
 
 def allocate(
@@ -164,13 +169,13 @@ def allocate(
 ) -> Allocation:
     """Build one container's allocation for ``device_ids`` of ``resource``, re-checking each device on the host.
 
-    Raises :class:`AllocationError`: ``INVALID_ARGUMENT`` for no IDs, an unknown ID or an ID asked twice;
-    ``FAILED_PRECONDITION`` for an unhealthy device (with its reason), a device whose IOMMU group changed or
+    Raises :class:`InvalidRequest` for no IDs, an unknown ID or an ID asked twice;
+    :class:`DeviceUnavailable` for an unhealthy device (with its reason), a device whose IOMMU group changed or
     whose ``/dev/vfio/<group>`` is gone, or a host without ``/dev/vfio/vfio``.
     """
     root = os.fspath(host_root)
     if not device_ids:
-        raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: no device IDs in the request")
+        raise InvalidRequest(f"{resource.name}: no device IDs in the request")
     by_id = {device.id: device for device in resource.devices}
     chosen: list[Device] = []
     seen: set[str] = set()
@@ -179,29 +184,23 @@ def allocate(
         if device is None:
             raise _refuse_unknown(resource, device_id)
         if device_id in seen:
-            raise AllocationError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: device ID {device_id!r} is asked twice", device_id
-            )
+            raise InvalidRequest(f"{resource.name}: device ID {device_id!r} is asked twice", device_id)
         seen.add(device_id)
         chosen.append(device)
     for device in chosen:
         if not device.healthy:
-            raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise DeviceUnavailable(
                 f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
                 device.id,
             )
     for device in chosen:
         problem = recheck_device(device, root, vfio_drivers)
         if problem is not None:
-            raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{resource.name}: device {device.id}: {problem}", device.id
-            )
+            raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
     with HostRoot(root) as fs:
         container, iommu = fs.exists(VFIO_CONTAINER), fs.exists(IOMMU_DEVICE)
     if not container:
-        raise AllocationError(
-            grpc.StatusCode.FAILED_PRECONDITION,
+        raise DeviceUnavailable(
             f"{resource.name}: {VFIO_CONTAINER} is missing on the node (is the vfio module loaded?)",
         )
 

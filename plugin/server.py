@@ -63,6 +63,13 @@ SOCKET_PROBE_TIMEOUT = 0.5
 """Seconds to wait for a unix socket to accept a connection before calling it live (a full backlog)."""
 
 
+def status_for_refusal(error: allocation.AllocationError) -> grpc.StatusCode:
+    """The gRPC status for an allocation refusal: the caller's mistake or a device not usable now."""
+    if isinstance(error, allocation.InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
     if len(message) > MAX_STATUS_MESSAGE:
         message = message[: MAX_STATUS_MESSAGE - 3] + "..."
@@ -286,15 +293,16 @@ class DevicePluginServicer:
             try:
                 responses.append(allocation_response(resource, ids, self._host_root, self._vfio_drivers))
             except allocation.AllocationError as exc:
+                code = status_for_refusal(exc)
                 log_event(
                     "allocate_refused",
                     resource=resource.name,
                     ids=_shown(ids),
-                    code=exc.code.name,
+                    code=code.name,
                     error=exc.message[:512],
                 )
-                self._count(resource.name, exc.code)
-                _abort(context, exc.code, exc.message)
+                self._count(resource.name, code)
+                _abort(context, code, exc.message)
             except Exception:
                 self._count(resource.name, grpc.StatusCode.UNKNOWN)  # gRPC answers UNKNOWN for what escapes
                 raise
