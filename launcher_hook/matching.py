@@ -22,9 +22,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from launcher_hook.allocation import Allocation, DeviceId, Pool, usb_env_var_for
+from launcher_hook.allocation import EnvAllocation, Pool, usb_env_var_for
 from launcher_hook.hostdev import HostdevSpec
-from schemas import InputError, ResourceKind, env_var_for
+from schemas import DeviceId, InputError, ResourceKind, env_var_for
 from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
 
 SourceKey = tuple[str, str]
@@ -98,7 +98,7 @@ def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
     return requests
 
 
-def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
+def _pools_for(device_name: str, allocation: EnvAllocation) -> list[Pool]:
     """The PCI pool, then the mdev pool, of ``device_name`` (either may be absent)."""
     return [
         pool
@@ -107,7 +107,7 @@ def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
     ]
 
 
-def _left_to_virt_launcher(request: _Request, allocation: Allocation, existing: DomainHostdevs) -> str | None:
+def _left_to_virt_launcher(request: _Request, allocation: EnvAllocation, existing: DomainHostdevs) -> str | None:
     """Why an entry without a PCI/mdev variable is virt-launcher's alone (a warning), or None if it is not."""
     pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
     aliases = [request.kubevirt_alias]
@@ -233,7 +233,7 @@ def _claim_rendered(
 
 def match_vmi(
     vmi: VirtualMachineInstance,
-    allocation: Allocation,
+    allocation: EnvAllocation,
     options: HostdevOptions,
     existing: DomainHostdevs = NO_HOSTDEVS,
 ) -> tuple[list[HostdevSpec], list[str]]:
@@ -335,7 +335,7 @@ def _with_display(
 
 
 def match_all(
-    allocation: Allocation, options: HostdevOptions, existing: DomainHostdevs = NO_HOSTDEVS
+    allocation: EnvAllocation, options: HostdevOptions, existing: DomainHostdevs = NO_HOSTDEVS
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Without a VMI: every variable in name order, IDs in listed order, aliases ``ua-gpu0``, ``ua-gpu1``…;
     the first vGPU gets the default display (with a ``<graphics>`` device)."""
