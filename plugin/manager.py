@@ -40,6 +40,7 @@ from pathlib import Path
 import grpc
 
 from plugin.config import PluginConfig
+from plugin.health import UsabilityRule
 from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
@@ -418,7 +419,7 @@ class PluginManager:
                 resource,
                 self.kubelet_dir,
                 self.host_root,
-                vfio_drivers=frozenset(self.config.vfio_drivers),
+                rule=UsabilityRule.from_config(self.config),
                 metrics=self.metrics,
             )
             try:

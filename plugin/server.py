@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from plugin import allocation, preferred
+from plugin.health import UsabilityRule
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
 from plugin.metrics import PluginMetrics
@@ -171,12 +172,12 @@ class DevicePluginServicer:
         self,
         state: ResourceState,
         host_root: Path,
-        vfio_drivers: frozenset[str],
+        rule: UsabilityRule,
         metrics: PluginMetrics | None = None,
     ) -> None:
         self._state = state
         self._host_root = host_root
-        self._vfio_drivers = vfio_drivers
+        self._rule = rule
         self._metrics = metrics
         self._stopped = False
         self._streams: list[_Stream] = []
@@ -291,7 +292,7 @@ class DevicePluginServicer:
                 self._count(resource.name, grpc.StatusCode.INVALID_ARGUMENT)
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
             try:
-                responses.append(allocation_response(resource, ids, self._host_root, self._vfio_drivers))
+                responses.append(allocation_response(resource, ids, self._host_root, self._rule))
             except allocation.AllocationError as exc:
                 code = status_for_refusal(exc)
                 log_event(
@@ -317,10 +318,10 @@ class DevicePluginServicer:
 
 
 def allocation_response(
-    resource: Resource, ids: Sequence[str], host_root: Path, vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS
+    resource: Resource, ids: Sequence[str], host_root: Path, rule: UsabilityRule = allocation.DEFAULT_RULE
 ) -> pb.ContainerAllocateResponse:
     """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
-    result = allocation.allocate(resource, ids, host_root, vfio_drivers)
+    result = allocation.allocate(resource, ids, host_root, rule)
     return pb.ContainerAllocateResponse(
         envs=dict(result.envs),
         devices=[
@@ -351,13 +352,13 @@ class ResourceServer:
         kubelet_dir: Path,
         host_root: Path,
         *,
-        vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
+        rule: UsabilityRule = allocation.DEFAULT_RULE,
         max_workers: int = MAX_WORKERS,
         metrics: PluginMetrics | None = None,
     ) -> None:
         self.name = resource.name
         self.metrics = metrics
-        self.vfio_drivers = vfio_drivers
+        self.rule = rule
         self.kubelet_dir = kubelet_dir.absolute()
         self.socket_path = self.kubelet_dir / resource.socket
         self.host_root = host_root
@@ -404,7 +405,7 @@ class ResourceServer:
         if not self.kubelet_dir.is_dir():
             raise ServeError(f"cannot serve {self.socket_path}: the directory {self.kubelet_dir} does not exist")
         self._prepare_path()
-        servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers, self.metrics)
+        servicer = DevicePluginServicer(self.state, self.host_root, self.rule, self.metrics)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,

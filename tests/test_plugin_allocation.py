@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from plugin.allocation import (
+    DEFAULT_RULE,
     AllocationError,
     DeviceSpec,
     DeviceUnavailable,
@@ -82,7 +83,11 @@ def test_a_group_needed_twice_is_mounted_once(tmp_path: Path) -> None:
     resource = dataclasses.replace(
         discovered, devices=tuple(dataclasses.replace(d, healthy=True, reason=None) for d in discovered.devices)
     )
-    result = allocate(resource, ["0000:3b:00.1", "0000:3b:00.0"], root)  # ... but the policy still dedups
+    error = refusal(resource, ["0000:3b:00.1", "0000:3b:00.0"], root)  # ... and so does the re-check (one rule)
+    assert isinstance(error, DeviceUnavailable)
+    assert "IOMMU group 30 is shared with GPU" in error.message
+    sharing = dataclasses.replace(DEFAULT_RULE, selects=lambda vendor, device, pci_class: False)
+    result = allocate(resource, ["0000:3b:00.1", "0000:3b:00.0"], root, sharing)  # a rule that lets them share
     assert result.device_specs == specs("/dev/vfio/vfio", "/dev/vfio/30")
     assert list(result.envs.values()) == ["0000:3b:00.1,0000:3b:00.0"]
 

@@ -16,12 +16,13 @@ import pytest
 
 from plugin.allocation import AllocationError, DeviceUnavailable, allocate, recheck_device
 from plugin.config import PluginConfig
+from plugin.health import UsabilityRule
 from plugin.inventory import Resource
 from plugin.pciids import PciIds
 from plugin.sysfs import scan
-from simkit.fixture_nodes import NODE01
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn
-from simkit.sysfs_fixture import build
+from simkit.sysfs_fixture import Node, build
 from tests.plugin_support import build_tree, rebind, serve_process, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -77,3 +78,16 @@ def test_plugin_process_refuses_a_gpu_whose_companion_was_rebound_before_its_nex
             assert GPU in (error.details() or "") and AUDIO in (error.details() or "")
             rebind(root, AUDIO, "vfio-pci")
             assert kubelet.allocate(TU106, [GPU]).container_responses[0].envs
+
+
+@pytest.mark.parametrize("node", [NODE01, MIXED_NODE, VGPU_NODE], ids=lambda node: node.name)
+def test_the_scan_and_the_recheck_apply_one_rule(tmp_path: Path, node: Node) -> None:
+    """Every device the scan calls unhealthy, Allocate's re-check refuses with the very same reason."""
+    root = build(node, tmp_path / "root")
+    config = PluginConfig(host_root=str(root))
+    inventory = scan(root, config, PciIds.load(root / "usr" / "share" / "misc" / "pci.ids"))
+    rule = UsabilityRule.from_config(config)
+    for resource in inventory.resources:
+        for device in resource.devices:
+            if device.iommu_group is not None:
+                assert recheck_device(device, root, rule) == device.reason, device.id

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from plugin import sources
 from plugin.config import load_config
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
@@ -86,7 +87,7 @@ def render_table(inventory: Inventory) -> str:
 
 def render_permitted_host_devices(inventory: Inventory) -> str:
     """The ``permittedHostDevices`` block as YAML, every string quoted (``10DE:1F08`` stays a string)."""
-    block: dict[str, Any] = inventory.permitted_host_devices()["permittedHostDevices"]
+    block: dict[str, Any] = sources.permitted_host_devices(inventory)["permittedHostDevices"]
     lines = [
         "# KubeVirt CR: paste under spec.configuration (kubectl edit kubevirt -n kubevirt)",
         "permittedHostDevices:",
@@ -146,7 +147,7 @@ def discover(
         click.echo(f"warning: {warning}", err=True)
     if permitted_host_devices:
         text = (
-            json.dumps(inventory.permitted_host_devices(), indent=2) + "\n"
+            json.dumps(sources.permitted_host_devices(inventory), indent=2) + "\n"
             if as_json
             else render_permitted_host_devices(inventory)
         )
