@@ -23,12 +23,11 @@ from pathlib import Path
 from types import FrameType
 
 import click
-import prometheus_client
 
 from plugin.config import load_config
 from plugin.log import configure_logging, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
-from plugin.metrics import MetricsServer, parse_address
+from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
 from plugin.server import DEFAULT_KUBELET_DIR
 from schemas.clirun import run_cli
 from schemas.errors import InputError
@@ -157,7 +156,12 @@ def _serve(
             raise InputError(f"host root {config.host_root!r} is not a directory")
         if kubelet_dir.exists() and not kubelet_dir.is_dir():
             raise InputError(f"kubelet dir {str(kubelet_dir)!r} is not a directory")
-        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval)
+        metrics: PluginMetrics | None = None
+        if metrics_address is not None:  # prometheus_client is loaded only then
+            metrics = PluginMetrics()
+            metrics.disable_created_series()
+        recorder: MetricsRecorder = NO_METRICS if metrics is None else metrics
+        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval, metrics=recorder)
     except InputError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -171,10 +175,9 @@ def _serve(
     previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
     http: MetricsServer | None = None
     try:
-        if metrics_address is not None:
-            prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide: no *_created
+        if metrics_address is not None and metrics is not None:
             try:
-                http = MetricsServer(*metrics_address, manager.metrics, manager.liveness, manager.readiness)
+                http = MetricsServer(*metrics_address, metrics, manager.liveness, manager.readiness)
             except OSError as exc:
                 host, port = metrics_address
                 raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from None

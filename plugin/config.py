@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
@@ -227,6 +226,8 @@ def _from_file(path: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read config file {str(path)!r}: {exc}") from None
+    import yaml  # noqa: PLC0415 -- only a config file needs it: serve without one never loads it
+
     try:
         loaded = yaml.safe_load(text)
     except RecursionError:

@@ -14,7 +14,7 @@ descriptors (no busy polling):
 - :meth:`PluginManager.request_stop` (SIGTERM in the CLI) ends the loop; every server stops and its socket
   is removed.
 
-The loop records what it learns in :class:`~plugin.metrics.PluginMetrics` (scans, devices by health,
+The loop records what it learns in :class:`~plugin.metrics.MetricsRecorder` (scans, devices by health,
 registrations) and beats a heartbeat on every turn, which :meth:`PluginManager.liveness` (``/healthz``)
 compares with :func:`liveness_bound`.
 
@@ -44,7 +44,7 @@ from plugin.health import UsabilityRule
 from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
-from plugin.metrics import PluginMetrics
+from plugin.metrics import NO_METRICS, MetricsRecorder
 from plugin.pciids import PciIds, locate_pci_ids
 from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
 from plugin.sysfs import scan
@@ -124,7 +124,7 @@ class PluginManager:
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         pci_ids: PciIds | None = None,
         warnings: Iterable[str] = (),
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder = NO_METRICS,
         kubelet_missing_bound: float = KUBELET_MISSING_BOUND,
     ) -> None:
         if scan_interval <= 0:
@@ -140,7 +140,7 @@ class PluginManager:
         self.ready = threading.Event()
         """Set once the first scan is done and every resource's server is serving."""
         self.scans = 0
-        self.metrics = metrics if metrics is not None else PluginMetrics()
+        self.metrics = metrics
         self._heartbeat: float | None = None
         """``time.monotonic()`` of the loop's last turn; None before :meth:`run`."""
         self._finished = False
@@ -170,7 +170,7 @@ class PluginManager:
         *,
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         image_root: Path = Path("/"),
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder = NO_METRICS,
     ) -> PluginManager:
         """Locate pci.ids once (``config.pci_ids``, else under the host root, else the image) and build the manager."""
         explicit = Path(config.pci_ids) if config.pci_ids else None

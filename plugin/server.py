@@ -36,7 +36,7 @@ from plugin import allocation, preferred
 from plugin.health import UsabilityRule
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
-from plugin.metrics import PluginMetrics
+from plugin.metrics import MetricsRecorder
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
@@ -173,7 +173,7 @@ class DevicePluginServicer:
         state: ResourceState,
         host_root: Path,
         rule: UsabilityRule,
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder | None = None,
     ) -> None:
         self._state = state
         self._host_root = host_root
@@ -354,7 +354,7 @@ class ResourceServer:
         *,
         rule: UsabilityRule = allocation.DEFAULT_RULE,
         max_workers: int = MAX_WORKERS,
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder | None = None,
     ) -> None:
         self.name = resource.name
         self.metrics = metrics

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from plugin.config import PluginConfig
 from plugin.manager import PluginManager
+from plugin.metrics import PluginMetrics
 from plugin.pciids import PciIds
 from simkit.sysfs_fixture import Function, Node, build
 
@@ -51,7 +52,11 @@ def manager_for(host_root: Path, kubelet_dir: Path, scan_interval: float = 0.2) 
     pci_ids_path = host_root / "usr" / "share" / "misc" / "pci.ids"
     pci_ids = PciIds.load(pci_ids_path) if pci_ids_path.is_file() else None
     return PluginManager(
-        PluginConfig(host_root=str(host_root)), kubelet_dir, scan_interval=scan_interval, pci_ids=pci_ids
+        PluginConfig(host_root=str(host_root)),
+        kubelet_dir,
+        scan_interval=scan_interval,
+        pci_ids=pci_ids,
+        metrics=PluginMetrics(),  # kept, as serve --metrics-address does, so that tests can scrape them
     )
 
 
