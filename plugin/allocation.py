@@ -29,13 +29,12 @@ import grpc
 
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sysfs import HostRoot
+from runtime.node import VFIO_DRIVERS
 from schemas.naming import ResourceKind
 
 IOMMU_DEVICE = "/dev/iommu"
 VFIO_CDEV_DIR = "/dev/vfio/devices"
 PERMISSIONS = "mrw"
-VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
-"""Drivers a passthrough GPU may be on when it is handed out (as discovery's default ``vfio_drivers``)."""
 
 
 class AllocationError(Exception):

@@ -36,6 +36,7 @@ from plugin import allocation, preferred
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
 from plugin.metrics import PluginMetrics
+from runtime.node import VFIO_DRIVERS
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
@@ -309,7 +310,7 @@ class DevicePluginServicer:
 
 
 def allocation_response(
-    resource: Resource, ids: Sequence[str], host_root: Path, vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS
+    resource: Resource, ids: Sequence[str], host_root: Path, vfio_drivers: frozenset[str] = VFIO_DRIVERS
 ) -> pb.ContainerAllocateResponse:
     """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
     result = allocation.allocate(resource, ids, host_root, vfio_drivers)
@@ -343,7 +344,7 @@ class ResourceServer:
         kubelet_dir: Path,
         host_root: Path,
         *,
-        vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
+        vfio_drivers: frozenset[str] = VFIO_DRIVERS,
         max_workers: int = MAX_WORKERS,
         metrics: PluginMetrics | None = None,
     ) -> None:

@@ -34,7 +34,7 @@ from typing import ClassVar
 from plugin.config import PluginConfig
 from plugin.inventory import Companion, Device, Ignored, Inventory, Resource
 from plugin.naming import mdev_resource_name, pci_resource_name
-from plugin.pciids import PciIds, locate_pci_ids
+from runtime.pciids import PciIds, locate_pci_ids
 from schemas.errors import InputError
 from schemas.mdev import parse_mdev_uuid
 from schemas.naming import ResourceKind, validate_resource_name

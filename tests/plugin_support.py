@@ -23,8 +23,8 @@ from pathlib import Path
 
 from plugin.config import PluginConfig
 from plugin.manager import PluginManager
-from plugin.pciids import PciIds
 from plugin.sysfs_fixture import Function, Node, build
+from runtime.pciids import PciIds
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT = 5.0

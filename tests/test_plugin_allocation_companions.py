@@ -19,9 +19,9 @@ from plugin.config import PluginConfig
 from plugin.fixture_nodes import NODE01
 from plugin.inventory import Resource
 from plugin.kubelet_standin import KubeletStandIn
-from plugin.pciids import PciIds
 from plugin.sysfs import scan
 from plugin.sysfs_fixture import build
+from runtime.pciids import PciIds
 from tests.plugin_support import build_tree, rebind, serve_process, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

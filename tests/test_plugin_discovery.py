@@ -24,9 +24,9 @@ from plugin.fixture_nodes import (
     tu106_card,
 )
 from plugin.inventory import Inventory
-from plugin.pciids import PciIds
 from plugin.sysfs import scan
 from plugin.sysfs_fixture import Function, Mdev, MdevType, Node
+from runtime.pciids import PciIds
 from schemas import InputError, PciAddress, ResourceKind
 from tests.discovery_support import build_node, discover
 
