@@ -26,6 +26,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     "$VIRTUAL_ENV/bin/pip" install --require-hashes -r requirements/build.txt -r requirements/runtime.txt
 COPY pyproject.toml README.md ./
 COPY schemas/ schemas/
+COPY runtime/ runtime/
 COPY plugin/ plugin/
 COPY launcher_hook/ launcher_hook/
 COPY simkit/ simkit/

@@ -38,8 +38,6 @@ VFIO_CDEV_DIR = "/dev/vfio/devices"
 PERMISSIONS = "mrw"
 DEFAULT_RULE = UsabilityRule.from_config(PluginConfig())
 """The usability rule of the default configuration (the server passes the configured one)."""
-VFIO_DRIVERS = frozenset(DEFAULT_RULE.vfio_drivers)
-"""Drivers a passthrough GPU may be on when it is handed out (as discovery's default ``vfio_drivers``)."""
 
 
 class AllocationError(Exception):

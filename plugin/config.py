@@ -24,10 +24,10 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
+from runtime.env import PLUGIN_ENV_PREFIX as ENV_PREFIX
 from schemas.errors import InputError
 from schemas.naming import validate_resource_name
 
-ENV_PREFIX = "GPU_PLUGIN_"
 CONFIG_FILE_ENV = "GPU_PLUGIN_CONFIG"
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest configuration file read (1 MiB; a real one is a few hundred bytes)."""

@@ -45,9 +45,9 @@ from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
 from plugin.metrics import NO_METRICS, MetricsRecorder
-from plugin.pciids import PciIds, locate_pci_ids
 from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
 from plugin.sysfs import scan
+from runtime.pciids import PciIds, locate_pci_ids
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0

@@ -16,7 +16,7 @@ from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import HostRoot, ReadError
 from plugin.inventory import Device, Ignored, Inventory, Resource
 from plugin.naming import pci_resource_name
-from plugin.pciids import PciIds
+from runtime.pciids import PciIds
 from schemas.errors import InputError
 from schemas.naming import ResourceKind, validate_resource_name
 

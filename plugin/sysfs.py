@@ -22,8 +22,8 @@ from plugin.config import PluginConfig
 from plugin.hostroot import MAX_ATTRIBUTE_BYTES, MAX_LINKS, HostRoot, ReadError
 from plugin.inventory import Inventory
 from plugin.node_scan import MAX_NUMA_NODE, NodeScan
-from plugin.pciids import PciIds, locate_pci_ids
 from plugin.sources import DEVICE_SOURCES
+from runtime.pciids import PciIds, locate_pci_ids
 
 __all__ = [
     "MAX_ATTRIBUTE_BYTES",

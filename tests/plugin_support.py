@@ -24,7 +24,7 @@ from pathlib import Path
 from plugin.config import PluginConfig
 from plugin.manager import PluginManager
 from plugin.metrics import PluginMetrics
-from plugin.pciids import PciIds
+from runtime.pciids import PciIds
 from simkit.sysfs_fixture import Function, Node, build
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,6 +24,7 @@ import pytest
 
 from launcher_hook import service
 from plugin import log as plugin_log
+from runtime.logs import configure_logging
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from schemas.logformat import EventFormatter, event_extra, text_value
 from simkit.fixture_nodes import NODE01
@@ -296,7 +297,7 @@ def test_hook_internal_error_is_logged_at_error_with_its_traceback(hook_logger: 
         def close(self) -> None:
             pass
 
-    service.configure_logging("text", hook_logger)
+    configure_logging(service.COMPONENT, "text", hook_logger)
     domain, vmi, _ = seed_case()
     with pytest.raises(service.HookFault):
         service.HookService(Broken()).define_domain(domain, vmi, via="test")  # type: ignore[arg-type]

@@ -18,8 +18,8 @@ from plugin.allocation import AllocationError, DeviceUnavailable, allocate, rech
 from plugin.config import PluginConfig
 from plugin.health import UsabilityRule
 from plugin.inventory import Resource
-from plugin.pciids import PciIds
 from plugin.sysfs import scan
+from runtime.pciids import PciIds
 from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn
 from simkit.sysfs_fixture import Node, build

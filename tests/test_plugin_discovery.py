@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from plugin.inventory import Inventory
-from plugin.pciids import PciIds
 from plugin.sources import permitted_host_devices
 from plugin.sysfs import scan
+from runtime.pciids import PciIds
 from schemas import InputError, PciAddress, ResourceKind
 from simkit.fixture_nodes import (
     CLASS_3D,

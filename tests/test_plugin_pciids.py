@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.pciids import SEARCH_PATHS, PciIds, locate_pci_ids
+from runtime.pciids import SEARCH_PATHS, PciIds, locate_pci_ids
 from schemas import InputError
 from simkit.fixture_nodes import PCI_IDS_EXCERPT
 
