@@ -25,6 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
 from runtime.env import PLUGIN_ENV_PREFIX as ENV_PREFIX
+from runtime.node import VFIO_DRIVER_NAMES
 from schemas.errors import InputError
 from schemas.naming import validate_resource_name
 
@@ -118,7 +119,7 @@ class PluginConfig(BaseModel):
         "ID whatever its class. Mdevs count when their parent GPU matches.",
     )
     vfio_drivers: tuple[DriverName, ...] = Field(
-        default=("vfio-pci", "nvgrace_gpu_vfio_pci"),
+        default=VFIO_DRIVER_NAMES,
         description="Drivers that mean a GPU is ready for passthrough. GPUs on any other driver (nvidia, "
         "nouveau, none) are not offered.",
     )

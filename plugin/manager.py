@@ -45,9 +45,10 @@ from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
 from plugin.metrics import NO_METRICS, MetricsRecorder
-from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
+from plugin.server import KUBELET_SOCKET, SOCKET_PROBE_TIMEOUT, ResourceServer, ServeError, describe_rpc_error
 from plugin.sysfs import scan
 from runtime.pciids import PciIds, locate_pci_ids
+from runtime.sockets import socket_is_live
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0
@@ -175,18 +176,12 @@ class PluginManager:
         """Locate pci.ids once (``config.pci_ids``, else under the host root, else the image) and build the manager."""
         explicit = Path(config.pci_ids) if config.pci_ids else None
         choice = locate_pci_ids(explicit, Path(config.host_root), image_root)
-        warnings = []
-        if choice.database is None:
-            warnings.append(
-                f"no pci.ids found (looked at {', '.join(choice.searched)}): resources are named by hex device ID; "
-                "pass --pci-ids or set name_overrides"
-            )
         return cls(
             config,
             kubelet_dir,
             scan_interval=scan_interval,
             pci_ids=choice.database,
-            warnings=warnings,
+            warnings=choice.warnings,
             metrics=metrics,
         )
 
@@ -264,7 +259,7 @@ class PluginManager:
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             return f"{waiting_for} (no kubelet: {self.kubelet_socket} is missing or not a socket)"
-        if not socket_answers(self.kubelet_socket):
+        if not socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT):
             return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
         waiting = sorted(name for name, served in list(self._served.items()) if served.registered != kubelet)
         if waiting:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -37,19 +35,19 @@ from plugin.health import UsabilityRule
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
 from plugin.metrics import MetricsRecorder
+from runtime import sockets
+from runtime.sockets import prepare_socket_path
+from runtime.status import status_message
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
-MAX_UNIX_SOCKET_PATH = 107
 REGISTER_TIMEOUT = 15.0
 """Seconds a ``Register`` call may take: the kubelet gives its dial-back to us 10 s inside it."""
 MAX_DEVICES_PER_REQUEST = 4096
 """More IDs than any node has; a longer request is refused rather than processed."""
-MAX_STATUS_MESSAGE = 512
-"""Status messages quote the request; a bigger one would break gRPC's metadata limit (8 KiB), so cut it."""
 MAX_STREAMS = 2
 """Open ``ListAndWatch`` streams per resource. The kubelet holds one and opens a new one when it restarts, while
 the old one may linger; a stream beyond this ends the oldest (the newest wins), so streams never hold more than
@@ -72,9 +70,7 @@ def status_for_refusal(error: allocation.AllocationError) -> grpc.StatusCode:
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    if len(message) > MAX_STATUS_MESSAGE:
-        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
-    context.abort(code, message)
+    context.abort(code, status_message(message))
 
 
 def _shown(ids: Sequence[str], limit: int = 16) -> list[str]:
@@ -98,25 +94,6 @@ def device_message(device: Device) -> pb.Device:
 def list_response(resource: Resource) -> pb.ListAndWatchResponse:
     """The whole device list, as every ``ListAndWatch`` message must carry it."""
     return pb.ListAndWatchResponse(devices=[device_message(device) for device in resource.devices])
-
-
-def socket_answers(path: Path, timeout: float = SOCKET_PROBE_TIMEOUT) -> bool:
-    """True if a process accepts connections on the unix socket at ``path`` (a live server), False if none does.
-
-    A refused connection or a missing file means nobody listens (a stale socket from a process that is gone);
-    a full backlog or a permission error counts as live: something is there that we must not take over.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(timeout)
-        try:
-            probe.connect(os.fspath(path))
-        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
-            return False
-        except (BlockingIOError, TimeoutError, PermissionError):
-            return True
-        except OSError:
-            return False
-        return True
 
 
 def kubelet_view(resource: Resource) -> tuple[tuple[str, bool, int | None], ...]:
@@ -225,7 +202,7 @@ class DevicePluginServicer:
             try:
                 response = list_response(resource)
             except Exception as exc:  # a device the kubelet cannot be told about: say so, keep the stream
-                problem = f"cannot build the ListAndWatch message: {type(exc).__name__}: {exc}"[:MAX_STATUS_MESSAGE]
+                problem = status_message(f"cannot build the ListAndWatch message: {type(exc).__name__}: {exc}")
                 if state.fault != problem:
                     log_event("list_and_watch_failed", resource=resource.name, error=problem)
                 state.fault = problem
@@ -300,7 +277,7 @@ class DevicePluginServicer:
                     resource=resource.name,
                     ids=_shown(ids),
                     code=code.name,
-                    error=exc.message[:512],
+                    error=status_message(exc.message),
                 )
                 self._count(resource.name, code)
                 _abort(context, code, exc.message)
@@ -336,7 +313,8 @@ class ServeError(Exception):
 
 
 class SocketInUse(ServeError):
-    """The socket path is taken (by something that is not a socket, or by a live server), or is too long."""
+    """The socket path is taken (by something that is not a socket, or by a live server), or is too long: the
+    plumbing's :class:`runtime.sockets.SocketInUse` as a :class:`ServeError` the manager retries."""
 
 
 class ResourceServer:
@@ -379,21 +357,14 @@ class ResourceServer:
         return self.state.update(resource)
 
     def _prepare_path(self) -> None:
-        path = self.socket_path
-        if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
-            raise SocketInUse(f"socket path {path} is longer than {MAX_UNIX_SOCKET_PATH} bytes, the unix socket limit")
         try:
-            mode = path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        if socket_answers(path):
-            raise SocketInUse(
-                f"{path} is in use: a live server answers on it (another gpu-device-plugin on this node?); "
-                "refusing to replace it"
+            prepare_socket_path(
+                self.socket_path,
+                in_use_hint="another gpu-device-plugin on this node?",
+                probe_timeout=SOCKET_PROBE_TIMEOUT,
             )
-        path.unlink()  # stale: nobody answers on it (an earlier run of ours that died)
+        except sockets.SocketInUse as exc:
+            raise SocketInUse(str(exc)) from None
 
     def start(self) -> None:
         """Serve on the socket (replacing a stale one); the old server, if any, must be stopped first.

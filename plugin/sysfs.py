@@ -56,10 +56,4 @@ def discover_node(config: PluginConfig, image_root: Path = Path("/")) -> Invento
     host_root = Path(config.host_root)
     explicit = Path(config.pci_ids) if config.pci_ids else None
     choice = locate_pci_ids(explicit, host_root, image_root)
-    warnings = []
-    if choice.database is None:
-        warnings.append(
-            f"no pci.ids found (looked at {', '.join(choice.searched)}): resources are named by hex device ID "
-            "(nvidia.com/1f08); pass --pci-ids or set name_overrides"
-        )
-    return scan(host_root, config, choice.database, warnings)
+    return scan(host_root, config, choice.database, choice.warnings)

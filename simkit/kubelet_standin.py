@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from runtime.sockets import MAX_UNIX_SOCKET_PATH
 from schemas.errors import InputError
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -40,7 +41,6 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 DIAL_TIMEOUT = 10.0
 """Seconds the kubelet gives the plugin's socket to answer ``GetDevicePluginOptions`` inside ``Register``."""
-MAX_UNIX_SOCKET_PATH = 107
 
 
 class StandInError(Exception):

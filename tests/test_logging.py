@@ -183,7 +183,7 @@ def plugin_logger() -> Iterator[io.StringIO]:
 
 
 def test_plugin_event_levels(plugin_logger: io.StringIO) -> None:
-    plugin_log.configure_logging(plugin_logger, log_format="json")
+    configure_logging(plugin_log.COMPONENT, "json", plugin_logger)
     plugin_log.log_event("scan_problem", error="sysfs went away")
     plugin_log.log_event("serve_failed", resource=TU106, error="bind")
     plugin_log.log_event("health_changed", resource=TU106, device="0000:86:00.0", health="Unhealthy")
