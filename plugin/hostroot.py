@@ -45,18 +45,16 @@ def _load_openat2() -> Callable[[int, bytes, int], int] | None:
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    size = ctypes.sizeof(_OpenHow)
+    hows: dict[int, _OpenHow] = {}
+    """One ``open_how`` per flags value, built once: the kernel only reads it (a scan opens thousands of files)."""
 
     def openat2(dirfd: int, path: bytes, flags: int) -> int:
-        how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-        descriptor = int(
-            syscall(
-                ctypes.c_long(_SYS_OPENAT2),
-                ctypes.c_int(dirfd),
-                ctypes.c_char_p(path),
-                ctypes.byref(how),
-                ctypes.c_size_t(ctypes.sizeof(how)),
-            )
-        )
+        how = hows.get(flags)
+        if how is None:
+            how = hows.setdefault(flags, _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS))
+        descriptor = int(syscall(_SYS_OPENAT2, dirfd, path, ctypes.addressof(how), size))
         if descriptor < 0:
             number = ctypes.get_errno()
             raise OSError(number, os.strerror(number))
@@ -70,6 +68,10 @@ class ReadError(Exception):
 
 
 _UNRESOLVED = ""
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+"""How node files are opened for reading: a FIFO never blocks, a terminal never becomes ours."""
+_READ_CHUNK = 4096
+"""A sysfs attribute is at most a page; the kernel hands it over whole in the first read."""
 
 
 class HostRoot:
@@ -154,9 +156,8 @@ class HostRoot:
     def read(self, path: str) -> str | None:
         """A small regular file's text; None if it does not exist. Raises :class:`ReadError` with the reason
         when it exists but must not be used (FIFO, device, directory, too large, a link loop, unreadable)."""
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
         try:
-            descriptor = self._open(path, flags)
+            descriptor = self._open(path, _READ_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except ReadError:
@@ -165,22 +166,20 @@ class HostRoot:
             raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from None
         if descriptor is None:
             return None
+        return _read_bounded(descriptor, path)
+
+    def directory(self, path: str) -> Directory:
+        """A handle on the directory ``path`` (resolved inside the root once) to read several of its files.
+
+        Reading ``vendor``, ``device``, ``class``, ``driver``… of one device through it costs one path
+        resolution for all of them instead of one each; see :class:`Directory`. Close it (or use ``with``).
+        """
+        descriptor: int | None = None
         try:
-            info = os.fstat(descriptor)
-            if not stat.S_ISREG(info.st_mode):
-                raise ReadError(f"{path}: not a regular file ({_file_kind(info.st_mode)})")
-            chunks = []
-            size = 0
-            while chunk := os.read(descriptor, 4096):
-                size += len(chunk)
-                if size > MAX_ATTRIBUTE_BYTES:
-                    raise ReadError(f"{path}: larger than {MAX_ATTRIBUTE_BYTES} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks).decode("utf-8", errors="replace")
-        except OSError as exc:
-            raise ReadError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        finally:
-            os.close(descriptor)
+            descriptor = self._kernel_open(path, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            descriptor = None  # missing or not a directory: every read through the handle says so as read() does
+        return Directory(self, path, descriptor)
 
     def _kernel_open(self, path: str, flags: int) -> int | None:
         """``path`` opened by the kernel inside the root (``openat2`` ``RESOLVE_IN_ROOT``); None where that is
@@ -280,6 +279,76 @@ class HostRoot:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class Directory:
+    """Files of one directory, resolved inside the host root once (:meth:`HostRoot.directory`).
+
+    Each read opens one name relative to the directory's descriptor with ``O_NOFOLLOW``: a single component,
+    never ``..``, and a link is not followed, so nothing can lead out of the root; a name that is a link (or
+    any refusal to open it that way) is read through :meth:`HostRoot.read`, which resolves it inside the root.
+    The bounds on reading are :meth:`HostRoot.read`'s. Without ``openat2`` every read is :meth:`HostRoot.read`.
+    """
+
+    def __init__(self, fs: HostRoot, path: str, descriptor: int | None) -> None:
+        self.fs = fs
+        self.path = path
+        self._descriptor = descriptor
+
+    def read(self, name: str) -> str | None:
+        """``name``'s text, as :meth:`HostRoot.read` of ``<path>/<name>`` gives it."""
+        if self._descriptor is None:
+            return self.fs.read(f"{self.path}/{name}")
+        try:
+            descriptor = os.open(name, _READ_FLAGS | os.O_NOFOLLOW, dir_fd=self._descriptor)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return self.fs.read(f"{self.path}/{name}")  # a link (ELOOP) or another refusal: the careful way
+        return _read_bounded(descriptor, f"{self.path}/{name}")
+
+    def readlink_name(self, name: str) -> str | None:
+        """The last component of the symlink ``name``'s target, as :meth:`HostRoot.readlink_name` gives it."""
+        if self._descriptor is None:
+            return self.fs.readlink_name(f"{self.path}/{name}")
+        try:
+            return os.path.basename(os.path.normpath(os.readlink(name, dir_fd=self._descriptor)))
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def __enter__(self) -> Directory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _read_bounded(descriptor: int, path: str) -> str:
+    """The text of the regular file open at ``descriptor`` (closed here), at most :data:`MAX_ATTRIBUTE_BYTES`."""
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ReadError(f"{path}: not a regular file ({_file_kind(info.st_mode)})")
+        chunk = os.read(descriptor, _READ_CHUNK)
+        if len(chunk) < _READ_CHUNK:  # a regular file's short read is its end: one read for a sysfs attribute
+            return chunk.decode("utf-8", errors="replace")
+        chunks = [chunk]
+        size = len(chunk)
+        while chunk := os.read(descriptor, _READ_CHUNK):
+            size += len(chunk)
+            if size > MAX_ATTRIBUTE_BYTES:
+                raise ReadError(f"{path}: larger than {MAX_ATTRIBUTE_BYTES} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(descriptor)
 
 
 def _file_kind(mode: int) -> str:

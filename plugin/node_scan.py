@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from plugin.config import PluginConfig
 from plugin.health import PciFunction, UsabilityRule
-from plugin.hostroot import HostRoot, ReadError
+from plugin.hostroot import Directory, HostRoot, ReadError
 from plugin.inventory import Device, Ignored, Inventory, Resource
 from plugin.naming import pci_resource_name
 from runtime.pciids import PciIds
@@ -70,19 +70,23 @@ class NodeScan:
             return None
 
     def read_int(self, path: str, base: int) -> int | None:
-        text = self.read_text(path)
-        if text is None:
-            return None
+        return _as_int(self.read_text(path), base)
+
+    def read_int_in(self, directory: Directory, name: str, base: int) -> int | None:
+        """``read_int`` of ``<directory>/<name>`` through a directory handle (one path resolution for many)."""
         try:
-            return int(text.strip(), base)
-        except ValueError:
+            text = directory.read(name)
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
             return None
+        return _as_int(text, base)
 
     def read_group(self, link: str) -> int | None:
-        name = self.fs.readlink_name(link)
-        if name is None or not name.isdigit() or len(name) > 9:
-            return None
-        return int(name)
+        return _as_group(self.fs.readlink_name(link))
+
+    def read_group_in(self, directory: Directory) -> int | None:
+        """The IOMMU group of the device whose directory handle this is (its ``iommu_group`` link)."""
+        return _as_group(directory.readlink_name("iommu_group"))
 
     def link_target(self, path: str) -> str | None:
         """Where a symlink leads, resolved inside the host root (in-root path), or None."""
@@ -92,16 +96,17 @@ class NodeScan:
         cached = self.functions.get(name)
         if cached is not None:
             return cached
-        if vendor is None:
-            vendor = self.read_int(f"{directory}/vendor", 16)
-        device = self.read_int(f"{directory}/device", 16)
-        pci_class = self.read_int(f"{directory}/class", 16)
-        if vendor is None or device is None or pci_class is None:
-            self.warnings.append(
-                f"PCI function {name}: cannot read vendor, device or class under {self.shown(directory)}"
-            )
-            return None
-        function = PciFunction(name, vendor, device, pci_class, self.fs.readlink_name(f"{directory}/driver"))
+        with self.fs.directory(directory) as handle:
+            if vendor is None:
+                vendor = self.read_int_in(handle, "vendor", 16)
+            device = self.read_int_in(handle, "device", 16)
+            pci_class = self.read_int_in(handle, "class", 16)
+            if vendor is None or device is None or pci_class is None:
+                self.warnings.append(
+                    f"PCI function {name}: cannot read vendor, device or class under {self.shown(directory)}"
+                )
+                return None
+            function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
         self.functions[name] = function
         return function
 
@@ -134,9 +139,12 @@ class NodeScan:
             return None, ()
         return parts[0], tuple(parts[1:-1])
 
-    def numa(self, directory: str) -> int | None:
+    def numa(self, directory: str, handle: Directory | None = None) -> int | None:
         """The NUMA node of the device at ``directory``; None when unknown (``-1``) or out of range (warned)."""
-        node = self.read_int(f"{directory}/numa_node", 10)
+        if handle is None:
+            node = self.read_int(f"{directory}/numa_node", 10)
+        else:
+            node = self.read_int_in(handle, "numa_node", 10)
         if node is None or node < 0:
             return None
         if node > MAX_NUMA_NODE:
@@ -204,3 +212,19 @@ class NodeScan:
             warnings=tuple(self.warnings),
             pci_ids_path=self.pci_ids.path if self.pci_ids else None,
         )
+
+
+def _as_int(text: str | None, base: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip(), base)
+    except ValueError:
+        return None
+
+
+def _as_group(name: str | None) -> int | None:
+    """An ``iommu_group`` link's last component as a group number; None unless a plain (short) number."""
+    if name is None or not name.isdigit() or len(name) > 9:
+        return None
+    return int(name)

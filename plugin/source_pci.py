@@ -61,7 +61,9 @@ class PciPassthroughSource:
         if name is None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, "its resource name is invalid"))
             return
-        group = node.read_group(f"{directory}/iommu_group")
+        with node.fs.directory(directory) as handle:
+            group = node.read_group_in(handle)
+            numa = node.numa(directory, handle)
         problems: list[str] = []
         companions: list[Companion] = []
         if group is not None:
@@ -84,7 +86,7 @@ class PciPassthroughSource:
             kind=self.kind.key,
             vendor_device=gpu.vendor_device,
             iommu_group=group,
-            numa_node=node.numa(directory),
+            numa_node=numa,
             healthy=not problems,
             reason="; ".join(problems) or None,
             companions=tuple(companions),
