@@ -1,11 +1,11 @@
 """Discovery: read a node's sysfs (under a host root) and return the :class:`~plugin.inventory.Inventory`.
 
-This is where the node's offer is decided, and where NVIDIA's plugin goes wrong (FACTS.md §6-7): it
-advertises every vfio-bound NVIDIA function, audio included, and never checks that an IOMMU group is
-viable. Here only selected GPU functions become devices; the rest of each GPU's group are its companions,
-and a companion on a host driver (``snd_hda_intel``, ``xhci_hcd``…) makes the GPU unhealthy with a reason
-that names it. GPUs on a host driver (``nvidia``) are listed as not offered. vGPUs come from
-``/sys/bus/mdev/devices``, one resource per mdev type name.
+This is where the node's offer is decided, and where NVIDIA's plugin goes wrong (docs/node.md; docs/protocols.md,
+"Resource names"): it advertises every vfio-bound NVIDIA function, audio included, and never checks that an IOMMU
+group is viable. Here only selected GPU functions become devices; the rest of each GPU's group are its companions, and
+a companion on a host driver (``snd_hda_intel``, ``xhci_hcd``…) makes the GPU unhealthy with a reason that names it.
+GPUs on a host driver (``nvidia``) are listed as not offered. vGPUs come from ``/sys/bus/mdev/devices``, one resource
+per mdev type name.
 
 The scan only reads (``listdir``, ``readlink``, small files) under the host root and returns a value; it is
 cheap enough to rerun for health checks (see ``bench/``). Reading is linear in the number of functions:
