@@ -40,8 +40,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && "$VIRTUAL_ENV/bin/pip" uninstall -y setuptools
 
 FROM ${PYTHON_IMAGE} AS runtime
-# Debian's pci.ids: device names (and so resource names, FACTS.md §7) do not depend on the node's own file,
-# which the DaemonSet does not mount. Pinned so that a rebuild cannot rename resources; bump it on purpose.
+# Debian's pci.ids: device names (and so resource names, docs/protocols.md, "Resource names") do not depend
+# on the node's own file, which the DaemonSet does not mount. Pinned so that a rebuild cannot rename resources; bump it on purpose.
 ARG PCI_IDS_VERSION=0.0~2023.04.11-1
 RUN apt-get update \
     && apt-get install -y --no-install-recommends "pci.ids=${PCI_IDS_VERSION}" \

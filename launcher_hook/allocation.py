@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from schemas import PCI_ENV_PREFIX, DeviceId, InputError, ResourceKind, env_var_for
-from schemas.kinds import ENV_PREFIXES, kind_of_variable
+from schemas import DeviceId, InputError, ResourceKind
+from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
 
 USB_ENV_PREFIX = "USB_RESOURCE"
 """KubeVirt's prefix for USB host devices (``USB_RESOURCE_<NAME>=<bus>:<device>``): virt-launcher renders those
@@ -41,7 +41,7 @@ class EnvAllocation:
 
 def usb_env_var_for(resource_name: str) -> str:
     """The ``USB_RESOURCE_<NAME>`` variable virt-launcher reads for a USB resource (same name rules as PCI)."""
-    return USB_ENV_PREFIX + env_var_for(resource_name, ResourceKind.PCI).removeprefix(PCI_ENV_PREFIX)
+    return f"{USB_ENV_PREFIX}_{env_name_part(resource_name)}"
 
 
 def is_allocation_variable(name: str) -> bool:

@@ -1,11 +1,11 @@
 """Where the hook learns the pod's GPU allocation when it is not the ``compute`` container.
 
 The kubelet puts ``PCI_RESOURCE_*`` / ``MDEV_PCI_RESOURCE_*`` only into the container that asked for the
-devices (``compute``); a hook sidecar sees none of it (FACTS.md §3). So the hook reads the allocation from one
-of three sources, chosen once at start in this order of precedence:
+devices (``compute``); a hook sidecar sees none of it (docs/protocols.md, "KubeVirt hooks"). So the hook reads the
+allocation from one of three sources, chosen once at start in this order of precedence:
 
 1. the kubelet PodResources API (``--pod-resources-socket``): the named container's devices, turned into the
-   same variables the env would hold (FACTS.md §2);
+   same variables the env would hold (docs/protocols.md, "Kubelet PodResources API");
 2. an environ file (``--environ-file``): ``/proc/<pid>/environ`` or ``KEY=VALUE`` lines;
 3. the process env (when the hook runs inside ``compute`` itself, or in tests).
 

@@ -2,8 +2,8 @@
 
 This is policy, kept apart from gRPC so that it can be tested on fixture trees and reasoned about alone:
 
-- the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, FACTS.md §4) holds exactly the requested IDs,
-  in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
+- the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, docs/protocols.md, "KubeVirt env naming") holds exactly
+  the requested IDs, in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
 - DeviceSpecs: ``/dev/vfio/vfio`` (the legacy container) and each needed ``/dev/vfio/<group>`` once; when the
   host has iommufd (``/dev/iommu``), also ``/dev/iommu`` and each device's ``/dev/vfio/devices/vfioN`` cdev
   (a kernel with iommufd but without VFIO device cdevs has no ``vfio-dev`` entry: the group node is enough

@@ -1,9 +1,9 @@
 """The device plugin's configuration: one pydantic model, read from a YAML/JSON file and the environment.
 
 Which functions count as GPUs, which drivers mean "ready for a VM", and names for device IDs an old
-pci.ids lacks are site decisions (FACTS.md §6-7), so they are configuration, not code. The model is the
-single source of truth: its JSON Schema is exported to ``schemas/plugin-config.schema.json`` (run
-``python -m plugin.config --write-schema``; a test fails when the file is stale) for editors and reviews.
+pci.ids lacks are site decisions (docs/node.md; docs/protocols.md, "Resource names"), so they are configuration, not
+code. The model is the single source of truth: its JSON Schema is exported to ``schemas/plugin-config.schema.json``
+(run ``python -m plugin.config --write-schema``; a test fails when the file is stale) for editors and reviews.
 
 Precedence, lowest first: defaults, the file (``--config`` or ``GPU_PLUGIN_CONFIG``), ``GPU_PLUGIN_*``
 environment variables, command-line flags. Every problem is an ``InputError`` naming the file or variable

@@ -6,7 +6,7 @@ a device the scan calls healthy is one Allocate gives out, and the reasons read 
 
 - a passthrough device must be on one of ``vfio_drivers`` (``vfio-pci``…);
 - every other function of its IOMMU group must be viable for VFIO (no driver, a VFIO driver, or one of
-  ``allowed_companion_drivers``), and no other selected GPU may share the group (FACTS.md §6-7);
+  ``allowed_companion_drivers``), and no other selected GPU may share the group (docs/node.md);
 - ``/dev/vfio/<group>`` and ``/dev/vfio/vfio`` must exist.
 
 Pure: callers read the node (through :class:`~plugin.hostroot.HostRoot`) and pass the facts in.

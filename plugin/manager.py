@@ -1,8 +1,8 @@
 """The device plugin's lifecycle: keep one registered server per resource, true to the node, until told to stop.
 
 NVIDIA's plugin scans once, never recovers a device, gives up when the kubelet is late and leaves its sockets
-behind (FACTS.md §7). :class:`PluginManager` is the answer, one loop in one thread that blocks on file
-descriptors (no busy polling):
+behind (docs/protocols.md, "Resource names"). :class:`PluginManager` is the answer, one loop in one thread that blocks
+on file descriptors (no busy polling):
 
 - inotify on ``<host-root>/dev/vfio``: a group node removed or restored triggers a rescan at once, so the
   group's devices turn Unhealthy (or Healthy) in the kubelet well within a second;

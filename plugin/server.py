@@ -1,9 +1,9 @@
 """One resource's device plugin endpoint: the ``v1beta1.DevicePlugin`` gRPC server on its own unix socket.
 
-The kubelet talks to a device plugin per resource (FACTS.md §1): it dials the plugin's socket inside
-``Register``, so the server here must serve before :meth:`ResourceServer.register` is called; it keeps one
-``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every device
-unhealthy". This module is protocol only:
+The kubelet talks to a device plugin per resource (docs/protocols.md, "Kubelet device plugin API"): it dials the
+plugin's socket inside ``Register``, so the server here must serve before :meth:`ResourceServer.register` is called;
+it keeps one ``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every
+device unhealthy". This module is protocol only:
 
 - :class:`ResourceState` holds the resource as last discovered and a version; each ``ListAndWatch`` stream
   blocks on its condition variable (no polling) and sends the whole list whenever what the kubelet sees

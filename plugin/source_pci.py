@@ -1,9 +1,9 @@
 """PCI passthrough GPUs: whole functions bound to a VFIO driver, found under ``/sys/bus/pci/devices``.
 
-Only selected GPU functions become devices (FACTS.md §6-7: NVIDIA's plugin also advertises audio and USB
-functions and never checks a group's viability); the rest of each GPU's IOMMU group are its companions, and
-:class:`~plugin.health.UsabilityRule` decides from them whether the GPU is healthy. GPUs on a host driver
-(``nvidia``) are listed as not offered.
+Only selected GPU functions become devices (docs/node.md; docs/protocols.md, "Resource names": NVIDIA's
+plugin also advertises audio and USB functions and never checks a group's viability); the rest of each GPU's
+IOMMU group are its companions, and :class:`~plugin.health.UsabilityRule` decides from them whether the GPU
+is healthy. GPUs on a host driver (``nvidia``) are listed as not offered.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Discovery: read a node's sysfs (under a host root) and return the :class:`~plugin.inventory.Inventory`.
 
-This is where the node's offer is decided, and where NVIDIA's plugin goes wrong (FACTS.md §6-7): it
-advertises every vfio-bound NVIDIA function, audio included, and never checks that an IOMMU group is
-viable. Here each kind's :class:`~plugin.sources.DeviceSource` walks its part of sysfs and
+This is where the node's offer is decided, and where NVIDIA's plugin goes wrong (docs/node.md; docs/protocols.md,
+"Resource names"): it advertises every vfio-bound NVIDIA function, audio included, and never checks that an
+IOMMU group is viable. Here each kind's :class:`~plugin.sources.DeviceSource` walks its part of sysfs and
 :class:`~plugin.health.UsabilityRule` decides health, the same rule Allocate's re-check applies.
 
 The scan only reads (``listdir``, ``readlink``, small files) under the host root and returns a value; it is

@@ -41,6 +41,12 @@ class ResourceKind(enum.StrEnum):
         return DEVICE_KINDS[self]
 
 
+def env_name_part(resource_name: str) -> str:
+    """The resource name as KubeVirt puts it after a variable's prefix: ``/`` and ``.`` become ``_``, upper-cased
+    (``nvidia.com/GRID_T4-1Q`` → ``NVIDIA_COM_GRID_T4-1Q``)."""
+    return resource_name.replace("/", "_").replace(".", "_").upper()
+
+
 def _parse_pci(text: str) -> DeviceId:
     return PciAddress.parse(text)
 
@@ -79,6 +85,8 @@ class DeviceKind:
     """The kernel bus the devices are listed under: ``/sys/bus/<bus>/devices/<ID>``."""
     label: str
     """What a person calls one device of this kind (``GPU``, ``vGPU``) in messages."""
+    detail_heading: str
+    """What ``xmlgen discover`` shows about each device of the kind (its companions, its mdev type)."""
     parse_id: Callable[[str], DeviceId]
     """Parse one ID strictly (raises :class:`InputError` naming the value); returns its canonical form."""
     parse_id_list: Callable[[str], list[DeviceId] | None]
@@ -100,7 +108,7 @@ class DeviceKind:
 
     def env_var(self, resource_name: str) -> str:
         """The variable virt-launcher reads for ``resource_name``: ``/`` and ``.`` become ``_``, upper-cased."""
-        return f"{self.env_prefix}_{resource_name.replace('/', '_').replace('.', '_').upper()}"
+        return f"{self.env_prefix}_{env_name_part(resource_name)}"
 
 
 PCI_PASSTHROUGH = DeviceKind(
@@ -109,6 +117,7 @@ PCI_PASSTHROUGH = DeviceKind(
     hostdev_type="pci",
     sysfs_bus="pci",
     label="GPU",
+    detail_heading="COMPANIONS",
     parse_id=_parse_pci,
     parse_id_list=_parse_pci_list,
     looks_like_id=_is_pci_address,
@@ -123,6 +132,7 @@ MDEV_VGPU = DeviceKind(
     hostdev_type="mdev",
     sysfs_bus="mdev",
     label="vGPU",
+    detail_heading="MDEV TYPE",
     parse_id=parse_mdev_uuid,
     parse_id_list=_no_fast_list,
     looks_like_id=looks_like_mdev_uuid,

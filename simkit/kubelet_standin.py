@@ -1,4 +1,5 @@
-"""A stand-in for the kubelet's device manager, behaving as FACTS.md §1 describes, over real unix sockets.
+"""A stand-in for the kubelet's device manager, behaving as docs/protocols.md, "Kubelet device plugin API" describes,
+over real unix sockets.
 
 The device plugin can only be proven against something that acts like the kubelet where it matters: the
 kubelet dials the plugin back *inside* ``Register`` (so a plugin that registers before it serves fails), keeps

@@ -1,4 +1,5 @@
-"""The kubelet stand-in behaves as FACTS.md §1 says, against a small fake plugin over real unix sockets."""
+"""The kubelet stand-in behaves as docs/protocols.md, "Kubelet device plugin API" says, against a small fake plugin
+over real unix sockets."""
 
 from __future__ import annotations
 

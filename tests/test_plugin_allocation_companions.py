@@ -1,6 +1,6 @@
 """Allocate's host re-check covers a GPU's companions, not only the GPU (found by the flapping soak, issue 7).
 
-A GPU is healthy only if every other function of its IOMMU group is viable for VFIO (FACTS.md: a companion
+A GPU is healthy only if every other function of its IOMMU group is viable for VFIO (docs/node.md, "VFIO": a companion
 on a host driver such as ``snd_hda_intel`` blocks the group). Between two scans a companion can be rebound
 to a host driver (``modprobe snd_hda_intel`` grabbing the audio function, a card handed back to the host
 function by function); Allocate must then refuse with FAILED_PRECONDITION naming the device, as it does when

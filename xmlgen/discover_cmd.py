@@ -20,7 +20,7 @@ from plugin import sources
 from plugin.config import load_config
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
-from schemas import InputError, ResourceKind
+from schemas import InputError, kind_info
 from xmlgen.io import user_errors, write_stdout
 
 
@@ -32,7 +32,7 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 
 
 def _detail(device: Device) -> str:
-    if device.kind is ResourceKind.MDEV:
+    if device.mdev_type is not None:
         return f"{device.mdev_type} on {device.parent}"
     return ",".join(str(companion.address) for companion in device.companions) or "-"
 
@@ -48,7 +48,7 @@ def render_table(inventory: Inventory) -> str:
         )
         lines.append(f"  env {resource.env}")
         lines.append(f"  socket {resource.socket}")
-        companions = "COMPANIONS" if resource.kind is ResourceKind.PCI else "MDEV TYPE"
+        companions = kind_info(resource.kind).detail_heading
         rows = [["DEVICE", "GROUP", "NUMA", "PCIE ROOT", "HEALTH", companions]]
         reasons: dict[int, str] = {}
         for device in resource.devices:
