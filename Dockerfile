@@ -26,8 +26,10 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     "$VIRTUAL_ENV/bin/pip" install --require-hashes -r requirements/build.txt -r requirements/runtime.txt
 COPY pyproject.toml README.md ./
 COPY schemas/ schemas/
+COPY runtime/ runtime/
 COPY plugin/ plugin/
 COPY launcher_hook/ launcher_hook/
+COPY simkit/ simkit/
 COPY xmlgen/ xmlgen/
 # A wheel (what pip would publish, built with the locked setuptools), installed without resolving anything
 # more; then the build backend leaves: no source tree, no editable install, no build tools in the image.
@@ -38,8 +40,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && "$VIRTUAL_ENV/bin/pip" uninstall -y setuptools
 
 FROM ${PYTHON_IMAGE} AS runtime
-# Debian's pci.ids: device names (and so resource names, FACTS.md §7) do not depend on the node's own file,
-# which the DaemonSet does not mount. Pinned so that a rebuild cannot rename resources; bump it on purpose.
+# Debian's pci.ids: device names (and so resource names, docs/protocols.md, "Resource names") do not depend
+# on the node's own file, which the DaemonSet does not mount. Pinned so that a rebuild cannot rename resources; bump it on purpose.
 ARG PCI_IDS_VERSION=0.0~2023.04.11-1
 RUN apt-get update \
     && apt-get install -y --no-install-recommends "pci.ids=${PCI_IDS_VERSION}" \

@@ -8,7 +8,8 @@ its own process on a unix socket, as in a pod, and one client here calls them in
   address). ``launcher-hook serve`` (allocation from its env, one JSON log line per call) is measured against
   a gRPC server that only parses and serialises the same domain with lxml (``bench/hook_floor_server.py``),
   interleaved in the same run; goal: median round trip at most 1.3x the floor's, in each case;
-- memory: the hook's RSS after the latency runs against an idle Python gRPC server's; goal at most 1.6x.
+- memory: the hook's RSS after the latency runs against an idle Python gRPC server's; goal at most 1.3x (issue 12:
+  the VMI is read without pydantic, and the serve path imports no YAML).
 
 Prints figures and ratios and exits 0; a measurement, not a test.
 """
@@ -36,7 +37,7 @@ from bench.workloads import kubevirt_rendered_domain, kubevirt_sized_domain, med
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 
 LATENCY_GOAL = 1.3
-MEMORY_GOAL = 1.6
+MEMORY_GOAL = 1.3
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "hook_floor_server.py"
 

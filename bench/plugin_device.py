@@ -13,7 +13,7 @@ to it over the unix sockets, as the kubelet would.
   by an inotify watch in this process;
 - idle CPU over ``--idle`` seconds with default settings (goal ≤ 1 % of a core), next to the idle floor
   server's over the same window;
-- resident memory after all that (goal ≤ 1.6x an idle Python gRPC server's).
+- resident memory after all that (goal ≤ 1.3x an idle Python gRPC server's, issue 12).
 
 Prints figures with MET / NOT MET and exits 0: a measurement, not a test.
 """
@@ -37,12 +37,12 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
-from plugin.fixture_nodes import NODE01
 from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.sysfs_fixture import build
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import build
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "plugin_floor_server.py"
@@ -54,7 +54,7 @@ START_GOAL = 1.0
 ALLOCATE_GOAL = 0.002
 HEALTH_GOAL = 1.0
 CPU_GOAL = 0.01
-MEMORY_GOAL = 1.6
+MEMORY_GOAL = 1.3
 
 
 def verdict(met: bool) -> str:

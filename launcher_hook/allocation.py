@@ -10,14 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from schemas import MDEV_ENV_PREFIX, PCI_ENV_PREFIX, InputError, PciAddress, ResourceKind, env_var_for, parse_mdev_uuid
+from schemas import DeviceId, InputError, ResourceKind
+from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
 
 USB_ENV_PREFIX = "USB_RESOURCE"
 """KubeVirt's prefix for USB host devices (``USB_RESOURCE_<NAME>=<bus>:<device>``): virt-launcher renders those
 itself as ``<hostdev type='usb'>``; the hook only notes them."""
-
-DeviceId = PciAddress | str
-"""A PCI function (passthrough) or an mdev UUID (vGPU, canonical lower case)."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +28,8 @@ class Pool:
 
 
 @dataclass(frozen=True)
-class Allocation:
-    """Every allocation variable found, keyed by variable name."""
+class EnvAllocation:
+    """The allocation the hook reads from a pod env: every allocation variable found, keyed by variable name."""
 
     pools: Mapping[str, Pool] = field(default_factory=dict)
     usb_variables: frozenset[str] = frozenset()
@@ -43,22 +41,24 @@ class Allocation:
 
 def usb_env_var_for(resource_name: str) -> str:
     """The ``USB_RESOURCE_<NAME>`` variable virt-launcher reads for a USB resource (same name rules as PCI)."""
-    return USB_ENV_PREFIX + env_var_for(resource_name, ResourceKind.PCI).removeprefix(PCI_ENV_PREFIX)
+    return f"{USB_ENV_PREFIX}_{env_name_part(resource_name)}"
 
 
 def is_allocation_variable(name: str) -> bool:
     """True for ``PCI_RESOURCE_*`` and ``MDEV_PCI_RESOURCE_*`` names."""
-    return name.startswith((f"{PCI_ENV_PREFIX}_", f"{MDEV_ENV_PREFIX}_"))
+    return name.startswith(ENV_PREFIXES)
 
 
 def parse_pool(variable: str, value: str) -> Pool:
     """Parse one variable's value as KubeVirt does (one trailing comma dropped, split on ``,``), strictly."""
-    kind = ResourceKind.MDEV if variable.startswith(f"{MDEV_ENV_PREFIX}_") else ResourceKind.PCI
+    kind = kind_of_variable(variable)
+    if kind is None:
+        raise InputError(f"{variable} is not an allocation variable ({', '.join(ENV_PREFIXES)}…)")
     text = value.removesuffix(",")
-    if kind is ResourceKind.PCI and text:
-        fast = PciAddress.parse_list(text)
+    if text:
+        fast = kind.parse_id_list(text)
         if fast is not None and len(set(fast)) == len(fast):
-            return Pool(variable, kind, tuple(fast))
+            return Pool(variable, kind.key, tuple(fast))
     items = text.split(",") if text else []
     ids: list[DeviceId] = []
     seen: set[DeviceId] = set()
@@ -66,17 +66,17 @@ def parse_pool(variable: str, value: str) -> Pool:
         if not item:
             raise InputError(f"{variable}={value!r}: entry {position} is empty")
         try:
-            device_id: DeviceId = PciAddress.parse(item) if kind is ResourceKind.PCI else parse_mdev_uuid(item)
+            device_id = kind.parse_id(item)
         except InputError as exc:
             raise InputError(f"{variable}: {exc}") from None
         if device_id in seen:
             raise InputError(f"{variable}: {item!r} is listed twice")
         seen.add(device_id)
         ids.append(device_id)
-    return Pool(variable, kind, tuple(ids))
+    return Pool(variable, kind.key, tuple(ids))
 
 
-def allocation_from_env(env: Mapping[str, str]) -> Allocation:
+def allocation_from_env(env: Mapping[str, str]) -> EnvAllocation:
     """Collect and validate every allocation variable in ``env``; other variables are ignored."""
     pools: dict[str, Pool] = {}
     usb: list[str] = []
@@ -85,11 +85,11 @@ def allocation_from_env(env: Mapping[str, str]) -> Allocation:
             usb.append(name)
         else:
             pools[name] = parse_pool(name, env[name])
-    return Allocation(pools, frozenset(usb))
+    return EnvAllocation(pools, frozenset(usb))
 
 
 _USB = f"{USB_ENV_PREFIX}_"
-_PREFIXES = (f"{PCI_ENV_PREFIX}_", f"{MDEV_ENV_PREFIX}_", _USB)
+_PREFIXES = (*ENV_PREFIXES, _USB)
 
 
 def parse_environ(data: bytes) -> dict[str, str]:

@@ -9,17 +9,15 @@ env variables.
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import click
 
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
-from launcher_hook.server import DEFAULT_SOCKET, DEFAULT_SOCKET_MODE, HookServer, SocketInUse
-from launcher_hook.service import LOG_FORMAT_ENV, HookService, configure_logging, log_call
+from launcher_hook.server import DEFAULT_SOCKET, DEFAULT_SOCKET_MODE, HookServer
+from launcher_hook.service import COMPONENT, HookService, log_call
 from launcher_hook.sources import (
     DEFAULT_CONTAINER,
     AllocationSource,
@@ -28,7 +26,12 @@ from launcher_hook.sources import (
     ProcessEnvSource,
     own_pod_identity,
 )
-from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
+from runtime.cli_options import log_format_option as _log_format_option
+from runtime.env import hook_env
+from runtime.logs import configure_logging
+from runtime.signals import stop_on_signals
+from runtime.sockets import SocketInUse
+from schemas.logformat import LogFormat
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,7 +42,7 @@ def allocation_options(function: F) -> F:
         click.option(
             "--pod-resources-socket",
             type=click.Path(dir_okay=False, path_type=Path),
-            envvar="LAUNCHER_HOOK_POD_RESOURCES_SOCKET",
+            envvar=hook_env("pod_resources_socket"),
             help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); "
             "only this hook's own pod is read: POD_NAMESPACE/POD_NAME, or else the virt-launcher pod of this "
             "pod's hostname; a VMI naming another pod is refused. Takes precedence.",
@@ -47,20 +50,20 @@ def allocation_options(function: F) -> F:
         click.option(
             "--environ-file",
             type=click.Path(dir_okay=False, path_type=Path),
-            envvar="LAUNCHER_HOOK_ENVIRON_FILE",
+            envvar=hook_env("environ_file"),
             help="Read the allocation from /proc/<pid>/environ or KEY=VALUE lines (read on every call).",
         ),
         click.option(
             "--container",
             default=DEFAULT_CONTAINER,
             show_default=True,
-            envvar="LAUNCHER_HOOK_CONTAINER",
+            envvar=hook_env("container"),
             help="Whose devices to take from PodResources.",
         ),
         click.option(
             "--driver",
             type=click.Choice(SUPPORTED_DRIVERS),
-            envvar="LAUNCHER_HOOK_DRIVER",
+            envvar=hook_env("driver"),
             help="Write <driver name='vfio'/> on PCI hostdevs.",
         ),
     ]
@@ -91,17 +94,8 @@ def force_gpu_aliases_option(function: F) -> F:
     )(function)
 
 
-def log_format_option(function: F) -> F:
-    """``--log-format json|text`` (env ``LAUNCHER_HOOK_LOG_FORMAT``), shared by ``serve`` and the shim."""
-    return click.option(
-        "--log-format",
-        type=click.Choice(LOG_FORMATS),
-        default=DEFAULT_LOG_FORMAT,
-        show_default=True,
-        envvar=LOG_FORMAT_ENV,
-        show_envvar=True,
-        help="Log lines on stderr: one JSON object each, or readable text.",
-    )(function)
+log_format_option = _log_format_option(hook_env("log_format"))
+"""``--log-format json|text`` (env ``LAUNCHER_HOOK_LOG_FORMAT``), shared by ``serve`` and the shim."""
 
 
 def _octal(context: click.Context, parameter: click.Parameter, value: str) -> int:
@@ -150,7 +144,7 @@ def serve(
     force_gpu_aliases: bool,
 ) -> None:
     """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
-    flush_logs = configure_logging(log_format, background=True)
+    flush_logs = configure_logging(COMPONENT, log_format, background=True)
     try:
         options = BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)
         _serve(socket_path, socket_mode, pod_resources_socket, environ_file, container, options)
@@ -170,14 +164,12 @@ def _serve(
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(socket_path, HookService(source, options), socket_mode=mode)
 
-    received: list[str] = []
-
-    def on_signal(number: int, frame: FrameType | None) -> None:
-        received.append(signal.Signals(number).name)  # no logging here: the handler may interrupt a log call
-        server.request_stop()
-
     # Handlers first: a signal that arrives as soon as the socket appears must still end us cleanly.
-    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    with stop_on_signals(server.request_stop) as received:
+        _run(server, source, mode, received)
+
+
+def _run(server: HookServer, source: AllocationSource, mode: int, received: list[str]) -> None:
     try:
         try:
             server.start()
@@ -194,8 +186,6 @@ def _serve(
     finally:
         server.stop(grace=0)  # idempotent; removes the socket if anything above failed
         source.close()
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def main() -> None:

@@ -30,8 +30,12 @@ from dataclasses import dataclass
 from lxml import etree
 
 from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, render_hostdev
+from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
+from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
+from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
+from launcher_hook.hostdevs.base import CHANGED_SWITCHES as _SWITCHES
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, SourceKey
-from schemas import InputError, PciAddress, ResourceKind
+from schemas import InputError
 from schemas.limits import check_utf8
 
 # A UTF-8 byte order mark may precede the declaration; it must not hide the encoding it declares.
@@ -160,72 +164,21 @@ def parse_domain(data: bytes, max_bytes: int) -> ParsedDomain:
     return parsed
 
 
-def libvirt_number(text: str | None) -> int | None:
-    """A number as libvirt reads it (C-style: ``0x`` hex, leading ``0`` octal, else decimal), or None."""
-    if text is None:
-        return None
-    value = text.strip()
-    try:
-        if value[:2].lower() == "0x":
-            return int(value[2:], 16)
-        if len(value) > 1 and value.startswith("0"):
-            return int(value[1:], 8)
-        return int(value, 10)
-    except ValueError:
-        return None
-
-
-def _hex_numbers(texts: tuple[str | None, str | None, str | None, str | None]) -> tuple[int, int, int, int] | None:
-    """domain, bus, slot and function when all four are ``0x`` hex in range (domain up to 4 digits), else None."""
-    domain, bus, slot, function = texts
-    if not (domain and bus and slot and function):
-        return None
-    if not domain[:2] == bus[:2] == slot[:2] == function[:2] == "0x":
-        return None
-    if not (domain[2:].isalnum() and bus[2:].isalnum() and slot[2:].isalnum() and function[2:].isalnum()):
-        return None  # int() would also take "_", signs and surrounding whitespace
-    try:
-        numbers = (int(domain, 16), int(bus, 16), int(slot, 16), int(function, 16))
-    except ValueError:
-        return None
-    if numbers[0] > 0xFFFF or numbers[1] > 0xFF or numbers[2] > 0x1F or numbers[3] > 7:
-        return None
-    return numbers
-
-
 def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
     """What a ``<hostdev>`` passes through, as a comparable key (``("pci", "0000:86:00.0")`` …), or None."""
     return _source_key(hostdev.get("type"), hostdev.find("source/address"))
 
 
-_PCI, _MDEV = ResourceKind.PCI.value, ResourceKind.MDEV.value
-_KIND_TEXT = {ResourceKind.PCI: _PCI, ResourceKind.MDEV: _MDEV}  # an enum's .value is a slow descriptor
-
-
-def _source_key(kind: str | None, address: etree._Element | None) -> tuple[str, str] | None:
-    if address is None:
+def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tuple[str, str] | None:
+    model = model_for_type(hostdev_type)
+    if model is None or address is None:
         return None
-    if kind == _MDEV:
-        uuid = address.get("uuid")
-        return ("mdev", uuid.lower()) if uuid else None
-    if kind == _PCI:
-        get = address.get
-        texts = (get("domain"), get("bus"), get("slot"), get("function"))
-        fast = _hex_numbers(texts)
-        if fast is not None:  # the usual form (KubeVirt's and ours): the kernel's text without a round trip
-            return ("pci", "%04x:%02x:%02x.%x" % fast)  # noqa: UP031
-        numbers = [libvirt_number(text) for text in texts]
-        if any(number is None for number in numbers):
-            return None
-        try:
-            return ("pci", str(PciAddress(*(number for number in numbers if number is not None))))
-        except InputError:
-            return None
-    return None
+    source = model.read_source(address)
+    return (model.type_name, source) if source is not None else None
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (_KIND_TEXT[spec.kind], str(spec.source))
+    return (HOSTDEV_MODELS[spec.kind].type_name, str(spec.source))
 
 
 def _newline_whitespace(text: str | None) -> str | None:
@@ -338,22 +291,6 @@ class Spliced:
     warnings: list[str]
 
 
-def _set_switch(hostdev: etree._Element, attribute: str, on: bool) -> bool:
-    """Make ``attribute`` say ``on``/not on; True if the element changed (an existing ``'off'`` stays)."""
-    current = hostdev.get(attribute)
-    if on and current != "on":
-        hostdev.set(attribute, "on")
-        return True
-    if not on and current == "on":
-        del hostdev.attrib[attribute]
-        return True
-    return False
-
-
-_SOURCE_TYPE, _SWITCHES, _OTHER = "source type=", "display/ramfb", "other"
-"""What ``_merge_into`` changed: the first two are patched in the bytes, anything else re-serialises the hostdev."""
-
-
 def _merge_into(
     hostdev: etree._Element, spec: HostdevSpec, unit: str, warnings: list[str]
 ) -> tuple[str, str | None, set[str]]:
@@ -394,18 +331,9 @@ def _merge_into(
     if address is not None and "type" in address.attrib:
         del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
         changed.add(_SOURCE_TYPE)
-    if spec.kind is ResourceKind.PCI:
-        if address is not None and isinstance(spec.source, PciAddress) and _hex_source_address(address, spec.source):
-            changed.add(_OTHER)
-        dropped = [attribute for attribute in ("display", "ramfb") if hostdev.get(attribute) is not None]
-        for attribute in dropped:
-            del hostdev.attrib[attribute]
-        if dropped:
-            changed.add(_SWITCHES)
-            warnings.append(
-                f"{spec.label}: {'/'.join(dropped)} removed from the PCI hostdev {alias!r} (libvirt's schema has "
-                "them on mdev hostdevs only and its parser drops them)"
-            )
+    model = HOSTDEV_MODELS[spec.kind]
+    changed |= model.correct_existing(hostdev, address, spec, alias, warnings)
+    if model.kind.takes_driver_element:
         if driver is not None and source is not None and _driver_next_to_source(driver, source):
             changed.add(_OTHER)
         if spec.driver is not None and driver is None:
@@ -413,12 +341,7 @@ def _merge_into(
             driver.tail = _newline_whitespace(hostdev.text)
             hostdev.insert(0, driver)
             changed.add(_OTHER)
-    elif _set_switch(hostdev, "display", spec.display) | _set_switch(hostdev, "ramfb", spec.ramfb):
-        changed.add(_SWITCHES)
     return alias, current, changed
-
-
-_PCI_FIELDS = ("domain", "bus", "slot", "function")
 
 
 def _driver_next_to_source(driver: etree._Element, source: etree._Element) -> bool:
@@ -429,20 +352,6 @@ def _driver_next_to_source(driver: etree._Element, source: etree._Element) -> bo
     _remove_keeping_layout(driver)
     driver.tail = _indent_of(source)
     source.addprevious(driver)
-    return True
-
-
-def _hex_source_address(address: etree._Element, source: PciAddress) -> bool:
-    """Write a source address given in decimal or octal (which libvirt reads C-style) in ``0x`` hex, the same
-    numbers in the one unambiguous form; an address already all ``0x`` stays as written."""
-    get = address.get
-    domain, bus, slot, function = get("domain"), get("bus"), get("slot"), get("function")
-    if domain and bus and slot and function and domain[:2] == bus[:2] == slot[:2] == function[:2] == "0x":
-        return False  # (the source key was read from these numbers, so they are valid)
-    if all((get(field) or "").lower().startswith("0x") for field in _PCI_FIELDS):
-        return False
-    for field, value in zip(_PCI_FIELDS, ("0x%04x", "0x%02x", "0x%02x", "0x%x"), strict=True):
-        address.set(field, value % getattr(source, field))
     return True
 
 

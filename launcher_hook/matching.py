@@ -22,9 +22,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from launcher_hook.allocation import Allocation, DeviceId, Pool, usb_env_var_for
+from launcher_hook.allocation import EnvAllocation, Pool, usb_env_var_for
 from launcher_hook.hostdev import HostdevSpec
-from schemas import InputError, ResourceKind, env_var_for
+from schemas import DEVICE_KINDS, DeviceId, InputError, kind_info
 from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
 
 SourceKey = tuple[str, str]
@@ -98,25 +98,21 @@ def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
     return requests
 
 
-def _pools_for(device_name: str, allocation: Allocation) -> list[Pool]:
-    """The PCI pool, then the mdev pool, of ``device_name`` (either may be absent)."""
-    return [
-        pool
-        for kind in (ResourceKind.PCI, ResourceKind.MDEV)
-        if (pool := allocation.pool(env_var_for(device_name, kind))) is not None
-    ]
+def _pools_for(device_name: str, allocation: EnvAllocation) -> list[Pool]:
+    """The pools of ``device_name`` in the kinds table's order (PCI, then mdev, as virt-launcher; any may be absent)."""
+    return [pool for kind in DEVICE_KINDS.values() if (pool := allocation.pool(kind.env_var(device_name))) is not None]
 
 
-def _left_to_virt_launcher(request: _Request, allocation: Allocation, existing: DomainHostdevs) -> str | None:
+def _left_to_virt_launcher(request: _Request, allocation: EnvAllocation, existing: DomainHostdevs) -> str | None:
     """Why an entry without a PCI/mdev variable is virt-launcher's alone (a warning), or None if it is not."""
-    pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
+    variables = ", ".join(kind.env_var(request.device_name) for kind in DEVICE_KINDS.values())
     aliases = [request.kubevirt_alias]
     if request.list_name == "hostDevices":
         aliases.append(KUBEVIRT_USB_ALIAS_PREFIX + request.name)
     for alias in aliases:
         if alias in existing.alias_sources:
             return (
-                f"{request.label}: not in the hook's allocation ({pci}, {mdev}); virt-launcher's <hostdev> "
+                f"{request.label}: not in the hook's allocation ({variables}); virt-launcher's <hostdev> "
                 f"{alias!r} is left as it is"
             )
     if request.list_name == "hostDevices" and usb_env_var_for(request.device_name) in allocation.usb_variables:
@@ -137,9 +133,9 @@ def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Po
 
 
 def _no_variable(request: _Request) -> InputError:
-    pci, mdev = (env_var_for(request.device_name, kind) for kind in (ResourceKind.PCI, ResourceKind.MDEV))
+    variables = " and ".join(kind.env_var(request.device_name) for kind in DEVICE_KINDS.values())
     return InputError(
-        f"{request.label}: no allocation variable found; looked for {pci} and {mdev} "
+        f"{request.label}: no allocation variable found; looked for {variables} "
         "(is the device plugin serving this resource, and is this the compute container's env?)"
     )
 
@@ -233,7 +229,7 @@ def _claim_rendered(
 
 def match_vmi(
     vmi: VirtualMachineInstance,
-    allocation: Allocation,
+    allocation: EnvAllocation,
     options: HostdevOptions,
     existing: DomainHostdevs = NO_HOSTDEVS,
 ) -> tuple[list[HostdevSpec], list[str]]:
@@ -288,13 +284,13 @@ def match_vmi(
             f"ua-gpu{request.position}" if is_gpu else f"ua-hostdev{request.position}",
             pool.variable,
             options.managed,
-            options.driver if pool.kind is ResourceKind.PCI else None,
+            options.driver if kind_info(pool.kind).takes_driver_element else None,
             False,
             False,
             request.label,
             options.force_gpu_aliases and is_gpu,
         )
-        if pool.kind is ResourceKind.MDEV and is_gpu:
+        if kind_info(pool.kind).default_display and is_gpu:
             is_first_mdev = not first_mdev_seen
             first_mdev_seen = True
             want = _display_request(gpu_options, is_first_mdev and options.graphics and not any_display)
@@ -335,7 +331,7 @@ def _with_display(
 
 
 def match_all(
-    allocation: Allocation, options: HostdevOptions, existing: DomainHostdevs = NO_HOSTDEVS
+    allocation: EnvAllocation, options: HostdevOptions, existing: DomainHostdevs = NO_HOSTDEVS
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Without a VMI: every variable in name order, IDs in listed order, aliases ``ua-gpu0``, ``ua-gpu1``…;
     the first vGPU gets the default display (with a ``<graphics>`` device)."""
@@ -350,7 +346,7 @@ def match_all(
                 continue
             seen.add(device_id)
             label = f"{variable} {device_id}"
-            if pool.kind is ResourceKind.MDEV:
+            if kind_info(pool.kind).default_display:
                 wants[len(specs)] = _display_request(None, not wants and options.graphics)
                 labels[len(specs)] = label
             specs.append(_spec(pool, device_id, f"ua-gpu{len(specs)}", options, label))
@@ -365,7 +361,7 @@ def _spec(pool: Pool, device_id: DeviceId, alias: str, options: HostdevOptions, 
         alias=alias,
         variable=pool.variable,
         managed=options.managed,
-        driver=options.driver if pool.kind is ResourceKind.PCI else None,
+        driver=options.driver if kind_info(pool.kind).takes_driver_element else None,
         label=label,
         force_alias=options.force_gpu_aliases,
     )

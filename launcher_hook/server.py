@@ -1,8 +1,9 @@
 """The KubeVirt hook sidecar's gRPC server: ``Info`` and ``Callbacks`` v1alpha1-v1alpha3 on one unix socket.
 
 virt-launcher finds the socket in ``/var/run/kubevirt-hooks/``, calls ``Info``, picks the newest version both
-sides know and calls that version's ``OnDefineDomain`` (FACTS.md §3). The servicers here are thin adapters:
-they hand the bytes to ``HookService`` and turn its ``HookFault`` into the gRPC status. ``Shutdown`` (and
+sides know and calls that version's ``OnDefineDomain`` (docs/protocols.md, "KubeVirt hooks"). The servicers
+here are thin adapters: they hand the bytes to ``HookService`` and turn its ``HookFault`` into the gRPC
+status. ``Shutdown`` (and
 SIGTERM/SIGINT, handled by the CLI) stops the server and removes the socket.
 
 The socket is created with mode 0666 (``DEFAULT_SOCKET_MODE``): virt-launcher and the sidecar are different
@@ -15,31 +16,23 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from launcher_hook.service import HookFault, HookService, log_call
-from schemas.generated.kubevirt.hooks import (
-    info_pb2,
-    info_pb2_grpc,
-    v1alpha1_pb2,
-    v1alpha1_pb2_grpc,
-    v1alpha2_pb2,
-    v1alpha2_pb2_grpc,
-    v1alpha3_pb2,
-    v1alpha3_pb2_grpc,
-)
+from runtime.hook_api import HOOK_API_VERSIONS, VERSIONS
+from runtime.sockets import SocketInUse, prepare_socket_path
+from runtime.status import status_message
+from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
 HOOK_NAME = "kubevirt-gpu-passthrough"
-VERSIONS = ("v1alpha1", "v1alpha2", "v1alpha3")
 HOOK_POINTS = ("OnDefineDomain", "Shutdown")
 DEFAULT_SOCKET = Path("/var/run/kubevirt-hooks/gpu-hostdev.sock")
 DEFAULT_SOCKET_MODE = 0o666
@@ -63,19 +56,6 @@ MAX_CONNECTION_AGE_GRACE_MS = 30_000
 """Connections are closed after 2 min (+30 s for a call in flight): virt-launcher dials afresh for every call
 and gives each a 1-minute deadline, so only a client that never reads its answer is cut off, and its share of
 the budget returns."""
-MAX_UNIX_SOCKET_PATH = 107
-MAX_STATUS_MESSAGE = 512
-"""Longest status message sent, in characters (as the device plugin's). gRPC sends it percent-encoded in the
-trailers, and a client drops trailers over its metadata limit (16 KiB hard) with RESOURCE_EXHAUSTED instead of
-the real status; 512 characters stay under 8 KiB even when every one is a 4-byte character."""
-
-
-def status_message(message: str) -> str:
-    """``message`` fit for a gRPC status: at most ``MAX_STATUS_MESSAGE`` characters, and encodable as UTF-8
-    (a VMI's JSON may carry lone surrogates such as ``\\ud800`` into a message; they are written escaped)."""
-    if len(message) > MAX_STATUS_MESSAGE:
-        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
-    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _abort(context: grpc.ServicerContext, fault: HookFault) -> None:
@@ -152,18 +132,24 @@ class InfoServicer:
         )
 
 
-class _Callbacks:
-    """What every version shares: OnDefineDomain through the service."""
+class Callbacks:
+    """``kubevirt.hooks.<version>.Callbacks``: OnDefineDomain through the service, for one hook API version.
 
-    version = ""
+    One class for every version: the versions differ only in their message modules (from
+    :data:`runtime.hook_api.HOOK_API_VERSIONS`) and in which methods their service lists; gRPC registers only
+    those (``PreCloudInitIso`` from v1alpha2, ``Shutdown`` from v1alpha3).
+    """
 
     def __init__(
         self,
+        version: str,
         service: HookService,
         on_shutdown: Callable[[], None],
         budget: ByteBudget,
         budget_wait: float = BUDGET_WAIT_SECONDS,
     ) -> None:
+        self.version = version
+        self._messages: Any = HOOK_API_VERSIONS[version][0]
         self._service = service
         self._on_shutdown = on_shutdown
         self._budget = budget
@@ -197,75 +183,17 @@ class _Callbacks:
             if size >= TRIM_AFTER_BYTES:
                 _release_free_memory()
 
+    def OnDefineDomain(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._messages.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
 
-class CallbacksV1alpha1(_Callbacks):
-    version = "v1alpha1"
-
-    def OnDefineDomain(
-        self, request: v1alpha1_pb2.OnDefineDomainParams, context: grpc.ServicerContext
-    ) -> v1alpha1_pb2.OnDefineDomainResult:
-        return v1alpha1_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
-
-
-class CallbacksV1alpha2(_Callbacks):
-    version = "v1alpha2"
-
-    def OnDefineDomain(
-        self, request: v1alpha2_pb2.OnDefineDomainParams, context: grpc.ServicerContext
-    ) -> v1alpha2_pb2.OnDefineDomainResult:
-        return v1alpha2_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
-
-    def PreCloudInitIso(
-        self, request: v1alpha2_pb2.PreCloudInitIsoParams, context: grpc.ServicerContext
-    ) -> v1alpha2_pb2.PreCloudInitIsoResult:
-        return v1alpha2_pb2.PreCloudInitIsoResult(
+    def PreCloudInitIso(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._messages.PreCloudInitIsoResult(
             cloudInitNoCloudSource=request.cloudInitNoCloudSource, cloudInitData=request.cloudInitData
         )
 
-
-class CallbacksV1alpha3(_Callbacks):
-    version = "v1alpha3"
-
-    def OnDefineDomain(
-        self, request: v1alpha3_pb2.OnDefineDomainParams, context: grpc.ServicerContext
-    ) -> v1alpha3_pb2.OnDefineDomainResult:
-        return v1alpha3_pb2.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
-
-    def PreCloudInitIso(
-        self, request: v1alpha3_pb2.PreCloudInitIsoParams, context: grpc.ServicerContext
-    ) -> v1alpha3_pb2.PreCloudInitIsoResult:
-        return v1alpha3_pb2.PreCloudInitIsoResult(
-            cloudInitNoCloudSource=request.cloudInitNoCloudSource, cloudInitData=request.cloudInitData
-        )
-
-    def Shutdown(
-        self, request: v1alpha3_pb2.ShutdownParams, context: grpc.ServicerContext
-    ) -> v1alpha3_pb2.ShutdownResult:
+    def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._on_shutdown()
-        return v1alpha3_pb2.ShutdownResult()
-
-
-class SocketInUse(Exception):
-    """The socket path is taken (a live server answers there, or it is not a socket) or too long for a socket."""
-
-
-LIVE_PROBE_SECONDS = 1.0
-"""How long ``start`` waits for an existing socket to accept a connection before calling it stale."""
-
-
-def socket_is_live(path: Path, timeout: float = LIVE_PROBE_SECONDS) -> bool:
-    """Whether something accepts connections on the unix socket ``path`` now (a stale socket refuses them)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(timeout)
-    try:
-        probe.connect(os.fspath(path))
-    except (TimeoutError, PermissionError):
-        return True  # a full backlog (a busy server), or a socket we may not probe: neither is ours to replace
-    except OSError:
-        return False  # ECONNREFUSED: nobody listens there any more
-    finally:
-        probe.close()
-    return True
+        return self._messages.ShutdownResult()
 
 
 class HookServer:
@@ -298,35 +226,14 @@ class HookServer:
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         info_pb2_grpc.add_InfoServicer_to_server(InfoServicer(), self._server)
-        for servicer_class, module in (
-            (CallbacksV1alpha1, v1alpha1_pb2_grpc),
-            (CallbacksV1alpha2, v1alpha2_pb2_grpc),
-            (CallbacksV1alpha3, v1alpha3_pb2_grpc),
-        ):
-            module.add_CallbacksServicer_to_server(
-                servicer_class(service, self.request_stop, self.budget, budget_wait), self._server
+        for version, (_, grpc_module) in HOOK_API_VERSIONS.items():
+            grpc_module.add_CallbacksServicer_to_server(
+                Callbacks(version, service, self.request_stop, self.budget, budget_wait), self._server
             )
-
-    def _prepare_path(self) -> None:
-        path = self.socket_path
-        if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
-            raise SocketInUse(f"socket path {path} is longer than {MAX_UNIX_SOCKET_PATH} bytes, the unix socket limit")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            mode = path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        if socket_is_live(path):
-            raise SocketInUse(
-                f"another server is listening on {path} (or it cannot be probed); refusing to replace its socket"
-            )
-        path.unlink()  # a stale socket from an earlier run: nobody answers there
 
     def start(self) -> None:
         """Bind (replacing a stale socket), set the socket's mode, and serve."""
-        self._prepare_path()
+        prepare_socket_path(self.socket_path, create_parent=True)
         # The umask decides the mode bind() gives the socket, so no client ever sees it with another mode.
         previous = os.umask(0o777 & ~self.socket_mode)
         try:

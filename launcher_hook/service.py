@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
 
 from launcher_hook.builder import BuildOptions, BuildResult, build_domain
 from launcher_hook.sources import AllocationSource, SourceUnavailable
+from runtime.logs import component_logger
 from schemas import InputError
-from schemas.logformat import DEFAULT_LOG_FORMAT, LogFormat, configure, event_extra, event_message
+from schemas.logformat import event_extra, event_message
 
-LOGGER = logging.getLogger("launcher_hook")
-LOGGER.addHandler(logging.NullHandler())  # unconfigured (xmlgen, tests): no "last resort" stderr lines
 COMPONENT = "launcher_hook"
-LOG_FORMAT_ENV = "LAUNCHER_HOOK_LOG_FORMAT"
+LOGGER = component_logger(COMPONENT)
 
 FaultCode = Literal["INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL"]
 """gRPC status code names (``grpc.StatusCode[code]``); the shim only prints them."""
@@ -68,17 +65,8 @@ def _cut(message: str) -> str:
 
 
 def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> None:
-    """One event per line on the ``launcher_hook`` logger (JSON or text, see :func:`configure_logging`)."""
+    """One event per line on the ``launcher_hook`` logger (JSON or text, see :func:`runtime.logs.configure_logging`)."""
     LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
-
-
-def configure_logging(
-    log_format: LogFormat = DEFAULT_LOG_FORMAT, stream: TextIO | None = None, *, background: bool = False
-) -> Callable[[], None]:
-    """The hook's one log setup (``serve`` and the shim): lines in ``log_format`` to ``stream`` (default
-    stderr, which the kubelet or virt-launcher's sidecar-shim collects). ``background`` writes the lines from a
-    thread, off the OnDefineDomain path; the returned function writes what is left (call it before exiting)."""
-    return configure(LOGGER, COMPONENT, log_format, sys.stderr if stream is None else stream, background=background)
 
 
 class HookService:

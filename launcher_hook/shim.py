@@ -2,8 +2,9 @@
 
 The sidecar-shim image serves the hook protocol and, for OnDefineDomain, runs the ``onDefineDomain``
 executable found on ``PATH`` as ``onDefineDomain --vmi <VMI JSON> --domain <domain XML>``; stdout becomes the
-new domain, stderr is logged, a non-zero exit fails the call (FACTS.md §3). So: the whole new domain on
-stdout and exit 0, or the error on stderr, exit 1 (2 for a usage error) and nothing on stdout.
+new domain, stderr is logged, a non-zero exit fails the call (docs/protocols.md, "KubeVirt hooks"). So: the
+whole new domain on stdout and exit 0, or the error on stderr, exit 1 (2 for a usage error) and nothing on
+stdout.
 
 The shim passes no other arguments, so the allocation source and options are chosen by env variables
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
@@ -22,7 +23,8 @@ import click
 
 from launcher_hook.builder import BuildOptions
 from launcher_hook.cli import allocation_options, force_gpu_aliases_option, log_format_option, make_source
-from launcher_hook.service import HookFault, HookService, configure_logging
+from launcher_hook.service import COMPONENT, HookFault, HookService
+from runtime.logs import configure_logging
 from schemas.logformat import LogFormat
 
 
@@ -43,7 +45,7 @@ def on_define_domain(
     log_format: LogFormat,
 ) -> None:
     """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
-    configure_logging(log_format)
+    configure_logging(COMPONENT, log_format)
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).

@@ -1,11 +1,11 @@
 """Where the hook learns the pod's GPU allocation when it is not the ``compute`` container.
 
 The kubelet puts ``PCI_RESOURCE_*`` / ``MDEV_PCI_RESOURCE_*`` only into the container that asked for the
-devices (``compute``); a hook sidecar sees none of it (FACTS.md §3). So the hook reads the allocation from one
-of three sources, chosen once at start in this order of precedence:
+devices (``compute``); a hook sidecar sees none of it (docs/protocols.md, "KubeVirt hooks"). So the hook reads the
+allocation from one of three sources, chosen once at start in this order of precedence:
 
 1. the kubelet PodResources API (``--pod-resources-socket``): the named container's devices, turned into the
-   same variables the env would hold (FACTS.md §2);
+   same variables the env would hold (docs/protocols.md, "Kubelet PodResources API");
 2. an environ file (``--environ-file``): ``/proc/<pid>/environ`` or ``KEY=VALUE`` lines;
 3. the process env (when the hook runs inside ``compute`` itself, or in tests).
 
@@ -21,18 +21,18 @@ import re
 import socket
 import stat
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from launcher_hook.allocation import parse_environ
-from schemas import InputError, PciAddress, ResourceKind, env_var_for
+from schemas import InputError
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
-from schemas.mdev import looks_like_mdev_uuid
+from schemas.kinds import kind_of_id
 from schemas.vmi import parse_vmi
 
 DEFAULT_CONTAINER = "compute"
@@ -160,17 +160,6 @@ class EnvironFileSource:
         return None
 
 
-def device_kind(device_id: str) -> ResourceKind | None:
-    """PCI for a PCI address, MDEV for an mdev UUID, None for any other ID (another plugin's device)."""
-    if looks_like_mdev_uuid(device_id):
-        return ResourceKind.MDEV
-    try:
-        PciAddress.parse(device_id)
-    except InputError:
-        return None
-    return ResourceKind.PCI
-
-
 def env_from_devices(devices: Iterable[tuple[str, Sequence[str]]]) -> dict[str, str]:
     """The variables the kubelet would have put into the container, from ``(resource_name, device_ids)`` pairs.
 
@@ -179,21 +168,19 @@ def env_from_devices(devices: Iterable[tuple[str, Sequence[str]]]) -> dict[str, 
     are sorted (PCI addresses numerically, UUIDs as text): two GPUs of one resource then get stable aliases.
     """
     pools: dict[str, list[str]] = {}
+    sort_keys: dict[str, Callable[[str], Any]] = {}
     for resource_name, device_ids in devices:
         for device_id in device_ids:
-            kind = device_kind(device_id)
+            kind = kind_of_id(device_id)
             if kind is None:
                 continue
-            ids = pools.setdefault(env_var_for(resource_name, kind), [])
+            ids = pools.setdefault(kind.env_var(resource_name), [])
+            sort_keys[kind.env_var(resource_name)] = kind.id_sort_key
             if device_id not in ids:
                 ids.append(device_id)
     env: dict[str, str] = {}
     for variable, ids in pools.items():
-        if variable.startswith(f"{ResourceKind.MDEV.env_prefix}_"):
-            ordered = sorted(ids, key=str.lower)
-        else:
-            ordered = sorted(ids, key=PciAddress.parse)
-        env[variable] = ",".join(ordered)
+        env[variable] = ",".join(sorted(ids, key=sort_keys[variable]))
     return env
 
 

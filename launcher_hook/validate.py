@@ -25,7 +25,6 @@ docs/validation.md lists every rule with its source in libvirt.
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import os
 import re
@@ -35,6 +34,27 @@ from pathlib import Path
 
 from lxml import etree
 
+from launcher_hook.hostdevs import model_for_type
+from launcher_hook.hostdevs.base import Severity, ambiguous_number, c_number
+from launcher_hook.hostdevs.pci import RANGES as PCI_RANGES
+
+__all__ = [
+    "DEFAULT_SCHEMAS_DIR",
+    "SCHEMAS_DIR_ENV",
+    "Problem",
+    "SchemaNotFound",
+    "Severity",
+    "ambiguous_number",
+    "c_number",
+    "domain_rules",
+    "hostdev_schema",
+    "is_live",
+    "review_domain",
+    "schemas_dir",
+    "source_identity",
+    "validate_domain",
+]
+
 DEFAULT_SCHEMAS_DIR = Path("/usr/share/libvirt/schemas")
 SCHEMAS_DIR_ENV = "LIBVIRT_SCHEMAS_DIR"
 USER_ALIAS_PREFIX = "ua-"
@@ -42,10 +62,6 @@ _ALIAS_CHARS = re.compile(r"[a-zA-Z0-9_-]+")
 _WRAPPER = (
     b'<domain type="kvm"><name>hostdev-check</name><memory>1</memory><os><type>hvm</type></os><devices/></domain>'
 )
-_PCI_RANGES = {"domain": 0xFFFFFFFF, "bus": 0xFF, "slot": 0x1F, "function": 0x7}
-_C_NUMBER = re.compile(r"\s*\+?(?:0[xX](?P<hex>[0-9a-fA-F]+)|(?P<oct>0[0-7]*)|(?P<dec>[1-9][0-9]*))")
-_DECIMAL = re.compile(r"\s*\+?(?P<digits>[0-9]+)")
-_UINT_MAX = 0xFFFFFFFF
 # Numbers libvirt's parser reads in a hostdev, by hostdev type: (element, attributes, base, usual base).
 # Base 0 is C's (0x hex, 0 octal, else decimal); drive addresses are read in base 10 (device_conf.c).
 _SOURCE_NUMBERS: dict[str, list[tuple[str, tuple[str, ...], int, int]]] = {
@@ -60,11 +76,6 @@ _GUEST_NUMBERS: list[tuple[str, tuple[str, ...], int, int]] = [
     ("address[@type='pci']", ("domain", "bus", "slot", "function"), 0, 16),
     ("address[@type='drive']", ("controller", "bus", "target", "unit"), 10, 10),
 ]
-
-
-class Severity(enum.Enum):
-    ERROR = "error"
-    WARNING = "warning"
 
 
 class SchemaNotFound(RuntimeError):
@@ -112,49 +123,6 @@ def line_of(element: etree._Element) -> int | None:
     return line if isinstance(line, int) else None
 
 
-def c_number(text: str | None, base: int = 0) -> int | None:
-    """``text`` read as libvirt's ``virStrToLong_uip(text, NULL, base, …)`` reads it, or None where it fails.
-
-    Base 0 means C's rules: ``0x``/``0X`` then hex digits, a leading ``0`` then octal digits, else decimal;
-    base 10 takes decimal digits only (leading zeros too). Leading blanks and a ``+`` are allowed, nothing
-    may follow the digits, and the value must fit 32 bits.
-    """
-    if text is None:
-        return None
-    if base == 10:
-        decimal = _DECIMAL.fullmatch(text)
-        value = int(decimal["digits"], 10) if decimal is not None else None
-    else:
-        match = _C_NUMBER.fullmatch(text)
-        if match is None:
-            return None
-        if match["hex"] is not None:
-            value = int(match["hex"], 16)
-        elif match["oct"] is not None:
-            value = int(match["oct"], 8)
-        else:
-            value = int(match["dec"], 10)
-    return value if value is not None and value <= _UINT_MAX else None
-
-
-def ambiguous_number(text: str, usual_base: int = 16) -> str | None:
-    """Why a number libvirt reads fine (base 0) may be misread by a person used to ``usual_base`` (hex for
-    PCI numbers and USB IDs, as lspci and lsusb print them; decimal for USB bus/device and SCSI numbers), or
-    None when its form is plain."""
-    value = c_number(text)
-    if value is None:
-        return None
-    digits = text.strip().lstrip("+")
-    if digits[:2].lower() == "0x":
-        return None
-    usual = int(digits, usual_base)
-    if usual == value:
-        return None
-    form = "octal" if len(digits) > 1 and digits.startswith("0") else "decimal"
-    usual_name = "hex" if usual_base == 16 else "decimal"
-    return f"libvirt reads {text!r} as {form} {value} ({value:#x}), not {usual_name} {digits}"
-
-
 def is_live(root: etree._Element) -> bool:
     """Whether ``root`` is live XML (a running domain's, as ``virsh dumpxml`` prints it): it has ``id=``."""
     return root.get("id") is not None
@@ -165,65 +133,6 @@ def _label(hostdev: etree._Element) -> str:
     name = alias.get("name") if alias is not None else None
     kind = hostdev.get("type") or "?"
     return f"<hostdev type={kind!r}> {name!r}" if name else f"<hostdev type={kind!r}> without alias"
-
-
-def _pci_source_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Severity, str]]:
-    address = hostdev.find("source/address")
-    if address is None:
-        yield Severity.ERROR, f"{label}: no <source><address/></source>"
-        return
-    if address.get("type") is not None:
-        yield (
-            Severity.ERROR,
-            f"{label}: <source><address type={address.get('type')!r}> - the source address takes no type "
-            "attribute in libvirt's schema (KubeVirt writes one; drop it)",
-        )
-    for attribute in ("display", "ramfb"):
-        if hostdev.get(attribute) is not None:
-            yield (
-                Severity.ERROR,
-                f"{label}: {attribute}= is allowed on mdev hostdevs only; libvirt drops it on PCI ones",
-            )
-    for part, top in _PCI_RANGES.items():
-        text = address.get(part)
-        if text is None:
-            yield Severity.WARNING, f"{label}: source address has no {part}=; libvirt reads it as 0"
-            continue
-        value = c_number(text)
-        if value is None or value > top:
-            yield (
-                Severity.ERROR,
-                f"{label}: source address {part}={text!r} is not a number libvirt reads in 0..{top:#x} "
-                "(0x hex, 0-prefixed octal or decimal)",
-            )
-            continue
-        why = ambiguous_number(text)
-        if why is not None:
-            yield Severity.WARNING, f"{label}: source address {part}={text!r}: {why}; write {value:#0{4}x}"
-
-
-def _mdev_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Severity, str]]:
-    model = hostdev.get("model")
-    if model is None:
-        yield Severity.ERROR, f"{label}: mdev hostdev has no model= (vfio-pci for vGPUs)"
-    for attribute in ("display", "ramfb"):
-        switch = hostdev.get(attribute)
-        if switch is not None and switch not in ("on", "off"):
-            yield Severity.ERROR, f"{label}: {attribute}={switch!r} must be 'on' or 'off'"
-    if hostdev.get("display") is not None and model not in (None, "vfio-pci"):
-        yield Severity.ERROR, f"{label}: display= is only supported with model='vfio-pci' (libvirt's QEMU driver)"
-    if hostdev.get("ramfb") == "on" and hostdev.get("display") != "on":
-        yield Severity.WARNING, f"{label}: ramfb='on' without display='on' shows nothing until the guest driver loads"
-    guest = hostdev.find("address")
-    wanted = {"vfio-pci": "pci", "vfio-ccw": "ccw"}.get(model or "")
-    if guest is not None and wanted is not None and guest.get("type") != wanted:
-        yield (
-            Severity.ERROR,
-            f"{label}: guest <address type={guest.get('type')!r}> does not fit model={model!r}, "
-            f"which takes type='{wanted}'",
-        )
-    if model == "vfio-pci" and hostdev.find("boot") is not None:
-        yield Severity.ERROR, f"{label}: <boot> is not supported on mdevs of model 'vfio-pci' (libvirt's QEMU driver)"
 
 
 def _number_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Severity, str]]:
@@ -243,10 +152,10 @@ def _number_problems(hostdev: etree._Element, label: str) -> Iterator[tuple[Seve
                 form = "decimal digits" if base == 10 else "a number (0x hex, 0-prefixed octal or decimal)"
                 yield Severity.ERROR, f"{label}: {where} {attribute}={text!r} is not {form} libvirt reads"
                 continue
-            if path == "address[@type='pci']" and value > _PCI_RANGES[attribute]:
+            if path == "address[@type='pci']" and value > PCI_RANGES[attribute]:
                 yield (
                     Severity.ERROR,
-                    f"{label}: {where} {attribute}={text!r} is over {_PCI_RANGES[attribute]:#x}",
+                    f"{label}: {where} {attribute}={text!r} is over {PCI_RANGES[attribute]:#x}",
                 )
                 continue
             why = ambiguous_number(text, usual_base) if base == 0 else None
@@ -261,20 +170,9 @@ def _hostdev_problems(hostdev: etree._Element) -> Iterator[tuple[Severity, str]]
         return
     yield from _number_problems(hostdev, label)
     kind = hostdev.get("type")
-    if kind == "pci":
-        yield from _pci_source_problems(hostdev, label)
-    elif kind == "mdev":
-        address = hostdev.find("source/address")
-        if address is None:
-            yield Severity.ERROR, f"{label}: no <source><address uuid='…'/></source>"
-        elif address.get("uuid") is None:
-            yield (
-                Severity.ERROR,
-                f"{label}: the source <address> of an mdev needs uuid=; this one has "
-                f"{', '.join(str(key) + '=' for key in address.attrib) or 'no attribute'} "
-                "(a PCI device is passed with type='pci')",
-            )
-        yield from _mdev_problems(hostdev, label)
+    model = model_for_type(kind)
+    if model is not None:
+        yield from model.source_problems(hostdev, label)
     elif kind == "scsi_host" and hostdev.find("boot") is not None:
         yield (
             Severity.ERROR,

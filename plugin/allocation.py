@@ -2,16 +2,18 @@
 
 This is policy, kept apart from gRPC so that it can be tested on fixture trees and reasoned about alone:
 
-- the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, FACTS.md §4) holds exactly the requested IDs,
-  in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
+- the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, docs/protocols.md, "KubeVirt env naming") holds exactly
+  the requested IDs, in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
 - DeviceSpecs: ``/dev/vfio/vfio`` (the legacy container) and each needed ``/dev/vfio/<group>`` once; when the
   host has iommufd (``/dev/iommu``), also ``/dev/iommu`` and each device's ``/dev/vfio/devices/vfioN`` cdev
   (a kernel with iommufd but without VFIO device cdevs has no ``vfio-dev`` entry: the group node is enough
   there). Paths are the node's real paths, never prefixed by the host root the plugin reads through:
   the container runtime resolves them on the node. Permissions ``mrw``;
-- refusals name the device: an ID the resource does not have is the caller's mistake
-  (``INVALID_ARGUMENT``); a device known to be unhealthy, or whose IOMMU group changed under us since the
-  last scan, cannot be given now (``FAILED_PRECONDITION``).
+- refusals name the device and are plain domain errors: an ID the resource does not have is the caller's
+  mistake (:class:`InvalidRequest`); a device known to be unhealthy, or whose IOMMU group changed under us
+  since the last scan, cannot be given now (:class:`DeviceUnavailable`). The gRPC adapter
+  (:mod:`plugin.server`) maps them to ``INVALID_ARGUMENT`` and ``FAILED_PRECONDITION``; nothing here imports
+  grpc.
 
 The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
 stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver links
@@ -25,27 +27,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
+from plugin.config import PluginConfig
+from plugin.health import PciFunction, UsabilityRule
+from plugin.hostroot import HostRoot
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
-from plugin.sysfs import HostRoot
-from schemas.naming import ResourceKind
+from plugin.sources import source_for
 
 IOMMU_DEVICE = "/dev/iommu"
 VFIO_CDEV_DIR = "/dev/vfio/devices"
 PERMISSIONS = "mrw"
-VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
-"""Drivers a passthrough GPU may be on when it is handed out (as discovery's default ``vfio_drivers``)."""
+DEFAULT_RULE = UsabilityRule.from_config(PluginConfig())
+"""The usability rule of the default configuration (the server passes the configured one)."""
 
 
 class AllocationError(Exception):
-    """Allocate must refuse: ``code`` is the gRPC status to answer with, ``message`` names the device."""
+    """Allocate must refuse: ``message`` names the device (``device_id``, when one is to blame)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, device_id: str | None = None) -> None:
+    def __init__(self, message: str, device_id: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
         self.message = message
         self.device_id = device_id
+
+
+class InvalidRequest(AllocationError):
+    """The caller's mistake: no IDs, an ID the resource does not have, an ID asked twice."""
+
+
+class DeviceUnavailable(AllocationError):
+    """The request is well formed but cannot be met now: an unhealthy device, a changed IOMMU group, no VFIO."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,35 +84,33 @@ class Allocation:
         return self.device_specs
 
 
-def _sysfs_dir(device: Device, host_root: str) -> str:
-    bus = "pci" if device.kind is ResourceKind.PCI else "mdev"
-    return f"{host_root}/sys/bus/{bus}/devices/{device.id}"
+def _sysfs_dir(device: Device) -> str:
+    return f"/sys/bus/{device.kind.info.sysfs_bus}/devices/{device.id}"
 
 
-def recheck_device(device: Device, host_root: Path | str, vfio_drivers: frozenset[str] = VFIO_DRIVERS) -> str | None:
+def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> str | None:
     """Is ``device`` still usable as the last scan saw it? None if so, else why not (naming the group).
 
-    Reads, under ``host_root``: the device's ``iommu_group`` link, the group's ``devices`` directory (its
-    members must be the device and the companions the scan saw), the ``driver`` link of a PCI device (still
-    on a VFIO driver), each companion's ``driver`` link (none, a VFIO driver, or the allowed driver the scan
-    saw: a companion rebound to a host driver since the scan makes the group not viable) and the existence of
-    ``/dev/vfio/<group>``.
+    Reads, under ``host_root``: the device's ``iommu_group`` link and the group's ``devices`` directory (its
+    members must be the device and the companions the scan saw), then applies the scan's own rule
+    (:class:`~plugin.health.UsabilityRule`) to what it reads now: the kind's driver check (a PCI GPU still on a
+    VFIO driver), each companion's ``driver`` link, ``/dev/vfio/<group>`` and ``/dev/vfio/vfio``.
     """
     root = os.fspath(host_root)
     if device.iommu_group is None:
         return "it has no IOMMU group"
     with HostRoot(root) as fs:  # links resolved inside the host root, as discovery does
-        return _recheck(device, root, fs, vfio_drivers)
+        return _recheck(device, root, fs, rule)
 
 
-def _recheck(device: Device, root: str, fs: HostRoot, vfio_drivers: frozenset[str]) -> str | None:
-    sysfs = _sysfs_dir(device, "")
+def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule) -> str | None:
+    sysfs = _sysfs_dir(device)
     group_name = fs.readlink_name(f"{sysfs}/iommu_group")
     if group_name is None:
         return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
     if group_name != str(device.iommu_group):
         return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
-    group = device.iommu_group
+    group = int(group_name)
     try:
         members = set(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))
     except OSError:
@@ -120,17 +127,22 @@ def _recheck(device: Device, root: str, fs: HostRoot, vfio_drivers: frozenset[st
             if part
         )
         return f"IOMMU group {group} changed since the last scan: {change}"
-    if device.kind is ResourceKind.PCI:
-        driver = fs.readlink_name(f"{sysfs}/driver")
-        if driver not in vfio_drivers:
-            return f"it is now bound to {driver or 'no driver'}, not to {' or '.join(sorted(vfio_drivers))}"
-    for companion in device.companions:
-        bound = fs.readlink_name(f"/sys/bus/pci/devices/{companion.address}/driver")
-        if bound is not None and bound not in vfio_drivers and not (companion.viable and bound == companion.driver):
-            return f"IOMMU group {group} is not viable: {companion.address} is now bound to {bound}"
-    if not fs.exists(f"{VFIO_DEV_DIR}/{group}"):
-        return f"{VFIO_DEV_DIR}/{group} is missing (IOMMU group {group} is not usable by VFIO)"
-    return None
+    problem = source_for(device.kind).recheck_driver(device, fs, rule)
+    if problem is not None:
+        return problem
+    others = [
+        PciFunction(
+            str(companion.address),
+            int(companion.vendor_device[:4], 16),
+            int(companion.vendor_device[5:], 16),
+            companion.pci_class,
+            fs.readlink_name(f"/sys/bus/pci/devices/{companion.address}/driver"),
+        )
+        for companion in device.companions
+    ]
+    problems = rule.group_problems(group, others)
+    problems += rule.vfio_problems(group, fs.exists(f"{VFIO_DEV_DIR}/{group}"), fs.exists(VFIO_CONTAINER))
+    return "; ".join(problems) or None
 
 
 def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
@@ -140,7 +152,7 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
     """
     with HostRoot(os.fspath(host_root)) as fs:
         try:
-            names = fs.listdir(f"{_sysfs_dir(device, '')}/vfio-dev")
+            names = fs.listdir(f"{_sysfs_dir(device)}/vfio-dev")
         except OSError:
             return None
         for name in sorted(names):
@@ -151,26 +163,24 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
 
 
 def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
-    return AllocationError(
-        grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: unknown device ID {device_id!r}", device_id
-    )
+    return InvalidRequest(f"{resource.name}: unknown device ID {device_id!r}", device_id)
 
 
 def allocate(
     resource: Resource,
     device_ids: Sequence[str],
     host_root: Path | str,
-    vfio_drivers: frozenset[str] = VFIO_DRIVERS,
+    rule: UsabilityRule = DEFAULT_RULE,
 ) -> Allocation:
     """Build one container's allocation for ``device_ids`` of ``resource``, re-checking each device on the host.
 
-    Raises :class:`AllocationError`: ``INVALID_ARGUMENT`` for no IDs, an unknown ID or an ID asked twice;
-    ``FAILED_PRECONDITION`` for an unhealthy device (with its reason), a device whose IOMMU group changed or
+    Raises :class:`InvalidRequest` for no IDs, an unknown ID or an ID asked twice;
+    :class:`DeviceUnavailable` for an unhealthy device (with its reason), a device whose IOMMU group changed or
     whose ``/dev/vfio/<group>`` is gone, or a host without ``/dev/vfio/vfio``.
     """
     root = os.fspath(host_root)
     if not device_ids:
-        raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: no device IDs in the request")
+        raise InvalidRequest(f"{resource.name}: no device IDs in the request")
     by_id = {device.id: device for device in resource.devices}
     chosen: list[Device] = []
     seen: set[str] = set()
@@ -179,31 +189,21 @@ def allocate(
         if device is None:
             raise _refuse_unknown(resource, device_id)
         if device_id in seen:
-            raise AllocationError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: device ID {device_id!r} is asked twice", device_id
-            )
+            raise InvalidRequest(f"{resource.name}: device ID {device_id!r} is asked twice", device_id)
         seen.add(device_id)
         chosen.append(device)
     for device in chosen:
         if not device.healthy:
-            raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise DeviceUnavailable(
                 f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
                 device.id,
             )
     for device in chosen:
-        problem = recheck_device(device, root, vfio_drivers)
+        problem = recheck_device(device, root, rule)
         if problem is not None:
-            raise AllocationError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{resource.name}: device {device.id}: {problem}", device.id
-            )
-    with HostRoot(root) as fs:
-        container, iommu = fs.exists(VFIO_CONTAINER), fs.exists(IOMMU_DEVICE)
-    if not container:
-        raise AllocationError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"{resource.name}: {VFIO_CONTAINER} is missing on the node (is the vfio module loaded?)",
-        )
+            raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
+    with HostRoot(root) as fs:  # /dev/vfio/vfio itself is part of each device's re-check
+        iommu = fs.exists(IOMMU_DEVICE)
 
     specs = [DeviceSpec.node(VFIO_CONTAINER)]
     groups: set[int] = set()

@@ -18,28 +18,24 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 from pathlib import Path
-from types import FrameType
 
 import click
-import prometheus_client
 
 from plugin.config import load_config
-from plugin.log import configure_logging, log_event
+from plugin.log import COMPONENT, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
-from plugin.metrics import MetricsServer, parse_address
+from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
 from plugin.server import DEFAULT_KUBELET_DIR
+from runtime.cli_options import log_format_option
+from runtime.env import plugin_env
+from runtime.logs import configure_logging
+from runtime.signals import stop_on_signals
 from schemas.clirun import run_cli
 from schemas.errors import InputError
-from schemas.logformat import DEFAULT_LOG_FORMAT, LOG_FORMATS, LogFormat
+from schemas.logformat import LogFormat
 
-PROCESS_ENV = (
-    "GPU_PLUGIN_KUBELET_DIR",
-    "GPU_PLUGIN_SCAN_INTERVAL",
-    "GPU_PLUGIN_METRICS_ADDRESS",
-    "GPU_PLUGIN_LOG_FORMAT",
-)
+PROCESS_ENV = tuple(plugin_env(flag) for flag in ("kubelet_dir", "scan_interval", "metrics_address", "log_format"))
 """Variables for the process that :func:`plugin.config.load_config` must not see (it refuses unknown ones)."""
 
 
@@ -76,7 +72,7 @@ def cli() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     default=DEFAULT_KUBELET_DIR,
     show_default=True,
-    envvar="GPU_PLUGIN_KUBELET_DIR",
+    envvar=plugin_env("KUBELET_DIR"),
     show_envvar=True,
     help="The kubelet's device-plugin directory (kubelet.sock and our sockets).",
 )
@@ -96,7 +92,7 @@ def cli() -> None:
     type=click.FloatRange(min=0.05, max=3600),
     default=DEFAULT_SCAN_INTERVAL,
     show_default=True,
-    envvar="GPU_PLUGIN_SCAN_INTERVAL",
+    envvar=plugin_env("SCAN_INTERVAL"),
     show_envvar=True,
     callback=_finite_interval,
     help="Seconds between full sysfs rescans (driver changes, hot-plug, new mdevs); /dev/vfio changes are "
@@ -105,21 +101,13 @@ def cli() -> None:
 @click.option(
     "--metrics-address",
     metavar="HOST:PORT",
-    envvar="GPU_PLUGIN_METRICS_ADDRESS",
+    envvar=plugin_env("METRICS_ADDRESS"),
     show_envvar=True,
     callback=_address,
     help="Serve Prometheus /metrics, /healthz and /readyz over HTTP here (':9498' = every interface, port 0 = "
     "any free port). [default: off]",
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(LOG_FORMATS),
-    default=DEFAULT_LOG_FORMAT,
-    show_default=True,
-    envvar="GPU_PLUGIN_LOG_FORMAT",
-    show_envvar=True,
-    help="Log lines on stderr: one JSON object each, or readable text.",
-)
+@log_format_option(plugin_env("LOG_FORMAT"))
 def serve(
     host_root: Path | None,
     kubelet_dir: Path,
@@ -130,7 +118,7 @@ def serve(
     log_format: LogFormat,
 ) -> None:
     """Serve one device plugin per GPU/vGPU resource and keep them registered until SIGTERM or SIGINT."""
-    flush_logs = configure_logging(log_format=log_format, background=True)
+    flush_logs = configure_logging(COMPONENT, log_format, background=True)
     try:
         _serve(host_root, kubelet_dir, pci_ids, config_file, scan_interval, metrics_address)
     finally:
@@ -157,42 +145,38 @@ def _serve(
             raise InputError(f"host root {config.host_root!r} is not a directory")
         if kubelet_dir.exists() and not kubelet_dir.is_dir():
             raise InputError(f"kubelet dir {str(kubelet_dir)!r} is not a directory")
-        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval)
+        metrics: PluginMetrics | None = None
+        if metrics_address is not None:  # prometheus_client is loaded only then
+            metrics = PluginMetrics()
+            metrics.disable_created_series()
+        recorder: MetricsRecorder = NO_METRICS if metrics is None else metrics
+        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval, metrics=recorder)
     except InputError as exc:
         raise click.ClickException(str(exc)) from None
 
-    received: list[str] = []
-
-    def on_signal(number: int, frame: FrameType | None) -> None:
-        received.append(signal.Signals(number).name)  # no logging here: the handler may interrupt a log call
-        manager.request_stop()
-
     # Handlers before any socket exists: a SIGTERM as soon as we serve must still end us cleanly.
-    previous = {number: signal.signal(number, on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
-    http: MetricsServer | None = None
-    try:
-        if metrics_address is not None:
-            prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide: no *_created
-            try:
-                http = MetricsServer(*metrics_address, manager.metrics, manager.liveness, manager.readiness)
-            except OSError as exc:
-                host, port = metrics_address
-                raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from None
-            http.start()
-            host, port = http.address
-            log_event(
-                "metrics_serving",
-                address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                port=port,
-                paths=["/metrics", "/healthz", "/readyz"],
-                liveness_bound=liveness_bound(scan_interval),
-            )
-        manager.run()
-    finally:
-        if http is not None:
-            http.stop()
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+    with stop_on_signals(manager.request_stop) as received:
+        http: MetricsServer | None = None
+        try:
+            if metrics_address is not None and metrics is not None:
+                try:
+                    http = MetricsServer(*metrics_address, metrics, manager.liveness, manager.readiness)
+                except OSError as exc:
+                    host, port = metrics_address
+                    raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from None
+                http.start()
+                host, port = http.address
+                log_event(
+                    "metrics_serving",
+                    address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                    port=port,
+                    paths=["/metrics", "/healthz", "/readyz"],
+                    liveness_bound=liveness_bound(scan_interval),
+                )
+            manager.run()
+        finally:
+            if http is not None:
+                http.stop()
     if received:
         log_event("signal", signal=received[0])
 

@@ -1,9 +1,9 @@
 """The device plugin's configuration: one pydantic model, read from a YAML/JSON file and the environment.
 
 Which functions count as GPUs, which drivers mean "ready for a VM", and names for device IDs an old
-pci.ids lacks are site decisions (FACTS.md §6-7), so they are configuration, not code. The model is the
-single source of truth: its JSON Schema is exported to ``schemas/plugin-config.schema.json`` (run
-``python -m plugin.config --write-schema``; a test fails when the file is stale) for editors and reviews.
+pci.ids lacks are site decisions (docs/node.md; docs/protocols.md, "Resource names"), so they are configuration, not
+code. The model is the single source of truth: its JSON Schema is exported to ``schemas/plugin-config.schema.json``
+(run ``python -m plugin.config --write-schema``; a test fails when the file is stale) for editors and reviews.
 
 Precedence, lowest first: defaults, the file (``--config`` or ``GPU_PLUGIN_CONFIG``), ``GPU_PLUGIN_*``
 environment variables, command-line flags. Every problem is an ``InputError`` naming the file or variable
@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
+from runtime.env import PLUGIN_ENV_PREFIX as ENV_PREFIX
+from runtime.node import VFIO_DRIVER_NAMES
 from schemas.errors import InputError
 from schemas.naming import validate_resource_name
 
-ENV_PREFIX = "GPU_PLUGIN_"
 CONFIG_FILE_ENV = "GPU_PLUGIN_CONFIG"
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest configuration file read (1 MiB; a real one is a few hundred bytes)."""
@@ -119,7 +119,7 @@ class PluginConfig(BaseModel):
         "ID whatever its class. Mdevs count when their parent GPU matches.",
     )
     vfio_drivers: tuple[DriverName, ...] = Field(
-        default=("vfio-pci", "nvgrace_gpu_vfio_pci"),
+        default=VFIO_DRIVER_NAMES,
         description="Drivers that mean a GPU is ready for passthrough. GPUs on any other driver (nvidia, "
         "nouveau, none) are not offered.",
     )
@@ -227,6 +227,8 @@ def _from_file(path: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read config file {str(path)!r}: {exc}") from None
+    import yaml  # noqa: PLC0415 -- only a config file needs it: serve without one never loads it
+
     try:
         loaded = yaml.safe_load(text)
     except RecursionError:

@@ -155,19 +155,3 @@ class Inventory:
 
     def to_json_text(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
-
-    def permitted_host_devices(self) -> dict[str, Any]:
-        """KubeVirt's ``permittedHostDevices`` for this node, every resource served by an external provider."""
-        pci: list[dict[str, Any]] = []
-        mdev: list[dict[str, Any]] = []
-        for resource in self.resources:
-            for selector in resource.selectors:
-                if resource.kind is ResourceKind.PCI:
-                    pci.append(
-                        {"pciVendorSelector": selector, "resourceName": resource.name, "externalResourceProvider": True}
-                    )
-                else:
-                    mdev.append(
-                        {"mdevNameSelector": selector, "resourceName": resource.name, "externalResourceProvider": True}
-                    )
-        return {"permittedHostDevices": {"pciHostDevices": pci, "mediatedDevices": mdev}}

@@ -1,8 +1,8 @@
 """The device plugin's lifecycle: keep one registered server per resource, true to the node, until told to stop.
 
 NVIDIA's plugin scans once, never recovers a device, gives up when the kubelet is late and leaves its sockets
-behind (FACTS.md §7). :class:`PluginManager` is the answer, one loop in one thread that blocks on file
-descriptors (no busy polling):
+behind (docs/protocols.md, "Resource names"). :class:`PluginManager` is the answer, one loop in one thread that blocks
+on file descriptors (no busy polling):
 
 - inotify on ``<host-root>/dev/vfio``: a group node removed or restored triggers a rescan at once, so the
   group's devices turn Unhealthy (or Healthy) in the kubelet well within a second;
@@ -16,45 +16,40 @@ descriptors (no busy polling):
 - :meth:`PluginManager.request_stop` (SIGTERM in the CLI) ends the loop; every server stops and its socket
   is removed.
 
-The loop records what it learns in :class:`~plugin.metrics.PluginMetrics` (scans, devices by health,
+The loop records what it learns in :class:`~plugin.metrics.MetricsRecorder` (scans, devices by health,
 registrations) and beats a heartbeat on every turn, which :meth:`PluginManager.liveness` (``/healthz``)
 compares with :func:`liveness_bound`.
 
-Registration is asynchronous (the kubelet dials us back inside ``Register``), so its answers come back
-through a queue and a wake-up pipe into the same loop. All decisions about sockets and registrations are
-made in :meth:`PluginManager._reconcile`, which is idempotent: it compares what is (socket files, the
-kubelet socket's identity) with what we last did, so a missed or duplicated event cannot mislead it.
+The roles are split: :class:`~plugin.watching.NodeWatcher` says when to look again (inotify, the wake-up
+pipe), :class:`~plugin.registration.Registrar` registers servers and takes the kubelet's answers (they come back
+through a queue and the wake-up pipe into the same loop), and this module reconciles. All decisions about
+sockets and registrations are made in :meth:`PluginManager._reconcile`, which is idempotent: it compares what
+is (socket files, the kubelet socket's identity) with what we last did, so a missed or duplicated event cannot
+mislead it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
-import select
-import stat
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from plugin.config import PluginConfig
-from plugin.inotify import ENTRIES_CHANGED, DirectoryWatch
+from plugin.health import UsabilityRule
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
-from plugin.metrics import PluginMetrics
-from plugin.pciids import PciIds, locate_pci_ids
-from plugin.server import KUBELET_SOCKET, ResourceServer, ServeError, describe_rpc_error, socket_answers
+from plugin.metrics import NO_METRICS, MetricsRecorder
+from plugin.registration import Registrar, Registration, socket_identity
+from plugin.server import KUBELET_SOCKET, SOCKET_PROBE_TIMEOUT, ResourceServer, ServeError
 from plugin.sysfs import scan
-from plugin.uevent import open_uevents
+from plugin.watching import NodeWatcher
+from runtime.pciids import PciIds, locate_pci_ids
+from runtime.sockets import socket_is_live
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0
-RETRY_FIRST = 0.25
-"""Seconds before retrying a failed registration to the same kubelet socket; doubles up to the scan interval."""
 STOP_GRACE = 0.5
 """Seconds in-flight unary calls get when the plugin stops (streams end at once)."""
 LIVENESS_SLACK = 10.0
@@ -77,44 +72,6 @@ def liveness_bound(scan_interval: float) -> float:
     return 2 * scan_interval + LIVENESS_SLACK
 
 
-Identity = tuple[int, int]
-
-
-def socket_identity(path: Path) -> Identity | None:
-    """Inode and mtime of the unix socket at ``path``, or None when there is none: a new kubelet = a new identity."""
-    try:
-        info = path.lstat()
-    except OSError:
-        return None
-    if not stat.S_ISSOCK(info.st_mode):
-        return None
-    return info.st_ino, info.st_mtime_ns
-
-
-@dataclass(eq=False)
-class _Served:
-    """One resource's server and where its registration stands."""
-
-    server: ResourceServer
-    registered: Identity | None = None
-    """The kubelet socket we are registered with (None: not registered with the current server)."""
-    pending: bool = False
-    """A ``Register`` call is in flight."""
-    failed: Identity | None = None
-    """The kubelet socket the last failed registration went to; retries to it wait for ``retry_at``."""
-    failures: int = 0
-    retry_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    served: _Served
-    generation: int
-    kubelet: Identity
-    error: BaseException | None
-    channel: grpc.Channel
-
-
 class PluginManager:
     """Runs the plugin: :meth:`run` blocks until :meth:`request_stop`; safe to drive from a thread in tests."""
 
@@ -126,7 +83,7 @@ class PluginManager:
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         pci_ids: PciIds | None = None,
         warnings: Iterable[str] = (),
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder = NO_METRICS,
         kubelet_missing_bound: float = KUBELET_MISSING_BOUND,
     ) -> None:
         if scan_interval <= 0:
@@ -142,21 +99,14 @@ class PluginManager:
         self.ready = threading.Event()
         """Set once the first scan is done and every resource's server is serving."""
         self.scans = 0
-        self.metrics = metrics if metrics is not None else PluginMetrics()
+        self.metrics = metrics
         self._heartbeat: float | None = None
         """``time.monotonic()`` of the loop's last turn; None before :meth:`run`."""
         self._finished = False
-        self._served: dict[str, _Served] = {}
-        self._answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
+        self._served: dict[str, Registration] = {}
         self._stop = threading.Event()
-        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poller = select.poll()
-        self._poller.register(self._wake_read, select.POLLIN)
-        self._vfio_watch: DirectoryWatch | None = None
-        self._kubelet_watch: DirectoryWatch | None = None
-        self._uevents = open_uevents()
-        if self._uevents is not None:
-            self._poller.register(self._uevents.fileno(), select.POLLIN)
+        self._watcher = NodeWatcher(self.vfio_dir, self.kubelet_dir)
+        self._registrar = Registrar(self.kubelet_socket, self._watcher.wake, self.metrics)
         self._next_scan = 0.0
         self._last_problem: str | None = None
         self._last_warnings: tuple[str, ...] = ()
@@ -175,23 +125,17 @@ class PluginManager:
         *,
         scan_interval: float = DEFAULT_SCAN_INTERVAL,
         image_root: Path = Path("/"),
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder = NO_METRICS,
     ) -> PluginManager:
         """Locate pci.ids once (``config.pci_ids``, else under the host root, else the image) and build the manager."""
         explicit = Path(config.pci_ids) if config.pci_ids else None
         choice = locate_pci_ids(explicit, Path(config.host_root), image_root)
-        warnings = []
-        if choice.database is None:
-            warnings.append(
-                f"no pci.ids found (looked at {', '.join(choice.searched)}): resources are named by hex device ID; "
-                "pass --pci-ids or set name_overrides"
-            )
         return cls(
             config,
             kubelet_dir,
             scan_interval=scan_interval,
             pci_ids=choice.database,
-            warnings=warnings,
+            warnings=choice.warnings,
             metrics=metrics,
         )
 
@@ -200,11 +144,7 @@ class PluginManager:
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop everything and return; safe from any thread and from a signal handler."""
         self._stop.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # a full pipe means a wake-up is pending anyway
-            os.write(self._wake_write, b"x")
+        self._watcher.wake()
 
     def served(self) -> tuple[str, ...]:
         """Names of the resources being served now."""
@@ -269,7 +209,7 @@ class PluginManager:
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             return f"{waiting_for} (no kubelet: {self.kubelet_socket} is missing or not a socket)"
-        if not socket_answers(self.kubelet_socket):
+        if not socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT):
             return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
         waiting = sorted(name for name, served in list(self._served.items()) if served.registered != kubelet)
         if waiting:
@@ -307,28 +247,18 @@ class PluginManager:
                 self.kubelet_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # served once it exists (retried at every scan)
                 log_event("kubelet_dir_unusable", directory=str(self.kubelet_dir), error=str(exc))
-            self._ensure_watches()
+            self._watcher.ensure()
             self._rescan()
             self._reconcile()
             self.ready.set()
             while not self._stop.is_set():
                 self._heartbeat = time.monotonic()
-                rescan = False
-                for descriptor, _ in self._poller.poll(self._timeout_ms()):
-                    if descriptor == self._wake_read:
-                        self._drain_wake()
-                    elif self._vfio_watch is not None and descriptor == self._vfio_watch.fileno():
-                        self._vfio_watch = self._drain_watch(self._vfio_watch)
-                        rescan = True
-                    elif self._kubelet_watch is not None and descriptor == self._kubelet_watch.fileno():
-                        self._kubelet_watch = self._drain_watch(self._kubelet_watch)
-                    elif self._uevents is not None and descriptor == self._uevents.fileno():
-                        rescan = self._uevents.drain() or rescan
+                rescan = self._watcher.wait(self._timeout_ms())
                 self._take_answers()
                 if self._stop.is_set():
                     break
                 if rescan or time.monotonic() >= self._next_scan:
-                    self._ensure_watches()
+                    self._watcher.ensure()
                     self._rescan()
                 self._reconcile()
         finally:
@@ -342,51 +272,6 @@ class PluginManager:
             if not served.pending and served.failed is not None and served.retry_at > now:
                 deadline = min(deadline, served.retry_at)
         return max(0, int((deadline - now) * 1000) + 1)
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    # -- watches -----------------------------------------------------------------------------------------
-
-    def _ensure_watches(self) -> None:
-        """(Re)open the inotify watches whose directory exists now (it may appear late, or be recreated)."""
-        if self._vfio_watch is None:
-            self._vfio_watch = self._open_watch(self.vfio_dir)
-        if self._kubelet_watch is None:
-            self._kubelet_watch = self._open_watch(self.kubelet_dir)
-
-    def _open_watch(self, directory: Path) -> DirectoryWatch | None:
-        if not directory.is_dir():
-            return None
-        try:
-            watch = DirectoryWatch(directory, ENTRIES_CHANGED)
-        except OSError as exc:
-            log_event("watch_failed", directory=str(directory), error=str(exc))
-            return None
-        self._poller.register(watch.fileno(), select.POLLIN)
-        return watch
-
-    def _drain_watch(self, watch: DirectoryWatch) -> DirectoryWatch | None:
-        """Read the pending events (we only need to know that something changed); drop a watch whose dir went.
-
-        Which entry changed does not matter: a rescan or :meth:`_reconcile` looks at everything anyway, so a
-        lost event (queue overflow) costs nothing either.
-        """
-        try:
-            watch.read(0)
-            failed = False
-        except OSError as exc:
-            log_event("watch_failed", directory=str(watch.path), error=str(exc))
-            failed = True
-        if failed or watch.ended or not watch.path.is_dir():
-            self._poller.unregister(watch.fileno())
-            watch.close()
-            return None
-        return watch
 
     # -- discovery ---------------------------------------------------------------------------------------
 
@@ -426,7 +311,7 @@ class PluginManager:
                 resource,
                 self.kubelet_dir,
                 self.host_root,
-                vfio_drivers=frozenset(self.config.vfio_drivers),
+                rule=UsabilityRule.from_config(self.config),
                 metrics=self.metrics,
             )
             try:
@@ -436,7 +321,7 @@ class PluginManager:
                 server.stop(grace=0)
                 continue
             self._serve_ok(name)
-            self._served[name] = _Served(server)
+            self._served[name] = Registration(server)
             log_event(
                 "resource_added",
                 resource=name,
@@ -479,7 +364,7 @@ class PluginManager:
         for device_id in before.keys() - after.keys():
             log_event("device_removed", resource=old.name, device=device_id, reason=ignored.get(device_id, "gone"))
 
-    # -- sockets and registration ------------------------------------------------------------------------
+    # -- reconciling: sockets and registrations -----------------------------------------------------------
 
     def _reconcile(self) -> None:
         """Make what is match what should be: our sockets in place, each server registered with this kubelet."""
@@ -503,55 +388,16 @@ class PluginManager:
                     served.registered = served.failed = None
                     continue
                 self._serve_ok(server.name)
-                served.registered = served.failed = None
-                served.failures = 0
-            if kubelet is None or served.pending or served.registered == kubelet:
-                continue
-            if served.failed == kubelet and now < served.retry_at:
-                continue
-            self._register(served, kubelet)
-
-    def _register(self, served: _Served, kubelet: Identity) -> None:
-        generation = served.server.generation
-
-        def done(error: BaseException | None, channel: grpc.Channel) -> None:
-            self._answers.put(_Answer(served, generation, kubelet, error, channel))
-            self._wake()
-
-        served.pending = True  # set before the call: its answer may come before register() returns
-        served.server.register(self.kubelet_socket, done)
-
-    def _take_answers(self) -> None:
-        while True:
-            try:
-                answer = self._answers.get_nowait()
-            except queue.Empty:
-                return
-            answer.channel.close()
-            served = answer.served
-            served.pending = False
-            if self._served.get(served.server.name) is not served or answer.generation != served.server.generation:
-                continue  # for a server since stopped or restarted; _reconcile registers the new one
-            self.metrics.record_registration(served.server.name, ok=answer.error is None)
-            if answer.error is None:
-                served.registered, served.failed, served.failures = answer.kubelet, None, 0
-                log_event("registered", resource=served.server.name, endpoint=served.server.socket_path.name)
-                continue
-            served.failures = served.failures + 1 if served.failed == answer.kubelet else 1
-            served.failed = answer.kubelet
-            delay = min(RETRY_FIRST * 2 ** (served.failures - 1), max(self.scan_interval, RETRY_FIRST))
-            served.retry_at = time.monotonic() + delay
-            log_event(
-                "registration_failed",
-                resource=served.server.name,
-                error=describe_rpc_error(answer.error),
-                attempt=served.failures,
-                retry_in=round(delay, 3),
-            )
+                served.reset()
+            if kubelet is not None and served.due(kubelet, now):
+                self._registrar.register(served, kubelet)
 
     # -- stopping ----------------------------------------------------------------------------------------
 
-    def _retire(self, served: _Served) -> None:
+    def _take_answers(self) -> None:
+        self._registrar.take_answers(self._served, self.scan_interval)
+
+    def _retire(self, served: Registration) -> None:
         served.server.stop(grace=STOP_GRACE)
 
     def _shutdown(self) -> None:
@@ -563,16 +409,8 @@ class PluginManager:
         # Registrations in flight end fast once our servers are gone; collect them to close their channels.
         deadline = time.monotonic() + STOP_GRACE
         while any(served.pending for served in pending) and time.monotonic() < deadline:
-            self._poller.poll(max(1, int((deadline - time.monotonic()) * 1000)))
-            self._drain_wake()
+            self._watcher.wait(max(1, int((deadline - time.monotonic()) * 1000)))
             self._take_answers()
         self._take_answers()
-        for watch in (self._vfio_watch, self._kubelet_watch):
-            if watch is not None:
-                watch.close()
-        self._vfio_watch = self._kubelet_watch = None
-        if self._uevents is not None:
-            self._poller.unregister(self._uevents.fileno())
-            self._uevents.close()
-            self._uevents = None
+        self._watcher.close()
         log_event("stopped", resources=names)

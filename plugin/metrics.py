@@ -17,6 +17,10 @@ one thread (a selector; bounded connections, request size and idle time, see :cl
   current kubelet, else ``503`` with the reason — the readiness probe.
 
 Requests are not logged (the plugin's stderr carries its event lines only).
+
+``prometheus_client`` is imported only when metrics are kept (:class:`PluginMetrics`, ``--metrics-address``):
+without it the manager records into :data:`NO_METRICS` and the process never loads it (a smaller resident
+set; ``bench/plugin_device.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 from plugin.inventory import Resource
 from plugin.log import log_event
@@ -44,10 +51,46 @@ Probe = Callable[[], str | None]
 """A health check: None when fine, else the reason (the 503 body)."""
 
 
+class MetricsRecorder(Protocol):
+    """What the manager and the servicers record; :class:`PluginMetrics` keeps it, :data:`NO_METRICS` drops it."""
+
+    def record_scan(self, seconds: float, *, ok: bool) -> None: ...
+
+    def observe_devices(self, resources: Iterable[Resource]) -> None: ...
+
+    def record_allocation(self, resource: str, code: grpc.StatusCode) -> None: ...
+
+    def record_registration(self, resource: str, *, ok: bool) -> None: ...
+
+
+class NoMetrics:
+    """A :class:`MetricsRecorder` that keeps nothing: ``serve`` without ``--metrics-address``."""
+
+    def record_scan(self, seconds: float, *, ok: bool) -> None:
+        pass
+
+    def observe_devices(self, resources: Iterable[Resource]) -> None:
+        pass
+
+    def record_allocation(self, resource: str, code: grpc.StatusCode) -> None:
+        pass
+
+    def record_registration(self, resource: str, *, ok: bool) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
+
+
 class PluginMetrics:
     """The plugin's metrics on their own registry; the ``record_*``/``observe_*`` methods are the only writers."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # Here, not at the top: a plugin that serves no metrics never loads prometheus_client.
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram  # noqa: PLC0415
+
+        self.content_type = CONTENT_TYPE_LATEST
+        """The ``Content-Type`` of :meth:`exposition`'s text."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.devices = Gauge(
             PREFIX + "devices",
@@ -95,6 +138,13 @@ class PluginMetrics:
             self.scans.labels(result)  # both series from the start: rate() and alerts need no absent()
         self._resources: set[str] = set()
 
+    @staticmethod
+    def disable_created_series() -> None:
+        """No ``*_created`` series (process-wide in prometheus_client; ``serve`` does it once, before serving)."""
+        from prometheus_client import disable_created_metrics  # noqa: PLC0415 -- loaded with PluginMetrics
+
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+
     def record_scan(self, seconds: float, *, ok: bool) -> None:
         self.scans.labels("ok" if ok else "failed").inc()
         self.scan_duration.observe(seconds)
@@ -124,6 +174,8 @@ class PluginMetrics:
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format (what ``GET /metrics`` answers)."""
+        from prometheus_client import generate_latest  # noqa: PLC0415 -- loaded with PluginMetrics already
+
         return generate_latest(self.registry)
 
 
@@ -405,7 +457,7 @@ class MetricsServer:
         text = "text/plain; charset=utf-8"
         try:
             if path == "/metrics":
-                return 200, self.metrics.exposition(), CONTENT_TYPE_LATEST
+                return 200, self.metrics.exposition(), self.metrics.content_type
             if path in ("/healthz", "/readyz"):
                 problem = (self.liveness if path == "/healthz" else self.readiness)()
                 return (200, b"ok\n", text) if problem is None else (503, problem.encode() + b"\n", text)

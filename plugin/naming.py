@@ -2,8 +2,8 @@
 
 A VM asks for ``nvidia.com/TU106_GEFORCE_RTX_2060_REV__A``; that string is what NVIDIA's plugin registers
 for a ``10de:1f08`` and what existing VM manifests and KubeVirt CRs already name. Replacing the plugin must
-not rename a single resource, so the normalisation below mirrors its Go code rule for rule (FACTS.md §7),
-including the Go semantics of ``\\s`` (ASCII whitespace only) and of per-rune upper-casing.
+not rename a single resource, so the normalisation below mirrors its Go code rule for rule (docs/protocols.md,
+"Resource names"), including the Go semantics of ``\\s`` (ASCII whitespace only) and of per-rune upper-casing.
 """
 
 from __future__ import annotations

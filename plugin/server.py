@@ -1,9 +1,9 @@
 """One resource's device plugin endpoint: the ``v1beta1.DevicePlugin`` gRPC server on its own unix socket.
 
-The kubelet talks to a device plugin per resource (FACTS.md §1): it dials the plugin's socket inside
-``Register``, so the server here must serve before :meth:`ResourceServer.register` is called; it keeps one
-``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every device
-unhealthy". This module is protocol only:
+The kubelet talks to a device plugin per resource (docs/protocols.md, "Kubelet device plugin API"): it dials the
+plugin's socket inside ``Register``, so the server here must serve before :meth:`ResourceServer.register` is called;
+it keeps one ``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every
+device unhealthy". This module is protocol only:
 
 - :class:`ResourceState` holds the resource as last discovered and a version; each ``ListAndWatch`` stream
   blocks on its condition variable (no polling) and sends the whole list whenever what the kubelet sees
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -33,22 +31,23 @@ from typing import Any
 import grpc
 
 from plugin import allocation, preferred
+from plugin.health import UsabilityRule
 from plugin.inventory import Device, Resource
 from plugin.log import log_event
-from plugin.metrics import PluginMetrics
+from plugin.metrics import MetricsRecorder
+from runtime import sockets
+from runtime.sockets import prepare_socket_path
+from runtime.status import status_message
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet/device-plugins")
-MAX_UNIX_SOCKET_PATH = 107
 REGISTER_TIMEOUT = 15.0
 """Seconds a ``Register`` call may take: the kubelet gives its dial-back to us 10 s inside it."""
 MAX_DEVICES_PER_REQUEST = 4096
 """More IDs than any node has; a longer request is refused rather than processed."""
-MAX_STATUS_MESSAGE = 512
-"""Status messages quote the request; a bigger one would break gRPC's metadata limit (8 KiB), so cut it."""
 MAX_STREAMS = 2
 """Open ``ListAndWatch`` streams per resource. The kubelet holds one and opens a new one when it restarts, while
 the old one may linger; a stream beyond this ends the oldest (the newest wins), so streams never hold more than
@@ -63,10 +62,15 @@ SOCKET_PROBE_TIMEOUT = 0.5
 """Seconds to wait for a unix socket to accept a connection before calling it live (a full backlog)."""
 
 
+def status_for_refusal(error: allocation.AllocationError) -> grpc.StatusCode:
+    """The gRPC status for an allocation refusal: the caller's mistake or a device not usable now."""
+    if isinstance(error, allocation.InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    if len(message) > MAX_STATUS_MESSAGE:
-        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
-    context.abort(code, message)
+    context.abort(code, status_message(message))
 
 
 def _shown(ids: Sequence[str], limit: int = 16) -> list[str]:
@@ -90,25 +94,6 @@ def device_message(device: Device) -> pb.Device:
 def list_response(resource: Resource) -> pb.ListAndWatchResponse:
     """The whole device list, as every ``ListAndWatch`` message must carry it."""
     return pb.ListAndWatchResponse(devices=[device_message(device) for device in resource.devices])
-
-
-def socket_answers(path: Path, timeout: float = SOCKET_PROBE_TIMEOUT) -> bool:
-    """True if a process accepts connections on the unix socket at ``path`` (a live server), False if none does.
-
-    A refused connection or a missing file means nobody listens (a stale socket from a process that is gone);
-    a full backlog or a permission error counts as live: something is there that we must not take over.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(timeout)
-        try:
-            probe.connect(os.fspath(path))
-        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
-            return False
-        except (BlockingIOError, TimeoutError, PermissionError):
-            return True
-        except OSError:
-            return False
-        return True
 
 
 def kubelet_view(resource: Resource) -> tuple[tuple[str, bool, int | None], ...]:
@@ -164,12 +149,12 @@ class DevicePluginServicer:
         self,
         state: ResourceState,
         host_root: Path,
-        vfio_drivers: frozenset[str],
-        metrics: PluginMetrics | None = None,
+        rule: UsabilityRule,
+        metrics: MetricsRecorder | None = None,
     ) -> None:
         self._state = state
         self._host_root = host_root
-        self._vfio_drivers = vfio_drivers
+        self._rule = rule
         self._metrics = metrics
         self._stopped = False
         self._streams: list[_Stream] = []
@@ -217,7 +202,7 @@ class DevicePluginServicer:
             try:
                 response = list_response(resource)
             except Exception as exc:  # a device the kubelet cannot be told about: say so, keep the stream
-                problem = f"cannot build the ListAndWatch message: {type(exc).__name__}: {exc}"[:MAX_STATUS_MESSAGE]
+                problem = status_message(f"cannot build the ListAndWatch message: {type(exc).__name__}: {exc}")
                 if state.fault != problem:
                     log_event("list_and_watch_failed", resource=resource.name, error=problem)
                 state.fault = problem
@@ -284,17 +269,18 @@ class DevicePluginServicer:
                 self._count(resource.name, grpc.StatusCode.INVALID_ARGUMENT)
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
             try:
-                responses.append(allocation_response(resource, ids, self._host_root, self._vfio_drivers))
+                responses.append(allocation_response(resource, ids, self._host_root, self._rule))
             except allocation.AllocationError as exc:
+                code = status_for_refusal(exc)
                 log_event(
                     "allocate_refused",
                     resource=resource.name,
                     ids=_shown(ids),
-                    code=exc.code.name,
-                    error=exc.message[:512],
+                    code=code.name,
+                    error=status_message(exc.message),
                 )
-                self._count(resource.name, exc.code)
-                _abort(context, exc.code, exc.message)
+                self._count(resource.name, code)
+                _abort(context, code, exc.message)
             except Exception:
                 self._count(resource.name, grpc.StatusCode.UNKNOWN)  # gRPC answers UNKNOWN for what escapes
                 raise
@@ -309,10 +295,10 @@ class DevicePluginServicer:
 
 
 def allocation_response(
-    resource: Resource, ids: Sequence[str], host_root: Path, vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS
+    resource: Resource, ids: Sequence[str], host_root: Path, rule: UsabilityRule = allocation.DEFAULT_RULE
 ) -> pb.ContainerAllocateResponse:
     """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
-    result = allocation.allocate(resource, ids, host_root, vfio_drivers)
+    result = allocation.allocate(resource, ids, host_root, rule)
     return pb.ContainerAllocateResponse(
         envs=dict(result.envs),
         devices=[
@@ -327,7 +313,8 @@ class ServeError(Exception):
 
 
 class SocketInUse(ServeError):
-    """The socket path is taken (by something that is not a socket, or by a live server), or is too long."""
+    """The socket path is taken (by something that is not a socket, or by a live server), or is too long: the
+    plumbing's :class:`runtime.sockets.SocketInUse` as a :class:`ServeError` the manager retries."""
 
 
 class ResourceServer:
@@ -343,13 +330,13 @@ class ResourceServer:
         kubelet_dir: Path,
         host_root: Path,
         *,
-        vfio_drivers: frozenset[str] = allocation.VFIO_DRIVERS,
+        rule: UsabilityRule = allocation.DEFAULT_RULE,
         max_workers: int = MAX_WORKERS,
-        metrics: PluginMetrics | None = None,
+        metrics: MetricsRecorder | None = None,
     ) -> None:
         self.name = resource.name
         self.metrics = metrics
-        self.vfio_drivers = vfio_drivers
+        self.rule = rule
         self.kubelet_dir = kubelet_dir.absolute()
         self.socket_path = self.kubelet_dir / resource.socket
         self.host_root = host_root
@@ -370,21 +357,14 @@ class ResourceServer:
         return self.state.update(resource)
 
     def _prepare_path(self) -> None:
-        path = self.socket_path
-        if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
-            raise SocketInUse(f"socket path {path} is longer than {MAX_UNIX_SOCKET_PATH} bytes, the unix socket limit")
         try:
-            mode = path.lstat().st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(mode):
-            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-        if socket_answers(path):
-            raise SocketInUse(
-                f"{path} is in use: a live server answers on it (another gpu-device-plugin on this node?); "
-                "refusing to replace it"
+            prepare_socket_path(
+                self.socket_path,
+                in_use_hint="another gpu-device-plugin on this node?",
+                probe_timeout=SOCKET_PROBE_TIMEOUT,
             )
-        path.unlink()  # stale: nobody answers on it (an earlier run of ours that died)
+        except sockets.SocketInUse as exc:
+            raise SocketInUse(str(exc)) from None
 
     def start(self) -> None:
         """Serve on the socket (replacing a stale one); the old server, if any, must be stopped first.
@@ -396,7 +376,7 @@ class ResourceServer:
         if not self.kubelet_dir.is_dir():
             raise ServeError(f"cannot serve {self.socket_path}: the directory {self.kubelet_dir} does not exist")
         self._prepare_path()
-        servicer = DevicePluginServicer(self.state, self.host_root, self.vfio_drivers, self.metrics)
+        servicer = DevicePluginServicer(self.state, self.host_root, self.rule, self.metrics)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,

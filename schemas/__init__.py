@@ -6,11 +6,11 @@ place those rules live.
 """
 
 from schemas.errors import InputError
+from schemas.kinds import DEVICE_KINDS, DeviceId, DeviceKind, ResourceKind, kind_info, kind_of_id, kind_of_variable
 from schemas.mdev import parse_mdev_uuid
 from schemas.naming import (
     MDEV_ENV_PREFIX,
     PCI_ENV_PREFIX,
-    ResourceKind,
     env_var_for,
     socket_name_for,
     validate_resource_name,
@@ -18,12 +18,18 @@ from schemas.naming import (
 from schemas.pci import PciAddress
 
 __all__ = [
+    "DEVICE_KINDS",
     "MDEV_ENV_PREFIX",
     "PCI_ENV_PREFIX",
+    "DeviceId",
+    "DeviceKind",
     "InputError",
     "PciAddress",
     "ResourceKind",
     "env_var_for",
+    "kind_info",
+    "kind_of_id",
+    "kind_of_variable",
     "parse_mdev_uuid",
     "socket_name_for",
     "validate_resource_name",

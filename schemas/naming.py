@@ -1,4 +1,4 @@
-"""How a resource name becomes an env var and a socket file name.
+"""How a resource name becomes an env var and a socket file name (the kinds themselves: :mod:`schemas.kinds`).
 
 KubeVirt's virt-launcher derives the variable it reads from the resource name; the device plugin must
 write exactly that variable. Both sides call ``env_var_for`` so they cannot drift apart.
@@ -6,30 +6,28 @@ write exactly that variable. Both sides call ``env_var_for`` so they cannot drif
 
 from __future__ import annotations
 
-import enum
 import re
 
 from schemas.errors import InputError
+from schemas.kinds import MDEV_VGPU, PCI_PASSTHROUGH, ResourceKind, kind_info
 
-PCI_ENV_PREFIX = "PCI_RESOURCE"
-MDEV_ENV_PREFIX = "MDEV_PCI_RESOURCE"
+__all__ = [
+    "MDEV_ENV_PREFIX",
+    "PCI_ENV_PREFIX",
+    "ResourceKind",
+    "env_var_for",
+    "socket_name_for",
+    "validate_resource_name",
+]
+
+PCI_ENV_PREFIX = PCI_PASSTHROUGH.env_prefix
+MDEV_ENV_PREFIX = MDEV_VGPU.env_prefix
 
 # An extended resource name: a DNS subdomain prefix, '/', and a qualified name part (Kubernetes'
 # IsQualifiedName rules for the part after the slash).
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-
-
-class ResourceKind(enum.StrEnum):
-    """How a resource's devices reach the VM: a whole PCI function, or a mediated device."""
-
-    PCI = "pci"
-    MDEV = "mdev"
-
-    @property
-    def env_prefix(self) -> str:
-        return PCI_ENV_PREFIX if self is ResourceKind.PCI else MDEV_ENV_PREFIX
 
 
 def validate_resource_name(name: str) -> str:
@@ -55,8 +53,7 @@ def env_var_for(resource_name: str, kind: ResourceKind) -> str:
     >>> env_var_for("nvidia.com/GRID_T4-1Q", ResourceKind.MDEV)
     'MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q'
     """
-    suffix = resource_name.replace("/", "_").replace(".", "_").upper()
-    return f"{kind.env_prefix}_{suffix}"
+    return kind_info(kind).env_var(resource_name)
 
 
 def socket_name_for(resource_name: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from plugin.config import PluginConfig
 from plugin.inventory import Inventory
 from plugin.sysfs import discover_node
-from plugin.sysfs_fixture import Node, build
+from simkit.sysfs_fixture import Node, build
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,8 +1,8 @@
 """Helpers for the device plugin's server and lifecycle tests: short socket dirs, a running plugin, tree changes.
 
 The plugin runs for real (in-process :class:`~plugin.manager.PluginManager` in a thread, or the
-``gpu-device-plugin serve`` process) against :class:`~plugin.kubelet_standin.KubeletStandIn` over unix
-sockets, on fixture trees from :mod:`plugin.sysfs_fixture`. The functions below change a tree the way the
+``gpu-device-plugin serve`` process) against :class:`~simkit.kubelet_standin.KubeletStandIn` over unix
+sockets, on fixture trees from :mod:`simkit.sysfs_fixture`. The functions below change a tree the way the
 kernel would while the plugin runs: a ``/dev/vfio`` group node removed or restored, a driver rebound, a card
 hot-added, an mdev created.
 """
@@ -23,8 +23,9 @@ from pathlib import Path
 
 from plugin.config import PluginConfig
 from plugin.manager import PluginManager
-from plugin.pciids import PciIds
-from plugin.sysfs_fixture import Function, Node, build
+from plugin.metrics import PluginMetrics
+from runtime.pciids import PciIds
+from simkit.sysfs_fixture import Function, Node, build
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT = 5.0
@@ -51,7 +52,11 @@ def manager_for(host_root: Path, kubelet_dir: Path, scan_interval: float = 0.2) 
     pci_ids_path = host_root / "usr" / "share" / "misc" / "pci.ids"
     pci_ids = PciIds.load(pci_ids_path) if pci_ids_path.is_file() else None
     return PluginManager(
-        PluginConfig(host_root=str(host_root)), kubelet_dir, scan_interval=scan_interval, pci_ids=pci_ids
+        PluginConfig(host_root=str(host_root)),
+        kubelet_dir,
+        scan_interval=scan_interval,
+        pci_ids=pci_ids,
+        metrics=PluginMetrics(),  # kept, as serve --metrics-address does, so that tests can scrape them
     )
 
 

@@ -18,7 +18,7 @@ def test_bench_runs_and_prints_its_figures(capsys: pytest.CaptureFixture[str]) -
     assert main(["--sizes", "60,120", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "node01" in out
-    assert "goal: 120 functions cost <= 150 ms more than node01" in out
+    assert "goal: 120 functions cost <= 100 ms more than node01" in out
     assert "linear:" in out
 
 

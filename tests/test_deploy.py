@@ -27,9 +27,10 @@ import pytest
 import yaml
 
 from plugin.cli import serve
-from plugin.fixture_nodes import NODE01, VGPU_NODE
 from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
+from plugin.sources import permitted_host_devices
 from schemas.vmi import parse_vmi
+from simkit.fixture_nodes import NODE01, VGPU_NODE
 from tests.discovery_support import build_node, discover
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -467,7 +468,7 @@ def test_the_kubevirt_cr_permits_the_plugins_resources(built: list[Doc], tmp_pat
     # The same entries the plugin's discovery produces for the bundled nodes (names from pci.ids, mdev types).
     offered: dict[str, list[dict[str, Any]]] = {"pciHostDevices": [], "mediatedDevices": []}
     for node in (NODE01, VGPU_NODE):
-        block = discover(build_node(node, tmp_path)).permitted_host_devices()["permittedHostDevices"]
+        block = permitted_host_devices(discover(build_node(node, tmp_path)))["permittedHostDevices"]
         for key in offered:
             offered[key] += block[key]
     for key, entries in permitted.items():

@@ -35,18 +35,12 @@ from lxml import etree
 from launcher_hook import build_domain
 from launcher_hook.allocation import allocation_from_env, is_allocation_variable, parse_environ, parse_pool
 from launcher_hook.domain import hostdev_source_key, parse_domain
-from launcher_hook.server import MAX_MESSAGE_BYTES, MAX_STATUS_MESSAGE
+from launcher_hook.server import MAX_MESSAGE_BYTES
 from launcher_hook.service import HookService
 from launcher_hook.sources import PodIdentity, PodResourcesSource, ProcessEnvSource
+from runtime.hook_api import HOOK_API_VERSIONS
+from runtime.status import MAX_STATUS_MESSAGE
 from schemas import InputError, PciAddress, parse_mdev_uuid
-from schemas.generated.kubevirt.hooks import (
-    v1alpha1_pb2,
-    v1alpha1_pb2_grpc,
-    v1alpha2_pb2,
-    v1alpha2_pb2_grpc,
-    v1alpha3_pb2,
-    v1alpha3_pb2_grpc,
-)
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 from tests.conftest import scaled
@@ -67,11 +61,6 @@ SEED_DOMAIN, SEED_VMI, SEED_ENV = seed_case()
 SEED_SOURCES = {("pci", address) for address in SEED_PCI.values()}
 MIB = 1024 * 1024
 pytestmark = pytest.mark.soak  # make soak runs these with many more examples
-VERSIONS = {
-    "v1alpha1": (v1alpha1_pb2, v1alpha1_pb2_grpc),
-    "v1alpha2": (v1alpha2_pb2, v1alpha2_pb2_grpc),
-    "v1alpha3": (v1alpha3_pb2, v1alpha3_pb2_grpc),
-}
 
 
 def fuzz_settings(soak: bool, short: int, full: int) -> settings:
@@ -728,7 +717,7 @@ def channel(hook_socket: Path) -> Iterator[grpc.Channel]:
 
 def call(channel: grpc.Channel, version: str, domain: bytes, vmi: bytes) -> tuple[bytes | None, grpc.StatusCode, str]:
     """OnDefineDomain as virt-launcher calls it: (domainXML or None on error, status code, status message)."""
-    pb2, pb2_grpc = VERSIONS[version]
+    pb2, pb2_grpc = HOOK_API_VERSIONS[version]
     try:
         response, outcome = pb2_grpc.CallbacksStub(channel).OnDefineDomain.with_call(
             pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60
@@ -759,7 +748,7 @@ def assert_answer(answer: tuple[bytes | None, grpc.StatusCode, str], domain: byt
 def test_hook_on_random_bytes_and_mutations_all_versions(channel: grpc.Channel, soak: bool) -> None:
     @fuzz_settings(soak, 150, 1_500)
     @given(
-        st.sampled_from(sorted(VERSIONS)),
+        st.sampled_from(sorted(HOOK_API_VERSIONS)),
         st.binary(max_size=512) | mutations(SEED_DOMAIN) | st.just(SEED_DOMAIN),
         st.binary(max_size=512) | mutations(SEED_VMI) | st.just(SEED_VMI),
     )
@@ -779,7 +768,7 @@ def test_hook_on_random_bytes_and_mutations_all_versions(channel: grpc.Channel, 
 
 def test_hook_on_generated_kubevirt_domains_all_versions(channel: grpc.Channel, soak: bool) -> None:
     @fuzz_settings(soak, 100, 1_000)
-    @given(st.sampled_from(sorted(VERSIONS)), kubevirt_like_domains())
+    @given(st.sampled_from(sorted(HOOK_API_VERSIONS)), kubevirt_like_domains())
     def check(version: str, domain: bytes) -> None:
         assert_answer(call(channel, version, domain, SEED_VMI), domain, True)
 
@@ -798,7 +787,7 @@ def test_hook_reading_pod_resources_on_random_vmis(soak: bool) -> None:
 
                 @fuzz_settings(soak, 100, 1_000)
                 @given(
-                    st.sampled_from(sorted(VERSIONS)),
+                    st.sampled_from(sorted(HOOK_API_VERSIONS)),
                     mutations(SEED_VMI) | st.binary(max_size=256) | json_values.map(json.dumps).map(str.encode),
                 )
                 @example("v1alpha3", SEED_VMI)
@@ -821,7 +810,7 @@ def test_hook_reading_pod_resources_on_random_vmis(soak: bool) -> None:
     assert "List" in kubelet.calls
 
 
-@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("version", sorted(HOOK_API_VERSIONS))
 def test_hook_refuses_every_hostile_input_with_invalid_argument(channel: grpc.Channel, version: str) -> None:
     for name, domain in HOSTILE_DOMAINS.items():
         started = time.perf_counter()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import NODE01
 from schemas.grpc_logging import GRPC_VERBOSITY_DEFAULT, quiet_grpc_core
+from simkit.fixture_nodes import NODE01
 from tests.plugin_support import build_tree, plugin_env, serve_command, short_dir
 
 

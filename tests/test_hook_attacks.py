@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from launcher_hook.cli import make_source
-from launcher_hook.server import HookServer, SocketInUse
+from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import (
     MAX_ENVIRON_FILE_BYTES,
@@ -34,6 +34,7 @@ from launcher_hook.sources import (
     own_pod_identity,
     read_environ_file,
 )
+from runtime.sockets import SocketInUse
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
 from tests.hook_support import (
     RTX_VAR,

@@ -14,27 +14,17 @@ import grpc
 import pytest
 from lxml import etree
 
-from launcher_hook.server import HOOK_NAME, HookServer, SocketInUse
+from launcher_hook.server import HOOK_NAME, HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import EnvironFileSource, Loaded, ProcessEnvSource
+from runtime.hook_api import HOOK_API_VERSIONS
+from runtime.sockets import SocketInUse
 from schemas.generated.kubevirt.hooks import (
     info_pb2,
     info_pb2_grpc,
-    v1alpha1_pb2,
-    v1alpha1_pb2_grpc,
-    v1alpha2_pb2,
-    v1alpha2_pb2_grpc,
-    v1alpha3_pb2,
-    v1alpha3_pb2_grpc,
 )
 from tests.hook_support import RTX_VAR, SEED_PCI, running_hook, seed_case, short_dir, unix_channel
 from tests.libvirt_support import libvirt_verdict
-
-VERSIONS = {
-    "v1alpha1": (v1alpha1_pb2, v1alpha1_pb2_grpc),
-    "v1alpha2": (v1alpha2_pb2, v1alpha2_pb2_grpc),
-    "v1alpha3": (v1alpha3_pb2, v1alpha3_pb2_grpc),
-}
 
 
 @pytest.fixture
@@ -51,7 +41,7 @@ def hook(socket_path: Path) -> Iterator[HookServer]:
 
 
 def define(socket_path: Path, domain: bytes, vmi: bytes, version: str = "v1alpha3") -> bytes:
-    pb2, pb2_grpc = VERSIONS[version]
+    pb2, pb2_grpc = HOOK_API_VERSIONS[version]
     with unix_channel(socket_path) as channel:
         result = pb2_grpc.CallbacksStub(channel).OnDefineDomain(
             pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60
@@ -89,7 +79,7 @@ def test_info_names_the_hook_points_and_all_three_versions(hook: HookServer, soc
     assert [point.name for point in info.hookPoints] == ["OnDefineDomain", "Shutdown"]
 
 
-@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("version", sorted(HOOK_API_VERSIONS))
 def test_on_define_domain_adds_the_gpus_for_every_version(hook: HookServer, socket_path: Path, version: str) -> None:
     domain, vmi, _ = seed_case()
     result = define(socket_path, domain, vmi, version)
@@ -108,7 +98,7 @@ def test_socket_is_world_connectable_and_in_a_created_directory(hook: HookServer
 
 @pytest.mark.parametrize("version", ["v1alpha2", "v1alpha3"])
 def test_pre_cloud_init_iso_returns_its_input(hook: HookServer, socket_path: Path, version: str) -> None:
-    pb2, pb2_grpc = VERSIONS[version]
+    pb2, pb2_grpc = HOOK_API_VERSIONS[version]
     with unix_channel(socket_path) as channel:
         result = pb2_grpc.CallbacksStub(channel).PreCloudInitIso(
             pb2.PreCloudInitIsoParams(cloudInitNoCloudSource=b'{"userData":"x"}', vmi=b"{}", cloudInitData=b"\x00\x01"),
@@ -228,7 +218,7 @@ def test_one_structured_log_line_per_call(
 
 def test_48_concurrent_calls_are_all_correct(hook: HookServer, socket_path: Path) -> None:
     domain, vmi, _ = seed_case()
-    versions = sorted(VERSIONS)
+    versions = sorted(HOOK_API_VERSIONS)
 
     def call(index: int) -> tuple[int, bytes]:
         named = domain.replace(b"<name>cxl_vm-with-gpu</name>", f"<name>vm-{index}</name>".encode())
@@ -249,7 +239,8 @@ def test_shutdown_requests_stop_and_stopping_removes_the_socket(socket_path: Pat
     server.start()
     try:
         with unix_channel(socket_path) as channel:
-            v1alpha3_pb2_grpc.CallbacksStub(channel).Shutdown(v1alpha3_pb2.ShutdownParams(), timeout=10)
+            pb2, pb2_grpc = HOOK_API_VERSIONS["v1alpha3"]
+            pb2_grpc.CallbacksStub(channel).Shutdown(pb2.ShutdownParams(), timeout=10)
         assert server.stop_requested
         server.wait()  # returns at once
     finally:

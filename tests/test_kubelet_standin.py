@@ -1,4 +1,5 @@
-"""The kubelet stand-in behaves as FACTS.md §1 says, against a small fake plugin over real unix sockets."""
+"""The kubelet stand-in behaves as docs/protocols.md, "Kubelet device plugin API" says, against a small fake plugin
+over real unix sockets."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.kubelet_standin import KubeletStandIn, StandInError
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.kubelet_standin import KubeletStandIn, StandInError
 
 RESOURCE = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 ENDPOINT = "kubevirt-TU106_GEFORCE_RTX_2060_REV__A.sock"

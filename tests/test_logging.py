@@ -25,10 +25,11 @@ import pytest
 
 from launcher_hook import service
 from plugin import log as plugin_log
-from plugin.fixture_nodes import NODE01
-from plugin.kubelet_standin import KubeletStandIn
+from runtime.logs import configure_logging
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from schemas.logformat import EventFormatter, event_extra, text_value
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.hook_support import seed_case, short_dir, unix_channel
 from tests.plugin_support import WAIT, build_tree, plugin_env, serve_command
 from tests.test_hook_cli import shim, start_serve
@@ -188,7 +189,7 @@ def plugin_logger() -> Iterator[io.StringIO]:
 
 
 def test_plugin_event_levels(plugin_logger: io.StringIO) -> None:
-    plugin_log.configure_logging(plugin_logger, log_format="json")
+    configure_logging(plugin_log.COMPONENT, "json", plugin_logger)
     plugin_log.log_event("scan_problem", error="sysfs went away")
     plugin_log.log_event("serve_failed", resource=TU106, error="bind")
     plugin_log.log_event("health_changed", resource=TU106, device="0000:86:00.0", health="Unhealthy")
@@ -302,7 +303,7 @@ def test_hook_internal_error_is_logged_at_error_with_its_traceback(hook_logger: 
         def close(self) -> None:
             pass
 
-    service.configure_logging("text", hook_logger)
+    configure_logging(service.COMPONENT, "text", hook_logger)
     domain, vmi, _ = seed_case()
     with pytest.raises(service.HookFault):
         service.HookService(Broken()).define_domain(domain, vmi, via="test")  # type: ignore[arg-type]

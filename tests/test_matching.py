@@ -1,4 +1,5 @@
-"""Which allocated device goes to which VMI entry, with which alias and display flags (FACTS.md §4)."""
+"""Which allocated device goes to which VMI entry, with which alias and display flags (docs/protocols.md, "KubeVirt
+env naming")."""
 
 from __future__ import annotations
 

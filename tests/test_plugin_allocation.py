@@ -6,13 +6,21 @@ import dataclasses
 import os
 from pathlib import Path
 
-import grpc
 import pytest
 
-from plugin.allocation import AllocationError, DeviceSpec, allocate, recheck_device, vfio_cdev
-from plugin.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from plugin.allocation import (
+    DEFAULT_RULE,
+    AllocationError,
+    DeviceSpec,
+    DeviceUnavailable,
+    InvalidRequest,
+    allocate,
+    recheck_device,
+    vfio_cdev,
+)
 from plugin.inventory import Inventory, Resource
-from plugin.sysfs_fixture import Function, Mdev, Node, build
+from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from simkit.sysfs_fixture import Function, Mdev, Node, build
 from tests.discovery_support import build_node, discover
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -75,7 +83,11 @@ def test_a_group_needed_twice_is_mounted_once(tmp_path: Path) -> None:
     resource = dataclasses.replace(
         discovered, devices=tuple(dataclasses.replace(d, healthy=True, reason=None) for d in discovered.devices)
     )
-    result = allocate(resource, ["0000:3b:00.1", "0000:3b:00.0"], root)  # ... but the policy still dedups
+    error = refusal(resource, ["0000:3b:00.1", "0000:3b:00.0"], root)  # ... and so does the re-check (one rule)
+    assert isinstance(error, DeviceUnavailable)
+    assert "IOMMU group 30 is shared with GPU" in error.message
+    sharing = dataclasses.replace(DEFAULT_RULE, selects=lambda vendor, device, pci_class: False)
+    result = allocate(resource, ["0000:3b:00.1", "0000:3b:00.0"], root, sharing)  # a rule that lets them share
     assert result.device_specs == specs("/dev/vfio/vfio", "/dev/vfio/30")
     assert list(result.envs.values()) == ["0000:3b:00.1,0000:3b:00.0"]
 
@@ -84,7 +96,7 @@ def test_a_group_needed_twice_is_mounted_once(tmp_path: Path) -> None:
 def test_an_unknown_id_is_invalid_argument_naming_it(tmp_path: Path, bad: str) -> None:
     root, resource = node_and_resource(NODE01, tmp_path)
     error = refusal(resource, [GPU_3B, bad], root)
-    assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(error, InvalidRequest)
     assert repr(bad) in error.message
     assert RTX in error.message
     assert error.device_id == bad
@@ -93,14 +105,14 @@ def test_an_unknown_id_is_invalid_argument_naming_it(tmp_path: Path, bad: str) -
 def test_an_unknown_id_wins_over_an_unhealthy_one(tmp_path: Path) -> None:
     root = build_node(MIXED_NODE, tmp_path)
     resource = discover(root).resource("nvidia.com/GA102_GEFORCE_RTX_3090")
-    assert refusal(resource, [GPU_86, "0000:01:00.0"], root).code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(refusal(resource, [GPU_86, "0000:01:00.0"], root), InvalidRequest)
 
 
 def test_empty_and_repeated_requests_are_invalid_argument(tmp_path: Path) -> None:
     root, resource = node_and_resource(NODE01, tmp_path)
-    assert refusal(resource, [], root).code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(refusal(resource, [], root), InvalidRequest)
     error = refusal(resource, [GPU_3B, GPU_86, GPU_3B], root)
-    assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(error, InvalidRequest)
     assert GPU_3B in error.message
 
 
@@ -108,7 +120,7 @@ def test_an_unhealthy_device_is_failed_precondition_with_its_reason(tmp_path: Pa
     root = build_node(MIXED_NODE, tmp_path)
     resource = discover(root).resource("nvidia.com/GA102_GEFORCE_RTX_3090")
     error = refusal(resource, [GPU_86], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert GPU_86 in error.message
     assert "snd_hda_intel" in error.message
     assert "0000:86:00.1" in error.message
@@ -118,7 +130,7 @@ def test_a_group_node_removed_after_the_scan_is_failed_precondition(tmp_path: Pa
     root, resource = node_and_resource(NODE01, tmp_path)
     (root / "dev" / "vfio" / str(GROUP[GPU_86])).unlink()
     error = refusal(resource, [GPU_3B, GPU_86], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert GPU_86 in error.message
     assert f"/dev/vfio/{GROUP[GPU_86]}" in error.message
     # The other devices are still fine.
@@ -132,7 +144,7 @@ def test_a_changed_iommu_group_is_failed_precondition(tmp_path: Path) -> None:
     real_link.unlink()
     real_link.symlink_to(os.path.relpath(root / "sys" / "kernel" / "iommu_groups" / "200", real_link.parent))
     error = refusal(resource, [GPU_AF], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert GPU_AF in error.message
     assert f"from {GROUP[GPU_AF]} to 200" in error.message
 
@@ -142,7 +154,7 @@ def test_a_group_that_gained_a_member_is_failed_precondition(tmp_path: Path) -> 
     members = root / "sys" / "kernel" / "iommu_groups" / str(GROUP[GPU_5E]) / "devices"
     (members / "0000:5e:00.4").symlink_to(os.path.relpath(root / "sys" / "devices", members))
     error = refusal(resource, [GPU_5E], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert "now also holds 0000:5e:00.4" in error.message
     (members / "0000:5e:00.2").unlink()
     (members / "0000:5e:00.4").unlink()
@@ -156,7 +168,7 @@ def test_a_gpu_rebound_to_nvidia_is_failed_precondition(tmp_path: Path) -> None:
     (device_dir / "driver").unlink()
     (device_dir / "driver").symlink_to(os.path.relpath(nvidia, device_dir))
     error = refusal(resource, [GPU_3B], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert "bound to nvidia" in error.message
     (device_dir / "driver").unlink()
     assert "no driver" in refusal(resource, [GPU_3B], root).message
@@ -166,7 +178,7 @@ def test_a_removed_device_is_failed_precondition(tmp_path: Path) -> None:
     root, resource = node_and_resource(NODE01, tmp_path)
     (root / "sys" / "bus" / "pci" / "devices" / GPU_3B).unlink()
     error = refusal(resource, [GPU_3B], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert "removed" in error.message
 
 
@@ -174,7 +186,7 @@ def test_a_missing_vfio_container_is_failed_precondition(tmp_path: Path) -> None
     root, resource = node_and_resource(NODE01, tmp_path)
     (root / "dev" / "vfio" / "vfio").unlink()
     error = refusal(resource, [GPU_3B], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert "/dev/vfio/vfio" in error.message
 
 
@@ -227,7 +239,7 @@ def test_an_mdev_whose_group_node_went_is_refused(tmp_path: Path) -> None:
     resource = discover(root).resource("nvidia.com/GRID_T4-1Q")
     (root / "dev" / "vfio" / "140").unlink()
     error = refusal(resource, [T4_1Q_A], root)
-    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(error, DeviceUnavailable)
     assert T4_1Q_A in error.message
     assert recheck_device(resource.device(T4_1Q_B), root) is None
 

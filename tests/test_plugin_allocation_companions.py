@@ -1,6 +1,6 @@
 """Allocate's host re-check covers a GPU's companions, not only the GPU (found by the flapping soak, issue 7).
 
-A GPU is healthy only if every other function of its IOMMU group is viable for VFIO (FACTS.md: a companion
+A GPU is healthy only if every other function of its IOMMU group is viable for VFIO (docs/node.md, "VFIO": a companion
 on a host driver such as ``snd_hda_intel`` blocks the group). Between two scans a companion can be rebound
 to a host driver (``modprobe snd_hda_intel`` grabbing the audio function, a card handed back to the host
 function by function); Allocate must then refuse with FAILED_PRECONDITION naming the device, as it does when
@@ -14,14 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.allocation import AllocationError, allocate, recheck_device
+from plugin.allocation import AllocationError, DeviceUnavailable, allocate, recheck_device
 from plugin.config import PluginConfig
-from plugin.fixture_nodes import NODE01
+from plugin.health import UsabilityRule
 from plugin.inventory import Resource
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.pciids import PciIds
 from plugin.sysfs import scan
-from plugin.sysfs_fixture import build
+from runtime.pciids import PciIds
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import Node, build
 from tests.plugin_support import build_tree, rebind, serve_process, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -46,7 +47,7 @@ def test_companion_rebound_to_a_host_driver_after_the_scan_is_refused(tmp_path: 
     assert AUDIO in problem and driver in problem
     with pytest.raises(AllocationError) as refused:
         allocate(resource, [GPU], root)
-    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(refused.value, DeviceUnavailable)
     assert refused.value.device_id == GPU
     assert GPU in refused.value.message and AUDIO in refused.value.message
 
@@ -77,3 +78,16 @@ def test_plugin_process_refuses_a_gpu_whose_companion_was_rebound_before_its_nex
             assert GPU in (error.details() or "") and AUDIO in (error.details() or "")
             rebind(root, AUDIO, "vfio-pci")
             assert kubelet.allocate(TU106, [GPU]).container_responses[0].envs
+
+
+@pytest.mark.parametrize("node", [NODE01, MIXED_NODE, VGPU_NODE], ids=lambda node: node.name)
+def test_the_scan_and_the_recheck_apply_one_rule(tmp_path: Path, node: Node) -> None:
+    """Every device the scan calls unhealthy, Allocate's re-check refuses with the very same reason."""
+    root = build(node, tmp_path / "root")
+    config = PluginConfig(host_root=str(root))
+    inventory = scan(root, config, PciIds.load(root / "usr" / "share" / "misc" / "pci.ids"))
+    rule = UsabilityRule.from_config(config)
+    for resource in inventory.resources:
+        for device in resource.devices:
+            if device.iommu_group is not None:
+                assert recheck_device(device, root, rule) == device.reason, device.id

@@ -31,12 +31,13 @@ import grpc
 import pytest
 
 from plugin import metrics
-from plugin.fixture_nodes import NODE01
 from plugin.inventory import Resource
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.server import MAX_STREAMS, ResourceServer, ServeError, SocketInUse, socket_answers
+from plugin.server import MAX_STREAMS, ResourceServer, ServeError, SocketInUse
+from runtime.sockets import socket_is_live
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.discovery_support import discover
 from tests.plugin_support import WAIT, build_tree, manager_for, running, serve_process, short_dir, wait_until
 
@@ -289,7 +290,7 @@ def test_a_second_server_refuses_a_live_socket_and_the_first_stays_reachable(
 ) -> None:
     first, resource = served
     second = ResourceServer(resource, first.kubelet_dir, first.host_root)
-    with pytest.raises(SocketInUse, match="in use: a live server answers"):
+    with pytest.raises(SocketInUse, match="another server is listening on"):
         second.start()
     assert first.socket_intact()
     with grpc.insecure_channel(f"unix:{first.socket_path}") as channel:
@@ -305,11 +306,11 @@ def test_a_stale_socket_nobody_answers_on_is_replaced(base: Path) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
     stale.close()  # bound, never listening: what a killed process leaves
-    assert path.is_socket() and not socket_answers(path)
+    assert path.is_socket() and not socket_is_live(path)
     server = ResourceServer(resource, base / "kubelet", root)
     server.start()
     try:
-        assert server.socket_intact() and socket_answers(path)
+        assert server.socket_intact() and socket_is_live(path)
     finally:
         server.stop(grace=0)
 
@@ -324,7 +325,7 @@ def test_a_second_serve_process_does_not_unlink_the_first(base: Path) -> None:
             wait_until(lambda: "serve_failed" in (base / "second.log").read_text(), timeout=15, what="refusal")
             assert second.poll() is None  # it keeps retrying, without taking the socket over
         log = (base / "second.log").read_text()
-        assert "in use: a live server answers" in log
+        assert "another server is listening on" in log and "another gpu-device-plugin on this node?" in log
         assert "Traceback" not in log
         assert (kubelet_dir / TU106_SOCKET).stat().st_ino == inode
         assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import (
+from plugin.inventory import Inventory
+from plugin.sources import permitted_host_devices
+from plugin.sysfs import scan
+from runtime.pciids import PciIds
+from schemas import InputError, PciAddress, ResourceKind
+from simkit.fixture_nodes import (
     CLASS_3D,
     CLASS_AUDIO,
     CLASS_PCI_BRIDGE,
@@ -23,11 +28,7 @@ from plugin.fixture_nodes import (
     root_port,
     tu106_card,
 )
-from plugin.inventory import Inventory
-from plugin.pciids import PciIds
-from plugin.sysfs import scan
-from plugin.sysfs_fixture import Function, Mdev, MdevType, Node
-from schemas import InputError, PciAddress, ResourceKind
+from simkit.sysfs_fixture import Function, Mdev, MdevType, Node
 from tests.discovery_support import build_node, discover
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -335,7 +336,7 @@ def test_two_ids_with_one_pci_ids_name_share_a_resource(tmp_path: Path) -> None:
     assert resource.name == "nvidia.com/GA102GL_A10"
     assert [device.id for device in resource.devices] == ["0000:3b:00.0", "0000:3c:00.0"]
     assert resource.selectors == ("10DE:2236", "10DE:2237")
-    entries = inventory.permitted_host_devices()["permittedHostDevices"]["pciHostDevices"]
+    entries = permitted_host_devices(inventory)["permittedHostDevices"]["pciHostDevices"]
     assert [entry["pciVendorSelector"] for entry in entries] == ["10DE:2236", "10DE:2237"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import (
+from simkit.fixture_nodes import (
     CLASS_3D,
     MIXED_NODE,
     NODE01,
@@ -24,8 +24,8 @@ from plugin.fixture_nodes import (
     root_port,
     tu106_card,
 )
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.sysfs_fixture import Function, Node
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import Function, Node
 from tests.plugin_support import (
     WAIT,
     add_mdev,

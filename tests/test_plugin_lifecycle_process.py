@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import NODE01, VGPU_NODE
-from plugin.kubelet_standin import KubeletStandIn
+from simkit.fixture_nodes import NODE01, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn
 from tests.plugin_support import (
     ROOT,
     WAIT,

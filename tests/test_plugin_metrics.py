@@ -23,12 +23,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin import manager as manager_module
-from plugin.fixture_nodes import NODE01
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.manager import PluginManager
 from plugin.metrics import MetricsServer, PluginMetrics, parse_address
 from plugin.server import MAX_DEVICES_PER_REQUEST
 from plugin.sysfs import scan as real_scan
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.plugin_support import (
     WAIT,
     build_tree,
@@ -100,6 +100,7 @@ def allocations(port: int, result: str) -> float:
 @contextmanager
 def endpoint(manager: PluginManager) -> Iterator[MetricsServer]:
     """The manager's metrics and probes on an ephemeral loopback port, as ``serve --metrics-address`` does."""
+    assert isinstance(manager.metrics, PluginMetrics)
     server = MetricsServer(LOOPBACK, 0, manager.metrics, manager.liveness, manager.readiness)
     server.start()
     try:
@@ -256,7 +257,12 @@ def test_readyz_waits_for_the_kubelet_and_healthz_fails_when_it_stays_away(base:
             wait_until(lambda: get(server.port, "/readyz")[0] == 200, what="/readyz 200")
     like = manager_for(root, kubelet_dir)
     impatient = PluginManager(
-        like.config, kubelet_dir, scan_interval=0.2, pci_ids=like.pci_ids, kubelet_missing_bound=0
+        like.config,
+        kubelet_dir,
+        scan_interval=0.2,
+        pci_ids=like.pci_ids,
+        kubelet_missing_bound=0,
+        metrics=PluginMetrics(),
     )
     with running(impatient), endpoint(impatient) as server:
         wait_until(lambda: get(server.port, "/healthz")[0] == 503, what="/healthz 503 without kubelet.sock")

@@ -1,4 +1,4 @@
-"""Resource names must equal NVIDIA's plugin's, byte for byte (FACTS.md section 7)."""
+"""Resource names must equal NVIDIA's plugin's, byte for byte (docs/protocols.md, "Resource names")."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import PCI_IDS_EXCERPT
-from plugin.pciids import SEARCH_PATHS, PciIds, locate_pci_ids
+from runtime.pciids import SEARCH_PATHS, PciIds, locate_pci_ids
 from schemas import InputError
+from simkit.fixture_nodes import PCI_IDS_EXCERPT
 
 REAL_PCI_IDS = Path("/usr/share/misc/pci.ids")
 

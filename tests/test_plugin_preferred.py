@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plugin.fixture_nodes import MIXED_NODE, NODE01
 from plugin.inventory import Device
 from plugin.preferred import PreferenceError, preferred_allocation
 from schemas.naming import ResourceKind
+from simkit.fixture_nodes import MIXED_NODE, NODE01
 from tests.discovery_support import build_node, discover
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"

@@ -16,9 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.fixture_nodes import MIXED_NODE, NODE01
 from plugin.inventory import Resource
-from plugin.kubelet_standin import KubeletStandIn
 from plugin.server import (
     API_VERSION,
     ResourceServer,
@@ -30,6 +28,8 @@ from plugin.server import (
 )
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import MIXED_NODE, NODE01
+from simkit.kubelet_standin import KubeletStandIn
 from tests.discovery_support import discover
 from tests.plugin_support import WAIT, build_tree, short_dir
 

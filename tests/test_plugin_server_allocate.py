@@ -14,11 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
-from plugin.kubelet_standin import KubeletStandIn
+from plugin.allocation import DeviceUnavailable, InvalidRequest
 from plugin.manager import PluginManager
-from plugin.sysfs_fixture import Node
+from plugin.server import status_for_refusal
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import Node
 from tests.plugin_support import WAIT, build_tree, manager_for, running, short_dir
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -135,3 +137,8 @@ def test_bad_preferred_request_is_a_status_not_a_crash(plugin: tuple[KubeletStan
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert len(kubelet.preferred_allocation(TU106, ["0000:3b:00.0", "0000:5e:00.0"], [], 1)) == 1
     assert WAIT > 0
+
+
+def test_the_grpc_adapter_maps_allocation_refusals_to_status_codes() -> None:
+    assert status_for_refusal(InvalidRequest("r: unknown device ID 'x'", "x")) is grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for_refusal(DeviceUnavailable("r: device x is unhealthy", "x")) is grpc.StatusCode.FAILED_PRECONDITION

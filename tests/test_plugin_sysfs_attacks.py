@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from plugin.fixture_nodes import NODE01, VGPU_NODE
 from plugin.inventory import Inventory
 from plugin.server import list_response
 from plugin.sysfs import MAX_ATTRIBUTE_BYTES, HostRoot, ReadError
-from plugin.sysfs_fixture import build
+from simkit.fixture_nodes import NODE01, VGPU_NODE
+from simkit.sysfs_fixture import build
 from tests.discovery_support import discover
 
 SCAN_BOUND = 5.0
@@ -191,3 +191,28 @@ def test_numa_node_out_of_range_means_no_topology_and_a_warning(node01: Path, va
     assert any("past the kernel's largest NUMA node" in warning for warning in inventory.warnings)
     message = list_response(resource)  # raised ValueError before: the kubelet saw 0 devices
     assert len(message.devices) == 4
+
+
+def test_a_directory_handle_reads_as_host_root_does(tmp_path: Path) -> None:
+    """Reads through :meth:`HostRoot.directory` (one resolution per device) keep HostRoot's rules."""
+    root = tmp_path / "root"
+    device = root / "sys" / "devices" / "dev0"
+    device.mkdir(parents=True)
+    (device / "vendor").write_text("0x10de\n")
+    (root / "etc").mkdir()
+    (root / "etc" / "secret").write_text("inside the root\n")
+    (tmp_path / "secret").write_text("outside the root\n")
+    (device / "escape").symlink_to("/etc/secret")  # absolute: must start again at the host root
+    os.mkfifo(device / "fifo")
+    (device / "driver").symlink_to("../../bus/pci/drivers/vfio-pci")
+    fs = HostRoot(str(root))
+    with fs, fs.directory("/sys/devices/dev0") as handle:
+        assert handle.read("vendor") == "0x10de\n"
+        assert handle.read("escape") == fs.read("/sys/devices/dev0/escape") == "inside the root\n"
+        assert handle.read("missing") is None
+        with pytest.raises(ReadError, match="not a regular file"):
+            handle.read("fifo")
+        assert handle.readlink_name("driver") == "vfio-pci"
+        assert handle.readlink_name("vendor") is None
+    with fs.directory("/sys/devices/nowhere") as gone:
+        assert gone.read("vendor") is None

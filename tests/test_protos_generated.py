@@ -1,5 +1,6 @@
 """The committed stubs in ``schemas/generated`` are exactly what ``python -m schemas.genproto`` writes today,
-and the ``.proto`` files keep the wire names and field numbers of FACTS.md §1-3."""
+and the ``.proto`` files keep the wire names and field numbers of docs/protocols.md (kubelet and KubeVirt hooks
+sections)."""
 
 from __future__ import annotations
 

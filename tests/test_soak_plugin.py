@@ -30,9 +30,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugin.fixture_nodes import NODE01
-from plugin.kubelet_standin import KubeletStandIn
-from plugin.sysfs_fixture import Node
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
+from simkit.sysfs_fixture import Node
 from tests.conftest import scaled
 from tests.plugin_support import (
     build_tree,

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from plugin.config import PluginConfig
-from plugin.doctor import Check, Status, run_checks
-from plugin.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
-from plugin.sysfs_fixture import Node, build
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.sysfs_fixture import Node, build
 from xmlgen.cli import cli
+from xmlgen.doctor import Check, Status, run_checks
 
 FRESH = datetime.date(2023, 6, 1)  # the fixtures' pci.ids is version 2023.04.10
 

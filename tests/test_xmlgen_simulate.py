@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from plugin.fixture_nodes import NODE01
-from plugin.sysfs_fixture import build
+from simkit.fixture_nodes import NODE01
+from simkit.sysfs_fixture import build
 from tests.conftest import EXAMPLES
 from tests.libvirt_support import missing
 

@@ -16,10 +16,11 @@ from typing import Any
 
 import click
 
+from plugin import sources
 from plugin.config import load_config
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
-from schemas import InputError, ResourceKind
+from schemas import InputError, kind_info
 from xmlgen.io import user_errors, write_stdout
 
 
@@ -31,7 +32,7 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 
 
 def _detail(device: Device) -> str:
-    if device.kind is ResourceKind.MDEV:
+    if device.mdev_type is not None:
         return f"{device.mdev_type} on {device.parent}"
     return ",".join(str(companion.address) for companion in device.companions) or "-"
 
@@ -47,7 +48,7 @@ def render_table(inventory: Inventory) -> str:
         )
         lines.append(f"  env {resource.env}")
         lines.append(f"  socket {resource.socket}")
-        companions = "COMPANIONS" if resource.kind is ResourceKind.PCI else "MDEV TYPE"
+        companions = kind_info(resource.kind).detail_heading
         rows = [["DEVICE", "GROUP", "NUMA", "PCIE ROOT", "HEALTH", companions]]
         reasons: dict[int, str] = {}
         for device in resource.devices:
@@ -86,7 +87,7 @@ def render_table(inventory: Inventory) -> str:
 
 def render_permitted_host_devices(inventory: Inventory) -> str:
     """The ``permittedHostDevices`` block as YAML, every string quoted (``10DE:1F08`` stays a string)."""
-    block: dict[str, Any] = inventory.permitted_host_devices()["permittedHostDevices"]
+    block: dict[str, Any] = sources.permitted_host_devices(inventory)["permittedHostDevices"]
     lines = [
         "# KubeVirt CR: paste under spec.configuration (kubectl edit kubevirt -n kubevirt)",
         "permittedHostDevices:",
@@ -146,7 +147,7 @@ def discover(
         click.echo(f"warning: {warning}", err=True)
     if permitted_host_devices:
         text = (
-            json.dumps(inventory.permitted_host_devices(), indent=2) + "\n"
+            json.dumps(sources.permitted_host_devices(inventory), indent=2) + "\n"
             if as_json
             else render_permitted_host_devices(inventory)
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from plugin.config import load_config
-from plugin.doctor import DEFAULT_KUBELET_DIR, Status, run_checks
+from xmlgen.doctor import DEFAULT_KUBELET_DIR, Status, run_checks
 from xmlgen.io import user_errors
 
 _COLOURS = {Status.OK: "green", Status.WARN: "yellow", Status.FAIL: "red"}

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from lxml import etree
 
 from launcher_hook.domain import hostdev_source_key, parse_domain
+from launcher_hook.hostdevs import model_for_type
 from launcher_hook.validate import SchemaNotFound, hostdev_schema, validate_domain
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
@@ -151,11 +152,13 @@ def _hostdev_map(root: etree._Element) -> dict[str, tuple[str, str]]:
 
 
 def _with_vfio_driver(root: etree._Element) -> etree._Element:
-    """A copy whose PCI hostdevs name the vfio driver (libvirt needs it on a host without IOMMU groups)."""
+    """A copy each of whose hostdevs its model prepared for QEMU on a host without IOMMU groups (PCI ones name
+    the vfio driver)."""
     clone = copy.deepcopy(root)
-    for hostdev in clone.iterfind("devices/hostdev[@type='pci']"):
-        if hostdev.find("driver") is None:
-            hostdev.insert(0, etree.Element("driver", {"name": "vfio"}))
+    for hostdev in clone.iterfind("devices/hostdev"):
+        model = model_for_type(hostdev.get("type"))
+        if model is not None:
+            model.prepare_for_qemu(hostdev)
     if not os.path.exists("/dev/kvm"):
         clone.set("type", "qemu")
     return clone

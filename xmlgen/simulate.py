@@ -28,33 +28,21 @@ from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import ProcessEnvSource
 from plugin.config import PluginConfig
-from plugin.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from plugin.inventory import Device, Inventory
-from plugin.kubelet_standin import KubeletStandIn, StandInError
 from plugin.manager import PluginManager
 from plugin.sysfs import discover_node
-from plugin.sysfs_fixture import Node, build
+from runtime.hook_api import HOOK_API_VERSIONS
 from schemas import InputError
-from schemas.generated.kubevirt.hooks import (
-    info_pb2,
-    info_pb2_grpc,
-    v1alpha1_pb2,
-    v1alpha1_pb2_grpc,
-    v1alpha2_pb2,
-    v1alpha2_pb2_grpc,
-    v1alpha3_pb2,
-    v1alpha3_pb2_grpc,
-)
+from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.kubelet_standin import KubeletStandIn, StandInError
+from simkit.sysfs_fixture import Node, build
 
 BUNDLED_NODES: Mapping[str, Node] = {"node01": NODE01, "vgpu": VGPU_NODE, "mixed": MIXED_NODE}
 """The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node)."""
-_VERSIONS = {
-    "v1alpha3": (v1alpha3_pb2, v1alpha3_pb2_grpc),
-    "v1alpha2": (v1alpha2_pb2, v1alpha2_pb2_grpc),
-    "v1alpha1": (v1alpha1_pb2, v1alpha1_pb2_grpc),
-}
+_NEWEST_FIRST = tuple(reversed(HOOK_API_VERSIONS))
 _WAIT_SECONDS = 10.0
 
 
@@ -69,8 +57,8 @@ def default_vmi(node: str) -> bytes:
 
 
 @dataclass
-class Allocation:
-    """What the kubelet stand-in got for one resource."""
+class ResourceGrant:
+    """What the kubelet stand-in got from the plugin for one resource (IDs chosen, env, device nodes)."""
 
     resource: str
     device_ids: list[str]
@@ -81,7 +69,7 @@ class Allocation:
 @dataclass
 class SimulationResult:
     domain_xml: bytes
-    allocations: list[Allocation] = field(default_factory=list)
+    allocations: list[ResourceGrant] = field(default_factory=list)
     hook_version: str = ""
 
 
@@ -143,7 +131,7 @@ def _requests(vmi: VirtualMachineInstance) -> Counter[str]:
 
 def _allocate(
     standin: KubeletStandIn, inventory: Inventory, vmi: VirtualMachineInstance, log: Callable[[str], None]
-) -> list[Allocation]:
+) -> list[ResourceGrant]:
     allocations = []
     for resource, count in sorted(_requests(vmi).items()):
         if resource not in inventory.resource_names:
@@ -172,18 +160,18 @@ def _allocate(
         for name, value in sorted(envs.items()):
             log(f"    env {name}={value}")
         log(f"    devices {', '.join(specs)}")
-        allocations.append(Allocation(resource, list(chosen), envs, specs))
+        allocations.append(ResourceGrant(resource, list(chosen), envs, specs))
     return allocations
 
 
 def _call_hook(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         info = info_pb2_grpc.InfoStub(channel).Info(info_pb2.InfoParams(), timeout=_WAIT_SECONDS)
-        version = next((name for name in _VERSIONS if name in info.versions), None)
+        version = next((name for name in _NEWEST_FIRST if name in info.versions), None)
         if version is None or "OnDefineDomain" not in [point.name for point in info.hookPoints]:
             raise SimulationError(f"the hook offers versions {list(info.versions)} without OnDefineDomain we know")
         log(f"  Info: {info.name}, versions {', '.join(info.versions)}; virt-launcher would pick {version}")
-        messages, stubs = _VERSIONS[version]
+        messages, stubs = HOOK_API_VERSIONS[version]
         try:
             result = stubs.CallbacksStub(channel).OnDefineDomain(
                 messages.OnDefineDomainParams(domainXML=domain_xml, vmi=vmi_json), timeout=60

@@ -402,7 +402,7 @@ def scenario_node(record: Recorder) -> None:
 @contextlib.contextmanager
 def running_plugin(record: Recorder) -> Iterator[Any]:
     """``gpu-device-plugin serve`` in its own process against the kubelet stand-in in this one."""
-    from plugin.kubelet_standin import KubeletStandIn
+    from simkit.kubelet_standin import KubeletStandIn
 
     KUBELET_DIR.mkdir(parents=True, exist_ok=True)
     log_path = RESULTS / "plugin.log"

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.node import VFIO_DRIVERS
 from schemas.pci import PciAddress
 
-VFIO_DRIVERS = frozenset({"vfio-pci", "nvgrace_gpu_vfio_pci"})
 _VFIO_CDEV_MAJOR = 236  # dynamic; a typical value
 
 

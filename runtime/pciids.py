@@ -1,8 +1,9 @@
-"""Device names from pci.ids, found where NVIDIA's plugin and the node's own tools look.
+"""Device names from pci.ids, found where NVIDIA's plugin and the node's tools look: one lookup, one warning.
 
-Resource names come from the pci.ids device line (FACTS.md §6-7), so which file is read decides what the
-node advertises. The search order is explicit and reported, a file given on purpose must exist, and an
-absent database degrades to hex names with a warning instead of failing discovery.
+Resource names come from the pci.ids device line (docs/node.md, "pci.ids"; docs/protocols.md, "Resource
+names"), so which file is read decides what the node advertises. The search order is explicit and reported,
+a file given on purpose must exist, and an absent database degrades to hex names with a warning instead of
+failing discovery.
 
 Only the vendor sections actually asked about are parsed (the file is over a megabyte, NVIDIA's section
 a few hundred lines), so a lookup costs one read of the file plus a scan of one section.
@@ -87,6 +88,17 @@ class PciIdsChoice:
 
     database: PciIds | None
     searched: tuple[str, ...]
+
+    @property
+    def warnings(self) -> list[str]:
+        """What to warn about this choice: nothing when a database was found, else where we looked and what
+        it means (hex names). The one wording for every caller (discovery, the plugin's manager, doctor)."""
+        if self.database is not None:
+            return []
+        return [
+            f"no pci.ids found (looked at {', '.join(self.searched)}): resources are named by hex device ID "
+            "(nvidia.com/1f08); pass --pci-ids or set name_overrides"
+        ]
 
 
 def locate_pci_ids(explicit: Path | None, host_root: Path, image_root: Path = Path("/")) -> PciIdsChoice:

@@ -1,4 +1,5 @@
-"""A stand-in for the kubelet's device manager, behaving as FACTS.md §1 describes, over real unix sockets.
+"""A stand-in for the kubelet's device manager, behaving as docs/protocols.md, "Kubelet device plugin API" describes,
+over real unix sockets.
 
 The device plugin can only be proven against something that acts like the kubelet where it matters: the
 kubelet dials the plugin back *inside* ``Register`` (so a plugin that registers before it serves fails), keeps
@@ -28,6 +29,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from runtime.sockets import MAX_UNIX_SOCKET_PATH
 from schemas.errors import InputError
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -40,7 +42,6 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 DIAL_TIMEOUT = 10.0
 """Seconds the kubelet gives the plugin's socket to answer ``GetDevicePluginOptions`` inside ``Register``."""
-MAX_UNIX_SOCKET_PATH = 107
 
 
 class StandInError(Exception):

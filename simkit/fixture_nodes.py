@@ -1,4 +1,4 @@
-"""Three example nodes for :mod:`plugin.sysfs_fixture`: what tests, the benchmark and ``xmlgen simulate`` run on.
+"""Three example nodes for :mod:`simkit.sysfs_fixture`: what tests, the benchmark and ``xmlgen simulate`` run on.
 
 - :data:`NODE01`: node01 of the seed write-up (``000_5ea2f63f8723ccb0``): four TU106 RTX 2060 Rev. A cards,
   each a VGA ``1f08`` + audio ``10f9`` + USB ``1ada`` + UCSI ``1adb`` in one IOMMU group, all on vfio-pci
@@ -15,7 +15,7 @@ two-socket Xeon Scalable: a root port per PCIe stack (``0000:85:00.0``), the car
 
 from __future__ import annotations
 
-from plugin.sysfs_fixture import Function, Mdev, MdevType, Node
+from simkit.sysfs_fixture import Function, Mdev, MdevType, Node
 
 NVIDIA = 0x10DE
 INTEL = 0x8086

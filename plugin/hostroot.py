@@ -1,0 +1,364 @@
+"""Reading a node's files under a host root as a chroot would: the one safe way discovery and Allocate read.
+
+The node's files are not trusted (issue 11): every path is resolved inside the host root (``openat2`` with
+``RESOLVE_IN_ROOT``, or the same rules in Python where the kernel lacks it), a read takes regular files only,
+opened without blocking and capped at :data:`MAX_ATTRIBUTE_BYTES`. Kept apart from the scan so that the scan's
+per-kind sources and Allocate's re-check share it without importing each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import sys
+from collections.abc import Callable
+from typing import ClassVar
+
+MAX_ATTRIBUTE_BYTES = 65536
+"""The most a sysfs attribute file may hold (the kernel caps them at a page: 4 KiB, 64 KiB on some arm64)."""
+MAX_LINKS = 40
+"""Symlinks followed while resolving one path (the kernel's own limit); more is a loop."""
+
+
+_SYS_OPENAT2 = 437
+"""``openat2(2)``'s number, the same on every Linux architecture (it came after the syscall tables were unified)."""
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _load_openat2() -> Callable[[int, bytes, int], int] | None:
+    """``openat2(dirfd, path, flags)`` with ``RESOLVE_IN_ROOT`` (Linux ≥ 5.6), or None where it cannot be called.
+
+    The kernel then resolves every link inside ``dirfd`` as a chroot would, in one call; where it is missing
+    (``ENOSYS``, or refused by a seccomp profile) :class:`HostRoot` resolves the path itself.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    size = ctypes.sizeof(_OpenHow)
+    hows: dict[int, _OpenHow] = {}
+    """One ``open_how`` per flags value, built once: the kernel only reads it (a scan opens thousands of files)."""
+
+    def openat2(dirfd: int, path: bytes, flags: int) -> int:
+        how = hows.get(flags)
+        if how is None:
+            how = hows.setdefault(flags, _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS))
+        descriptor = int(syscall(_SYS_OPENAT2, dirfd, path, ctypes.addressof(how), size))
+        if descriptor < 0:
+            number = ctypes.get_errno()
+            raise OSError(number, os.strerror(number))
+        return descriptor
+
+    return openat2
+
+
+class ReadError(Exception):
+    """A node file that must not be used: not a regular file, too large, a link loop, unreadable (the reason)."""
+
+
+_UNRESOLVED = ""
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+"""How node files are opened for reading: a FIFO never blocks, a terminal never becomes ours."""
+_READ_CHUNK = 4096
+"""A sysfs attribute is at most a page; the kernel hands it over whole in the first read."""
+
+
+class HostRoot:
+    """Reads under the host root as a chroot would: every path is resolved inside the root.
+
+    The node's sysfs is full of symlinks, and the plugin follows them (``bus/pci/devices/<BDF>``,
+    ``mdev_type``, ``iommu_group``). Left to the kernel, an absolute target (``/etc/...``) would be looked up
+    in the plugin's own filesystem, outside the host root, and ``..`` could climb out of it. Here each
+    component is resolved by hand: an absolute link target starts again at the host root, ``..`` stops at
+    it, and more than :data:`MAX_LINKS` links is a loop. Resolved directories are cached for one scan (a
+    scan reads the same ``/sys/devices/pci…`` prefixes many times). Paths given and returned are in-root
+    (``/sys/…``); :attr:`root` is where the host's ``/`` is mounted.
+
+    File reads are bounded: opened ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO never blocks, a swapped-in link is
+    not followed), ``fstat`` must say a regular file, and at most :data:`MAX_ATTRIBUTE_BYTES` are read.
+    """
+
+    openat2: ClassVar[Callable[[int, bytes, int], int] | None] = _load_openat2()
+    """``openat2`` with ``RESOLVE_IN_ROOT`` for reads; None when unavailable (set on the first ``ENOSYS``)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = "" if root == "/" else root.rstrip("/")
+        self._resolved: dict[str, str] = {}
+        self._root_fd: int | None = None
+
+    def host_path(self, path: str) -> str:
+        return self.root + path
+
+    def resolve(self, path: str) -> str | None:
+        """``path`` (in-root, absolute) with every symlink resolved inside the root; None if a component is
+        missing or the links loop."""
+        resolved = self._resolved.get(path)
+        if resolved is None:
+            resolved = self._resolve(path, 0)
+            if resolved is not None:
+                self._resolved[path] = resolved
+        return resolved
+
+    def _resolve(self, path: str, depth: int) -> str | None:
+        if depth > MAX_LINKS:
+            return None
+        current = "/"
+        for component in path.split("/"):
+            if component in ("", "."):
+                continue
+            if component == "..":
+                current = current.rpartition("/")[0] or "/"  # stops at the root
+                continue
+            candidate = f"{current.rstrip('/')}/{component}"
+            resolved = self._resolved.get(candidate)
+            if resolved is None:
+                resolved = self._step(candidate, current, depth)
+                if resolved is None:
+                    return None
+                self._resolved[candidate] = resolved
+            current = resolved
+        return current
+
+    def _step(self, candidate: str, parent: str, depth: int) -> str | None:
+        host = self.root + candidate
+        try:
+            info = os.lstat(host)
+        except OSError:
+            return None
+        if not stat.S_ISLNK(info.st_mode):
+            return candidate
+        try:
+            target = os.readlink(host)
+        except OSError:
+            return None
+        base = "/" if target.startswith("/") else parent
+        return self._resolve(f"{base.rstrip('/')}/{target}", depth + 1)
+
+    def _split(self, path: str) -> tuple[str, str] | None:
+        """(resolved parent directory, last component) of ``path``; None if the parent does not resolve."""
+        parent, _, name = path.rpartition("/")
+        resolved = self.resolve(parent or "/")
+        if resolved is None or name in ("", ".", ".."):
+            return None
+        return resolved.rstrip("/"), name
+
+    def read(self, path: str) -> str | None:
+        """A small regular file's text; None if it does not exist. Raises :class:`ReadError` with the reason
+        when it exists but must not be used (FIFO, device, directory, too large, a link loop, unreadable)."""
+        try:
+            descriptor = self._open(path, _READ_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except ReadError:
+            raise
+        except OSError as exc:
+            raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from None
+        if descriptor is None:
+            return None
+        return _read_bounded(descriptor, path)
+
+    def directory(self, path: str) -> Directory:
+        """A handle on the directory ``path`` (resolved inside the root once) to read several of its files.
+
+        Reading ``vendor``, ``device``, ``class``, ``driver``… of one device through it costs one path
+        resolution for all of them instead of one each; see :class:`Directory`. Close it (or use ``with``).
+        """
+        descriptor: int | None = None
+        try:
+            descriptor = self._kernel_open(path, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            descriptor = None  # missing or not a directory: every read through the handle says so as read() does
+        return Directory(self, path, descriptor)
+
+    def _kernel_open(self, path: str, flags: int) -> int | None:
+        """``path`` opened by the kernel inside the root (``openat2`` ``RESOLVE_IN_ROOT``); None where that is
+        unavailable (the caller resolves in Python). Raises ``OSError`` as ``open`` does."""
+        openat2 = HostRoot.openat2
+        if openat2 is None:
+            return None
+        if self._root_fd is None:
+            self._root_fd = os.open(self.root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return openat2(self._root_fd, os.fsencode(path.lstrip("/") or "."), flags | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM):
+                raise
+            HostRoot.openat2 = None  # not on this kernel or refused by seccomp: resolve in Python from now on
+            return None
+
+    def _open(self, path: str, flags: int) -> int | None:
+        """A descriptor for ``path`` resolved inside the root (None: a parent does not resolve)."""
+        try:
+            descriptor = self._kernel_open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ReadError(f"{path}: too many links (a loop?)") from None
+            raise
+        if descriptor is not None:
+            return descriptor
+        split = self._split(path)
+        if split is None:
+            return None
+        parent, name = split
+        target = f"{parent}/{name}"
+        try:
+            return os.open(self.root + target, flags | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+        resolved = self.resolve(target)  # the last component is a link: resolve it inside the root too
+        if resolved is None:
+            return None  # dangling inside the root (or a loop), as the kernel's ENOENT/ELOOP
+        return os.open(self.root + resolved, flags | os.O_NOFOLLOW)
+
+    def close(self) -> None:
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
+
+    def readlink_name(self, path: str) -> str | None:
+        """The last component of the symlink ``path``'s target (``driver`` → ``vfio-pci``); None when absent."""
+        parent, _, name = path.rpartition("/")
+        try:
+            directory = self._kernel_open(parent or "/", os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return None
+        if directory is not None:
+            try:
+                return os.path.basename(os.path.normpath(os.readlink(name, dir_fd=directory)))
+            except OSError:
+                return None
+            finally:
+                os.close(directory)
+        split = self._split(path)
+        if split is None:
+            return None
+        parent, name = split
+        try:
+            target = os.readlink(f"{self.root}{parent}/{name}")
+        except OSError:
+            return None
+        return os.path.basename(os.path.normpath(target))
+
+    def listdir(self, path: str) -> list[str]:
+        """Entries of the directory ``path`` (resolved inside the root); raises ``OSError`` as ``os.listdir``."""
+        directory = self._kernel_open(path, os.O_RDONLY | os.O_DIRECTORY)
+        if directory is not None:
+            try:
+                return os.listdir(directory)
+            finally:
+                os.close(directory)
+        resolved = self.resolve(path)
+        if resolved is None:
+            raise FileNotFoundError(errno.ENOENT, "no such directory inside the host root", path)
+        return os.listdir(self.root + resolved)
+
+    def exists(self, path: str) -> bool:
+        try:
+            descriptor = self._kernel_open(path, os.O_PATH)
+        except OSError:
+            return False
+        if descriptor is not None:
+            os.close(descriptor)
+            return True
+        return self.resolve(path) is not None
+
+    def __enter__(self) -> HostRoot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Directory:
+    """Files of one directory, resolved inside the host root once (:meth:`HostRoot.directory`).
+
+    Each read opens one name relative to the directory's descriptor with ``O_NOFOLLOW``: a single component,
+    never ``..``, and a link is not followed, so nothing can lead out of the root; a name that is a link (or
+    any refusal to open it that way) is read through :meth:`HostRoot.read`, which resolves it inside the root.
+    The bounds on reading are :meth:`HostRoot.read`'s. Without ``openat2`` every read is :meth:`HostRoot.read`.
+    """
+
+    def __init__(self, fs: HostRoot, path: str, descriptor: int | None) -> None:
+        self.fs = fs
+        self.path = path
+        self._descriptor = descriptor
+
+    def read(self, name: str) -> str | None:
+        """``name``'s text, as :meth:`HostRoot.read` of ``<path>/<name>`` gives it."""
+        if self._descriptor is None:
+            return self.fs.read(f"{self.path}/{name}")
+        try:
+            descriptor = os.open(name, _READ_FLAGS | os.O_NOFOLLOW, dir_fd=self._descriptor)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return self.fs.read(f"{self.path}/{name}")  # a link (ELOOP) or another refusal: the careful way
+        return _read_bounded(descriptor, f"{self.path}/{name}")
+
+    def readlink_name(self, name: str) -> str | None:
+        """The last component of the symlink ``name``'s target, as :meth:`HostRoot.readlink_name` gives it."""
+        if self._descriptor is None:
+            return self.fs.readlink_name(f"{self.path}/{name}")
+        try:
+            return os.path.basename(os.path.normpath(os.readlink(name, dir_fd=self._descriptor)))
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def __enter__(self) -> Directory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _read_bounded(descriptor: int, path: str) -> str:
+    """The text of the regular file open at ``descriptor`` (closed here), at most :data:`MAX_ATTRIBUTE_BYTES`."""
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ReadError(f"{path}: not a regular file ({_file_kind(info.st_mode)})")
+        chunk = os.read(descriptor, _READ_CHUNK)
+        if len(chunk) < _READ_CHUNK:  # a regular file's short read is its end: one read for a sysfs attribute
+            return chunk.decode("utf-8", errors="replace")
+        chunks = [chunk]
+        size = len(chunk)
+        while chunk := os.read(descriptor, _READ_CHUNK):
+            size += len(chunk)
+            if size > MAX_ATTRIBUTE_BYTES:
+                raise ReadError(f"{path}: larger than {MAX_ATTRIBUTE_BYTES} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(descriptor)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return kind
+    return f"mode {stat.S_IFMT(mode):o}"

@@ -1,0 +1,230 @@
+"""What one scan of a node knows, shared by the per-kind device sources (:mod:`plugin.sources`).
+
+Each kind's source walks its own part of sysfs; what they all need lives here: bounded reads through
+:class:`~plugin.hostroot.HostRoot` (a refusal becomes a warning naming the file), PCI functions and IOMMU
+group members read once per scan, topology and NUMA, resource naming (pci.ids, overrides), the health rule
+(:class:`~plugin.health.UsabilityRule`) and the resources collected so far. Reading is linear in the number of
+functions: non-selected vendors cost one ``vendor`` read each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plugin.config import PluginConfig
+from plugin.health import PciFunction, UsabilityRule
+from plugin.hostroot import Directory, HostRoot, ReadError
+from plugin.inventory import Device, Ignored, Inventory, Resource
+from plugin.naming import pci_resource_name
+from runtime.pciids import PciIds
+from schemas.errors import InputError
+from schemas.naming import ResourceKind, validate_resource_name
+
+MAX_NUMA_NODE = 1023
+"""The kernel has at most ``1 << CONFIG_NODES_SHIFT`` (≤ 1024) NUMA nodes; a larger ``numa_node`` is nonsense."""
+
+
+@dataclass
+class NodeScan:
+    """State of one scan, shared by the per-kind sources; discarded when :func:`plugin.sysfs.scan` returns."""
+
+    root: str
+    config: PluginConfig
+    pci_ids: PciIds | None
+    warnings: list[str]
+    rule: UsabilityRule = field(init=False)
+    pci_dir: str = ""
+    groups_dir: str = ""
+    devices_dir: str = ""
+    vfio_container: bool = True
+    ignored: list[Ignored] = field(default_factory=list)
+    devices: dict[tuple[str, ResourceKind], list[Device]] = field(default_factory=dict)
+    selectors: dict[tuple[str, ResourceKind], set[str]] = field(default_factory=dict)
+    names: dict[str, str | None] = field(default_factory=dict)
+    group_members: dict[int, tuple[PciFunction, ...]] = field(default_factory=dict)
+    functions: dict[str, PciFunction] = field(default_factory=dict)
+    """Functions already read, by name: a GPU's group members were mostly read by the bus scan."""
+
+    fs: HostRoot = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fs = HostRoot(self.root)
+        self.rule = UsabilityRule.from_config(self.config)
+        self.pci_dir = "/sys/bus/pci/devices"
+        self.groups_dir = "/sys/kernel/iommu_groups"
+        self.devices_dir = "/sys/devices"
+        self.vfio_container = self.fs.exists("/dev/vfio/vfio")
+
+    # -- reading (in-root paths, through self.fs) ----------------------------------------------------------
+
+    def shown(self, path: str) -> str:
+        """A path for messages: as on the host (under the host root)."""
+        return self.fs.host_path(path)
+
+    def read_text(self, path: str) -> str | None:
+        """A file's text, or None if absent or unusable (then a warning says why)."""
+        try:
+            return self.fs.read(path)
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
+            return None
+
+    def read_int(self, path: str, base: int) -> int | None:
+        return _as_int(self.read_text(path), base)
+
+    def read_int_in(self, directory: Directory, name: str, base: int) -> int | None:
+        """``read_int`` of ``<directory>/<name>`` through a directory handle (one path resolution for many)."""
+        try:
+            text = directory.read(name)
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
+            return None
+        return _as_int(text, base)
+
+    def read_group(self, link: str) -> int | None:
+        return _as_group(self.fs.readlink_name(link))
+
+    def read_group_in(self, directory: Directory) -> int | None:
+        """The IOMMU group of the device whose directory handle this is (its ``iommu_group`` link)."""
+        return _as_group(directory.readlink_name("iommu_group"))
+
+    def link_target(self, path: str) -> str | None:
+        """Where a symlink leads, resolved inside the host root (in-root path), or None."""
+        return self.fs.resolve(path)
+
+    def read_function(self, directory: str, name: str, vendor: int | None = None) -> PciFunction | None:
+        cached = self.functions.get(name)
+        if cached is not None:
+            return cached
+        with self.fs.directory(directory) as handle:
+            if vendor is None:
+                vendor = self.read_int_in(handle, "vendor", 16)
+            device = self.read_int_in(handle, "device", 16)
+            pci_class = self.read_int_in(handle, "class", 16)
+            if vendor is None or device is None or pci_class is None:
+                self.warnings.append(
+                    f"PCI function {name}: cannot read vendor, device or class under {self.shown(directory)}"
+                )
+                return None
+            function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
+        self.functions[name] = function
+        return function
+
+    def members(self, group: int) -> tuple[PciFunction, ...]:
+        cached = self.group_members.get(group)
+        if cached is not None:
+            return cached
+        directory = f"{self.groups_dir}/{group}/devices"
+        try:
+            names = sorted(self.fs.listdir(directory))
+        except OSError:
+            self.warnings.append(f"IOMMU group {group}: cannot list {self.shown(directory)}")
+            names = []
+        functions = []
+        for name in names:
+            function = self.read_function(f"{directory}/{name}", name)
+            if function is not None:
+                functions.append(function)
+        members = tuple(functions)
+        self.group_members[group] = members
+        return members
+
+    def topology(self, device_dir: str | None) -> tuple[str | None, tuple[str, ...]]:
+        """The root complex (``pci0000:85``) and the bridges down to ``device_dir``'s parent."""
+        prefix = self.devices_dir + "/"
+        if device_dir is None or not device_dir.startswith(prefix):
+            return None, ()
+        parts = device_dir[len(prefix) :].split("/")
+        if not parts[0].startswith("pci"):
+            return None, ()
+        return parts[0], tuple(parts[1:-1])
+
+    def numa(self, directory: str, handle: Directory | None = None) -> int | None:
+        """The NUMA node of the device at ``directory``; None when unknown (``-1``) or out of range (warned)."""
+        if handle is None:
+            node = self.read_int(f"{directory}/numa_node", 10)
+        else:
+            node = self.read_int_in(handle, "numa_node", 10)
+        if node is None or node < 0:
+            return None
+        if node > MAX_NUMA_NODE:
+            self.warnings.append(
+                f"{self.shown(directory)}/numa_node says {str(node)[:24]}, past the kernel's largest NUMA node "
+                f"{MAX_NUMA_NODE}: no topology for its devices"
+            )
+            return None
+        return node
+
+    def vfio_problems(self, group: int | None) -> list[str]:
+        group_node = group is not None and self.fs.exists(f"/dev/vfio/{group}")
+        return self.rule.vfio_problems(group, group_node, self.vfio_container)
+
+    # -- naming --------------------------------------------------------------------------------------------
+
+    def pci_name(self, function: PciFunction) -> str | None:
+        key = function.vendor_device
+        if key in self.names:
+            return self.names[key]
+        name = self.config.override_for(function.vendor, function.device)
+        if name is None:
+            known = self.pci_ids.device_name(function.vendor, function.device) if self.pci_ids else None
+            name = pci_resource_name(known, function.device, self.config.resource_domain)
+            if known is None and self.pci_ids is not None:
+                self.warnings.append(
+                    f"{key} is not in {self.pci_ids.path}: named {name}; "
+                    f"set name_overrides {{{key}: NAME}} for a descriptive name"
+                )
+        checked = self.checked_name(name, f"set name_overrides {{{key}: NAME}}")
+        self.names[key] = checked
+        return checked
+
+    def checked_name(self, name: str, fix: str) -> str | None:
+        try:
+            return validate_resource_name(name)
+        except InputError as exc:
+            self.warnings.append(f"{exc}; {fix}")
+            return None
+
+    def add(self, name: str, kind: ResourceKind, device: Device, selector: str) -> None:
+        """File ``device`` under resource ``name``; a name another kind already uses is ignored (one kind each)."""
+        for other_name, other in self.devices:
+            if other_name == name and other is not kind:
+                reason = f"resource {name} is already a {other} resource"
+                self.ignored.append(Ignored(device.id, device.vendor_device, device.driver, reason))
+                return
+        self.devices.setdefault((name, kind), []).append(device)
+        self.selectors.setdefault((name, kind), set()).add(selector)
+
+    def inventory(self) -> Inventory:
+        resources = [
+            Resource(
+                name=name,
+                kind=kind,
+                devices=tuple(sorted(devices, key=lambda device: device.id)),
+                selectors=tuple(sorted(self.selectors[name, kind])),
+            )
+            for (name, kind), devices in self.devices.items()
+        ]
+        resources.sort(key=lambda resource: (resource.name, resource.kind.value))
+        return Inventory(
+            resources=tuple(resources),
+            ignored=tuple(sorted(self.ignored, key=lambda item: item.id)),
+            warnings=tuple(self.warnings),
+            pci_ids_path=self.pci_ids.path if self.pci_ids else None,
+        )
+
+
+def _as_int(text: str | None, base: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip(), base)
+    except ValueError:
+        return None
+
+
+def _as_group(name: str | None) -> int | None:
+    """An ``iommu_group`` link's last component as a group number; None unless a plain (short) number."""
+    if name is None or not name.isdigit() or len(name) > 9:
+        return None
+    return int(name)
