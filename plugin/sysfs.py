@@ -35,6 +35,7 @@ from plugin.config import PluginConfig
 from plugin.inventory import Companion, Device, Ignored, Inventory, Resource
 from plugin.naming import mdev_resource_name, pci_resource_name
 from plugin.pciids import PciIds, locate_pci_ids
+from plugin.virtual_mdev import scan_virtual_mdev
 from schemas.errors import InputError
 from schemas.mdev import parse_mdev_uuid
 from schemas.naming import ResourceKind, validate_resource_name
@@ -637,9 +638,8 @@ class _Scan:
             parent_dir = os.path.dirname(mdev_dir)
             if not self.fs.exists(f"{parent_dir}/vendor"):
                 # A real kernel's mdev parents need not be PCI functions (the kernel's samples mtty, mdpy and
-                # mbochs are virtual devices): no VENDOR:DEVICE to select them by.
-                reason = f"its parent {os.path.basename(parent_dir)} ({self.shown(parent_dir)}) is not a PCI function"
-                self.ignored.append(Ignored(uuid, "-", self.fs.readlink_name(f"{link}/driver"), reason))
+                # mbochs are virtual devices): offered only by mdev_parent_selectors / mdev_type_selectors.
+                scan_virtual_mdev(self, uuid, link, parent_dir, type_dir, type_name)
                 continue
             parent = self.read_function(parent_dir, os.path.basename(parent_dir))
             if parent is None:
