@@ -223,9 +223,7 @@ def ensure(log: bool = True) -> Assets:
     if missing:
         say(f"downloading {', '.join(spec.split('=')[0] for spec in missing)}")
         # Downloaded as root into a root-owned directory, apt's _apt sandbox user cannot write: say so quietly.
-        _run(
-            ["apt-get", "download", "-q", *missing], "apt-get download (Debian's package registry)", APT_TIMEOUT, debs
-        )
+        _run(["apt-get", "download", "-q", *missing], "apt-get download (Debian's package registry)", APT_TIMEOUT, debs)
     timings["download"] = time.monotonic() - started
     for spec in resolved.packages():
         if not _deb_for(debs, spec):
@@ -455,8 +453,7 @@ def _write_initramfs(target: Path, busybox: Path, modules: Path, order: list[str
         for number, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
             encoded = name.encode() + b"\x00"
             header = "070701" + "".join(
-                f"{value:08X}"
-                for value in (number, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0)
+                f"{value:08X}" for value in (number, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0)
             )
             out.write(header.encode() + encoded)
             out.write(b"\x00" * (-(110 + len(encoded)) % 4))

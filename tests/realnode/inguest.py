@@ -34,6 +34,12 @@ ENV_VAR = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
 CONFIG = """pci_selectors: ["1234:1111"]
 name_overrides: {"1234:1111": QEMU_BOCHS_DISPLAY}
 """
+"""The plugin's configuration WITHOUT the mdev opt-in (the plugin itself runs with ``plugin.yaml``, which adds
+``mdev_parent_selectors: [mtty]``): discover with it still names the mtty mdev "not offered"."""
+MDEV_PARENT = "mtty"
+MDEV_TYPE = "mtty-2"
+MDEV_RESOURCE = "nvidia.com/Dual_port_serial"
+MDEV_ENV_VAR = "MDEV_PCI_RESOURCE_NVIDIA_COM_DUAL_PORT_SERIAL"
 GPU_ID = "1234:1111"
 AUDIO_ID = "8086:293e"
 EDU_ID = "1234:11e8"
@@ -186,13 +192,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 # -- the project's programs ---------------------------------------------------------------------------------
 
 
-def xmlgen(*args: str, config: bool = True) -> dict[str, Any]:
-    """``xmlgen ARGS`` in this process (the real click command): one Python start-up under TCG, not one per call."""
+def xmlgen(*args: str, config: bool | Path = True) -> dict[str, Any]:
+    """``xmlgen ARGS`` in this process (the real click command): one Python start-up under TCG, not one per call.
+
+    ``config``: True adds ``--config plugin.yaml`` (the plugin's), a path that file, False none."""
     from click.testing import CliRunner
 
     from xmlgen.cli import cli
 
-    argv = [*args, "--config", str(RESULTS / "plugin.yaml")] if config else list(args)
+    path = RESULTS / "plugin.yaml" if config is True else config
+    argv = [*args, "--config", str(path)] if isinstance(path, Path) else list(args)
     started = time.monotonic()
     outcome = CliRunner().invoke(cli, argv, prog_name="xmlgen")
     result: dict[str, Any] = {
@@ -536,10 +545,11 @@ def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
             if types_dir.is_dir()
             else None
         }
-    mdev_type = sorted(Path("/sys/class/mdev_bus/mtty/mdev_supported_types").iterdir())[0]
+    mdev_type = Path(f"/sys/class/mdev_bus/{MDEV_PARENT}/mdev_supported_types/{MDEV_TYPE}")
     uid = str(uuid.uuid4())
     t0 = time.monotonic()
     write(mdev_type / "create", uid)
+    created_at = time.monotonic()
     link = Path(f"/sys/bus/mdev/devices/{uid}")
     group = link_name(link / "iommu_group")
     seen["created"] = {
@@ -549,24 +559,58 @@ def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
         "mdev_type_link": os.path.realpath(link / "mdev_type"),
         "driver": link_name(link / "driver"),
         "iommu_group": group,
+        "group_members": sorted(os.listdir(f"/sys/kernel/iommu_groups/{group}/devices")) if group else [],
         "group_node_exists": group is not None and os.path.exists(f"/dev/vfio/{group}"),
         "parent_has_vendor": os.path.exists(os.path.join(os.path.dirname(os.path.realpath(link)), "vendor")),
         "dev_vfio": dev_vfio(),
     }
-    seen["discover_with_mdev"] = xmlgen("discover", "--json")
-    seen["discover_table_with_mdev"] = xmlgen("discover")
-    # The mdev's uevent makes the plugin rescan at once; give it 2 s to (not) serve the mdev.
-    resource_seen = wait_for(
-        lambda: any(name != RESOURCE for name in _resources(standin)), 2, 0.05
-    )
+    # The mdev's `add` uevent makes the plugin (opted in by mdev_parent_selectors) rescan and register it.
+    advertised = wait_for(lambda: standin.healthy(MDEV_RESOURCE) == [uid], 15, 0.01)
+    seen["advertised_after"] = None if advertised is None else round(time.monotonic() - created_at, 3)
     seen["plugin_resources_with_mdev"] = _resources(standin)
-    seen["plugin_saw_mdev_after"] = resource_seen
+    seen["listandwatch"] = {
+        "devices": standin.devices(MDEV_RESOURCE),
+        "topology": [d.HasField("topology") for d in standin.device_messages(MDEV_RESOURCE)],
+    }
+    with contextlib.suppress(Exception):  # recorded as missing: the host-side test names it
+        response = standin.allocate(MDEV_RESOURCE, [uid]).container_responses[0]
+        specs = [
+            {"host_path": d.host_path, "container_path": d.container_path, "permissions": d.permissions}
+            for d in response.devices
+        ]
+        seen["allocate"] = {
+            "envs": dict(response.envs),
+            "devices": specs,
+            "char_device": {
+                d["host_path"]: os.path.exists(d["host_path"])
+                and (os.stat(d["host_path"]).st_mode & 0o170000) == 0o020000
+                for d in specs
+            },
+        }
+    if group is not None:
+        try:
+            seen["vfio"] = vfio_open(f"/dev/vfio/{group}", uid, None)
+        except OSError as exc:
+            seen["vfio"] = {"error": f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc}"}
+    seen["discover_with_mdev"] = xmlgen("discover", "--json")
+    (RESULTS / "plugin-no-mdev.yaml").write_text(CONFIG)
+    seen["discover_not_opted_in"] = xmlgen("discover", "--json", config=RESULTS / "plugin-no-mdev.yaml")
+    seen["discover_table_not_opted_in"] = xmlgen("discover", config=RESULTS / "plugin-no-mdev.yaml")
+    removed_at = time.monotonic()
     write(link / "remove", "1")
+    withdrawn = wait_for(
+        lambda: not standin.stream_open(MDEV_RESOURCE) and standin.allocatable(MDEV_RESOURCE) == 0, 15, 0.01
+    )
     seen["removed"] = {
         "link_exists": link.exists(),
         "group_node_exists": group is not None and os.path.exists(f"/dev/vfio/{group}"),
         "seconds": round(time.monotonic() - t0, 2),
+        "withdrawn_after": None if withdrawn is None else round(time.monotonic() - removed_at, 3),
+        "stream_open": standin.stream_open(MDEV_RESOURCE),
+        "devices": standin.devices(MDEV_RESOURCE),
+        "socket_left": (KUBELET_DIR / f"kubevirt-{MDEV_RESOURCE.rpartition('/')[2]}.sock").exists(),
     }
+    seen["plugin_resources_after_remove"] = {name: standin.stream_open(name) for name in _resources(standin)}
     seen["discover_after_remove"] = xmlgen("discover", "--json")
     return seen
 

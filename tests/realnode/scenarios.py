@@ -16,6 +16,7 @@ from tests.realnode.guest import BootResult, boot
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_CONFIG = """pci_selectors: ["1234:1111"]
 name_overrides: {"1234:1111": QEMU_BOCHS_DISPLAY}
+mdev_parent_selectors: [mtty]
 """
 BASE_DOMAIN = """<domain type="qemu">
   <name>realnode</name>
