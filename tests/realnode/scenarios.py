@@ -41,6 +41,18 @@ RUNTIME_PACKAGES = (
     "kubevirt_gpu_passthrough-*.dist-info",
 )  # fmt: skip
 PROJECT_PACKAGES = ("schemas", "plugin", "launcher_hook", "xmlgen", "tests")
+# The guest's /usr/bin/python3's standard library (the host's: the guest runs the host's root) goes in the bundle
+# too: read cold over 9p it cost ~15 s of the first imports under TCG. Not what the scenarios never import.
+STDLIB_SKIPPED = frozenset(
+    {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data", "site-packages",
+     "dist-packages", f"config-{sys.version_info.major}.{sys.version_info.minor}-x86_64-linux-gnu"}
+)  # fmt: skip
+
+
+def guest_stdlib() -> Path:
+    return Path("/usr/lib") / f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
 MODULES = ("vfio_pci", "vfio_iommu_type1", "mtty", "mdpy", "mbochs", "snd_hda_intel")
 
 
@@ -92,7 +104,8 @@ def _tree_entries(source: Path, arcname: str) -> Iterator[tuple[str, int, bytes,
 
 def python_initramfs(assets: Assets, target: Path) -> Assets:
     """The guest's initramfs with the runtime's packages and the project (with its bytecode) appended as a
-    second cpio archive: the kernel unpacks it into the guest's rootfs as ``/py/site`` and ``/py/repo``, and
+    second cpio archive: the kernel unpacks it into the guest's rootfs as ``/py/site``, ``/py/repo`` and
+    ``/py/stdlib`` (first on ``PYTHONPATH``), and
     cmd.sh bind-mounts it at ``/tmp/py`` (through ``/proc/1/root``). Nothing to copy in the guest: a tar
     unpacked from the 9p share took ~12 s under TCG. Returns the assets with that initramfs."""
     site = site_packages()
@@ -106,6 +119,12 @@ def python_initramfs(assets: Assets, target: Path) -> Assets:
             entries.extend(_tree_entries(path, f"py/site/{path.name}"))
     for package in PROJECT_PACKAGES:
         entries.extend(_tree_entries(REPO / package, f"py/repo/{package}"))
+    stdlib = guest_stdlib()
+    if stdlib.is_dir():
+        entries.append(("py/stdlib", stat.S_IFDIR | 0o755, b"", 0))
+        for path in sorted(stdlib.iterdir()):
+            if path.name not in STDLIB_SKIPPED:
+                entries.extend(_tree_entries(path, f"py/stdlib/{path.name}"))
     with target.open("wb") as out:
         with assets.initramfs.open("rb") as base:
             shutil.copyfileobj(base, out)
@@ -125,7 +144,8 @@ def run_scenario(assets: Assets, name: str, results: Path, *, iommu: bool = True
         # PYDANTIC_DISABLE_PLUGINS: pydantic's plugin loader scans every distribution's entry points on sys.path
         # (the venv over 9p): ~2 s per process under TCG, for plugins the project does not use.
         "export PYDANTIC_DISABLE_PLUGINS=__all__\n"
-        f"export PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/py/site:/tmp/py/repo:{site_packages()}\n"
+        "export PYTHONDONTWRITEBYTECODE=1"
+        f" PYTHONPATH=/tmp/py/stdlib:/tmp/py/stdlib/lib-dynload:/tmp/py/site:/tmp/py/repo:{site_packages()}\n"
         f"export PATH={REPO}/.venv/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
         f"cd /tmp/py/repo && exec /usr/bin/python3 -m tests.realnode.inguest {name}\n"
     )
