@@ -3,8 +3,7 @@
 The fixture below lays out sysfs as Debian 6.1's ``mtty`` does (checked against the real kernel in
 ``tests/realnode``): the parent is ``/sys/devices/virtual/mtty/mtty`` (no ``vendor``), the type directory
 ``mdev_supported_types/mtty-2`` (name ``Dual port serial``), the mdev a child of the parent with its own IOMMU
-group holding it alone, ``/dev/vfio/<group>`` while it is bound to ``vfio_mdev``'s successor (mtty binds it
-itself).
+group holding it alone, and ``/dev/vfio/<group>`` while it is bound (mtty's own mdev driver, named ``mtty``).
 """
 
 from __future__ import annotations
