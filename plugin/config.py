@@ -37,6 +37,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plugin-confi
 _SELECTOR = re.compile(r"[0-9A-Fa-f]{4}:([0-9A-Fa-f]{4}|\*)")
 _DEVICE_ID = re.compile(r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4}")
 _DRIVER = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
+_MDEV_NAME = re.compile(r"[A-Za-z0-9_.:+-]{1,64}")
 _NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
@@ -49,6 +50,12 @@ def _selector(value: str) -> str:
 def _driver(value: str) -> str:
     if _DRIVER.fullmatch(value) is None:
         raise ValueError(f"driver name {value!r} is not a kernel driver name")
+    return value
+
+
+def _mdev_name(value: str) -> str:
+    if _MDEV_NAME.fullmatch(value) is None:
+        raise ValueError(f"{value!r} is not a sysfs device or mdev type name (1-64 characters of [A-Za-z0-9_.:+-])")
     return value
 
 
@@ -87,6 +94,7 @@ def _pattern(regex: re.Pattern[str]) -> Any:
 
 Selector = Annotated[str, AfterValidator(_selector), _pattern(_SELECTOR)]
 DriverName = Annotated[str, AfterValidator(_driver), _pattern(_DRIVER)]
+MdevName = Annotated[str, AfterValidator(_mdev_name), _pattern(_MDEV_NAME)]
 DeviceId = Annotated[str, AfterValidator(_device_id), _pattern(_DEVICE_ID)]
 OverrideName = Annotated[str, AfterValidator(_override_name)]
 ResourceDomain = Annotated[str, AfterValidator(_domain)]
@@ -129,6 +137,19 @@ class PluginConfig(BaseModel):
         "group with a VFIO device (they never touch the device's DMA). Any other driver in a GPU's group makes "
         "the GPU unhealthy.",
     )
+    mdev_parent_selectors: tuple[MdevName, ...] = Field(
+        default=(),
+        description="Opt-in, off by default: mdevs whose parent is NOT a PCI function (e.g. the kernel's sample "
+        "drivers' virtual devices mtty, mdpy, mbochs) are offered when their parent's sysfs name is listed here. "
+        "Mdevs of PCI parents (NVIDIA vGPU) are not affected: they count when their parent matches pci_selectors. "
+        "Their resource is <resource_domain>/<mdev type name>, like a vGPU type's.",
+    )
+    mdev_type_selectors: tuple[MdevName, ...] = Field(
+        default=(),
+        description="Opt-in, off by default: mdevs whose parent is NOT a PCI function are offered when their mdev "
+        "type ID (the directory name under mdev_supported_types, e.g. mtty-2) is listed here. Mdevs of PCI parents "
+        "are not affected.",
+    )
     name_overrides: dict[DeviceId, OverrideName] = Field(
         default_factory=dict,
         description="Resource names per device ID (VENDOR:DEVICE), for IDs an old pci.ids lacks or names that "
@@ -147,6 +168,10 @@ class PluginConfig(BaseModel):
             if selector == exact or (selector == wildcard and pci_class >> 16 == 0x03):
                 return True
         return False
+
+    def selects_virtual_mdev(self, parent_name: str, type_id: str) -> bool:
+        """True when an mdev of a non-PCI parent is offered, by :attr:`mdev_parent_selectors` or its type ID."""
+        return parent_name in self.mdev_parent_selectors or type_id in self.mdev_type_selectors
 
     def override_for(self, vendor: int, device: int) -> str | None:
         """The resource name configured for ``vendor:device``, as a whole resource name, or None."""
@@ -189,7 +214,9 @@ def _split_overrides(variable: str, value: str) -> dict[str, str]:
     return overrides
 
 
-_LIST_FIELDS = frozenset({"pci_selectors", "vfio_drivers", "allowed_companion_drivers"})
+_LIST_FIELDS = frozenset(
+    {"pci_selectors", "vfio_drivers", "allowed_companion_drivers", "mdev_parent_selectors", "mdev_type_selectors"}
+)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

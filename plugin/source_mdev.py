@@ -14,6 +14,7 @@ from plugin.hostroot import HostRoot
 from plugin.inventory import Device, Ignored
 from plugin.naming import mdev_resource_name
 from plugin.node_scan import NodeScan
+from plugin.virtual_mdev import scan_virtual_mdev
 from schemas.errors import InputError
 from schemas.kinds import MDEV_VGPU, DeviceKind
 from schemas.pci import PciAddress
@@ -52,9 +53,8 @@ class MdevVgpuSource:
             parent_dir = os.path.dirname(mdev_dir)
             if not node.fs.exists(f"{parent_dir}/vendor"):
                 # A real kernel's mdev parents need not be PCI functions (the kernel's samples mtty, mdpy and
-                # mbochs are virtual devices): no VENDOR:DEVICE to select them by.
-                reason = f"its parent {os.path.basename(parent_dir)} ({node.shown(parent_dir)}) is not a PCI function"
-                node.ignored.append(Ignored(uuid, "-", node.fs.readlink_name(f"{link}/driver"), reason))
+                # mbochs are virtual devices): offered only by mdev_parent_selectors / mdev_type_selectors.
+                scan_virtual_mdev(node, self.kind, uuid, link, parent_dir, type_dir, type_name)
                 continue
             parent = node.read_function(parent_dir, os.path.basename(parent_dir))
             if parent is None:

@@ -33,7 +33,7 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 
 def _detail(device: Device) -> str:
     if device.mdev_type is not None:
-        return f"{device.mdev_type} on {device.parent}"
+        return f"{device.mdev_type} on {device.parent or 'a non-PCI parent'}"
     return ",".join(str(companion.address) for companion in device.companions) or "-"
 
 

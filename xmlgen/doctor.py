@@ -111,7 +111,8 @@ def _gpu(device: Device, resource: str) -> Check:
     label = f"GPU {device.id}" if device.kind is ResourceKind.PCI else f"vGPU {device.id}"
     where = f"{device.vendor_device} on {device.driver}, IOMMU group {device.iommu_group}"
     if device.kind is ResourceKind.MDEV:
-        where = f"{device.mdev_type} on GPU {device.parent}, IOMMU group {device.iommu_group}"
+        parent = f"GPU {device.parent}" if device.parent is not None else "a non-PCI parent"
+        where = f"{device.mdev_type} on {parent}, IOMMU group {device.iommu_group}"
     if device.healthy:
         return Check(label, Status.OK, f"{where} → {resource}")
     fixes = [_bind_to_vfio(str(companion.address)) for companion in device.companions if not companion.viable]

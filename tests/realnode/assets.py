@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 SOURCE_PACKAGE = "linux-source-6.1"
 IMAGE_METAPACKAGE = "linux-image-amd64"
@@ -223,9 +224,7 @@ def ensure(log: bool = True) -> Assets:
     if missing:
         say(f"downloading {', '.join(spec.split('=')[0] for spec in missing)}")
         # Downloaded as root into a root-owned directory, apt's _apt sandbox user cannot write: say so quietly.
-        _run(
-            ["apt-get", "download", "-q", *missing], "apt-get download (Debian's package registry)", APT_TIMEOUT, debs
-        )
+        _run(["apt-get", "download", "-q", *missing], "apt-get download (Debian's package registry)", APT_TIMEOUT, debs)
     timings["download"] = time.monotonic() - started
     for spec in resolved.packages():
         if not _deb_for(debs, spec):
@@ -452,13 +451,18 @@ def _write_initramfs(target: Path, busybox: Path, modules: Path, order: list[str
         (f"lib/modules/{name}.ko", stat.S_IFREG | 0o644, (modules / f"{name}.ko").read_bytes()) for name in order
     )
     with target.open("wb") as out:
-        for number, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
-            encoded = name.encode() + b"\x00"
-            header = "070701" + "".join(
-                f"{value:08X}"
-                for value in (number, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0)
-            )
-            out.write(header.encode() + encoded)
-            out.write(b"\x00" * (-(110 + len(encoded)) % 4))
-            out.write(data)
-            out.write(b"\x00" * (-len(data) % 4))
+        write_newc(out, [(name, mode, data, 0) for name, mode, data in entries])
+
+
+def write_newc(out: BinaryIO, entries: Iterable[tuple[str, int, bytes, int]]) -> None:
+    """``entries`` (path, mode, contents, mtime; parents first) as one newc cpio archive, trailer included. The kernel
+    unpacks archives written one after another into the same rootfs (see scenarios.python_initramfs)."""
+    for number, (name, mode, data, mtime) in enumerate([*entries, ("TRAILER!!!", 0, b"", 0)], start=1):
+        encoded = name.encode() + b"\x00"
+        header = "070701" + "".join(
+            f"{value:08X}" for value in (number, mode, 0, 0, 1, mtime, len(data), 0, 0, 0, 0, len(encoded), 0)
+        )
+        out.write(header.encode() + encoded)
+        out.write(b"\x00" * (-(110 + len(encoded)) % 4))
+        out.write(data)
+        out.write(b"\x00" * (-len(data) % 4))

@@ -34,6 +34,12 @@ ENV_VAR = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
 CONFIG = """pci_selectors: ["1234:1111"]
 name_overrides: {"1234:1111": QEMU_BOCHS_DISPLAY}
 """
+"""The plugin's configuration WITHOUT the mdev opt-in (the plugin itself runs with ``plugin.yaml``, which adds
+``mdev_parent_selectors: [mtty]``): discover with it still names the mtty mdev "not offered"."""
+MDEV_PARENT = "mtty"
+MDEV_TYPE = "mtty-2"
+MDEV_RESOURCE = "nvidia.com/Dual_port_serial"
+MDEV_ENV_VAR = "MDEV_PCI_RESOURCE_NVIDIA_COM_DUAL_PORT_SERIAL"
 GPU_ID = "1234:1111"
 AUDIO_ID = "8086:293e"
 EDU_ID = "1234:11e8"
@@ -57,6 +63,8 @@ class Recorder:
     def __init__(self) -> None:
         self.data: dict[str, Any] = {"errors": {}, "timeline": []}
         self.started = time.monotonic()
+        # The guest's uptime when the scenario's Python got here (kernel, init, cmd.sh and interpreter start-up).
+        self.data["uptime_at_start"] = float((read(Path("/proc/uptime")) or "0 0").split()[0])
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
@@ -186,13 +194,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 # -- the project's programs ---------------------------------------------------------------------------------
 
 
-def xmlgen(*args: str, config: bool = True) -> dict[str, Any]:
-    """``xmlgen ARGS`` in this process (the real click command): one Python start-up under TCG, not one per call."""
+def xmlgen(*args: str, config: bool | Path = True) -> dict[str, Any]:
+    """``xmlgen ARGS`` in this process (the real click command): one Python start-up under TCG, not one per call.
+
+    ``config``: True adds ``--config plugin.yaml`` (the plugin's), a path that file, False none."""
     from click.testing import CliRunner
 
     from xmlgen.cli import cli
 
-    argv = [*args, "--config", str(RESULTS / "plugin.yaml")] if config else list(args)
+    path = RESULTS / "plugin.yaml" if config is True else config
+    argv = [*args, "--config", str(path)] if isinstance(path, Path) else list(args)
     started = time.monotonic()
     outcome = CliRunner().invoke(cli, argv, prog_name="xmlgen")
     result: dict[str, Any] = {
@@ -399,19 +410,80 @@ def scenario_node(record: Recorder) -> None:
     discover_and_doctor(record, "after_unbind")
 
 
+class ForkedPlugin:
+    """``gpu-device-plugin serve`` in a child forked from this process once its imports are done.
+
+    Under TCG each Python start-up re-imports grpc, pydantic and the project (~17 s of CPU per process); the
+    child inherits them and only runs ``plugin.cli.main``. The fork happens before this process starts any
+    thread (the stand-in's gRPC server comes after). Same surface as ``subprocess.Popen``: terminate, wait, kill.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.close(log)
+                sys.argv = argv
+                from plugin.cli import main as plugin_main
+
+                plugin_main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(log)
+        self.returncode: int | None = None
+
+    def terminate(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, 15)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, 9)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["gpu-device-plugin", "serve"], timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
 @contextlib.contextmanager
 def running_plugin(record: Recorder) -> Iterator[Any]:
-    """``gpu-device-plugin serve`` in its own process against the kubelet stand-in in this one."""
+    """``gpu-device-plugin serve`` in its own (forked) process against the kubelet stand-in in this one."""
+    # Every import once, before the fork: the CLI's (xmlgen runs in this process), the plugin's, the stand-in's.
+    import importlib
+
+    for module in ("xmlgen.cli", "plugin.cli"):
+        importlib.import_module(module)
     from simkit.kubelet_standin import KubeletStandIn
 
+    record.note("imports done")
     KUBELET_DIR.mkdir(parents=True, exist_ok=True)
     log_path = RESULTS / "plugin.log"
     argv = [
-        sys.executable, "-c", "from plugin.cli import main; main()", "serve", "--kubelet-dir", str(KUBELET_DIR),
+        "gpu-device-plugin", "serve", "--kubelet-dir", str(KUBELET_DIR),
         "--config", str(RESULTS / "plugin.yaml"), "--log-format", "text",
     ]  # fmt: skip
-    with log_path.open("wb") as log:
-        plugin = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    plugin = ForkedPlugin(argv, log_path)
     standin = KubeletStandIn(KUBELET_DIR)
     standin.start()
     try:
@@ -536,10 +608,11 @@ def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
             if types_dir.is_dir()
             else None
         }
-    mdev_type = sorted(Path("/sys/class/mdev_bus/mtty/mdev_supported_types").iterdir())[0]
+    mdev_type = Path(f"/sys/class/mdev_bus/{MDEV_PARENT}/mdev_supported_types/{MDEV_TYPE}")
     uid = str(uuid.uuid4())
     t0 = time.monotonic()
     write(mdev_type / "create", uid)
+    created_at = time.monotonic()
     link = Path(f"/sys/bus/mdev/devices/{uid}")
     group = link_name(link / "iommu_group")
     seen["created"] = {
@@ -549,24 +622,63 @@ def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
         "mdev_type_link": os.path.realpath(link / "mdev_type"),
         "driver": link_name(link / "driver"),
         "iommu_group": group,
+        "group_members": sorted(os.listdir(f"/sys/kernel/iommu_groups/{group}/devices")) if group else [],
         "group_node_exists": group is not None and os.path.exists(f"/dev/vfio/{group}"),
         "parent_has_vendor": os.path.exists(os.path.join(os.path.dirname(os.path.realpath(link)), "vendor")),
         "dev_vfio": dev_vfio(),
     }
-    seen["discover_with_mdev"] = xmlgen("discover", "--json")
-    seen["discover_table_with_mdev"] = xmlgen("discover")
-    # The mdev's uevent makes the plugin rescan at once; give it 2 s to (not) serve the mdev.
-    resource_seen = wait_for(
-        lambda: any(name != RESOURCE for name in _resources(standin)), 2, 0.05
-    )
+    # The mdev's `add` uevent makes the plugin (opted in by mdev_parent_selectors) rescan and register it.
+    advertised = wait_for(lambda: standin.healthy(MDEV_RESOURCE) == [uid], 15, 0.01)
+    seen["advertised_after"] = None if advertised is None else round(time.monotonic() - created_at, 3)
     seen["plugin_resources_with_mdev"] = _resources(standin)
-    seen["plugin_saw_mdev_after"] = resource_seen
+    seen["listandwatch"] = {
+        "devices": standin.devices(MDEV_RESOURCE),
+        "topology": [d.HasField("topology") for d in standin.device_messages(MDEV_RESOURCE)],
+    }
+    with contextlib.suppress(Exception):  # recorded as missing: the host-side test names it
+        response = standin.allocate(MDEV_RESOURCE, [uid]).container_responses[0]
+        specs = [
+            {"host_path": d.host_path, "container_path": d.container_path, "permissions": d.permissions}
+            for d in response.devices
+        ]
+        seen["allocate"] = {
+            "envs": dict(response.envs),
+            "devices": specs,
+            "char_device": {
+                d["host_path"]: os.path.exists(d["host_path"])
+                and (os.stat(d["host_path"]).st_mode & 0o170000) == 0o020000
+                for d in specs
+            },
+        }
+    if group is not None:
+        try:
+            seen["vfio"] = vfio_open(f"/dev/vfio/{group}", uid, None)
+        except OSError as exc:
+            seen["vfio"] = {"error": f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc}"}
+    seen["discover_with_mdev"] = xmlgen("discover", "--json")
+    (RESULTS / "plugin-no-mdev.yaml").write_text(CONFIG)
+    seen["discover_not_opted_in"] = xmlgen("discover", "--json", config=RESULTS / "plugin-no-mdev.yaml")
+    seen["discover_table_not_opted_in"] = xmlgen("discover", config=RESULTS / "plugin-no-mdev.yaml")
+    removed_at = time.monotonic()
     write(link / "remove", "1")
+    socket = KUBELET_DIR / f"kubevirt-{MDEV_RESOURCE.rpartition('/')[2]}.sock"
+    withdrawn = wait_for(
+        lambda: (
+            not standin.stream_open(MDEV_RESOURCE) and standin.allocatable(MDEV_RESOURCE) == 0 and not socket.exists()
+        ),
+        15,
+        0.01,
+    )
     seen["removed"] = {
         "link_exists": link.exists(),
         "group_node_exists": group is not None and os.path.exists(f"/dev/vfio/{group}"),
         "seconds": round(time.monotonic() - t0, 2),
+        "withdrawn_after": None if withdrawn is None else round(time.monotonic() - removed_at, 3),
+        "stream_open": standin.stream_open(MDEV_RESOURCE),
+        "devices": standin.devices(MDEV_RESOURCE),
+        "socket_left": socket.exists(),
     }
+    seen["plugin_resources_after_remove"] = {name: standin.stream_open(name) for name in _resources(standin)}
     seen["discover_after_remove"] = xmlgen("discover", "--json")
     return seen
 

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.realnode
 
 RESOURCE = "nvidia.com/QEMU_BOCHS_DISPLAY"
 ENV = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
+MDEV_RESOURCE = "nvidia.com/Dual_port_serial"
+MDEV_ENV = "MDEV_PCI_RESOURCE_NVIDIA_COM_DUAL_PORT_SERIAL"
 
 
 def seen(node: Scenario, key: str, *steps: str) -> Any:
@@ -185,26 +187,73 @@ def test_one_function_leaving_vfio_pci_flips_health_within_a_second(node: Scenar
 def test_a_real_mdev_is_created_and_removed(node: Scenario) -> None:
     mdev = seen(node, "mdev", "mdev")
     created = mdev["created"]
+    assert created["type"] == "mtty-2"
     assert created["driver"] == "mtty"
     assert created["real_path"].startswith("/sys/devices/virtual/mtty/mtty/")
+    assert created["parent_has_vendor"] is False
+    assert created["group_members"] == [created["uuid"]]
     assert created["group_node_exists"] is True
     assert mdev["mtty"]["types"]["mtty-2"]["name"] == "Dual port serial"
     assert mdev["removed"] == {**mdev["removed"], "link_exists": False, "group_node_exists": False}
 
 
-def test_an_mdev_on_a_parent_that_is_no_pci_function_is_named_not_offered(node: Scenario) -> None:
+def test_a_real_mdev_is_advertised_as_an_mdev_resource_when_opted_in(node: Scenario) -> None:
+    """mdev_parent_selectors: [mtty] (plugin.yaml): the mdev's add uevent makes the plugin register it."""
     mdev = seen(node, "mdev", "mdev")
     uuid = mdev["created"]["uuid"]
-    discovered = mdev["discover_with_mdev"]
+    assert mdev["advertised_after"] is not None, f"not advertised within 15 s: {mdev['plugin_resources_with_mdev']}"
+    assert mdev["advertised_after"] <= 5.0
+    assert mdev["plugin_resources_with_mdev"][MDEV_RESOURCE] == {uuid: "Healthy"}
+    assert mdev["listandwatch"]["devices"] == {uuid: "Healthy"}
+    # The GPU's resource is untouched by the mdev's.
+    assert mdev["plugin_resources_with_mdev"][RESOURCE] == {seen(node, "gpu"): "Healthy"}
+    (resource,) = [r for r in mdev["discover_with_mdev"]["json"]["resources"] if r["name"] == MDEV_RESOURCE]
+    assert resource["kind"] == "mdev" and resource["env"] == MDEV_ENV
+    assert [(d["id"], d["iommu_group"], d["healthy"]) for d in resource["devices"]] == [
+        (uuid, int(mdev["created"]["iommu_group"]), True)
+    ]
+
+
+def test_allocate_gives_the_real_mdev_and_its_group_node(node: Scenario) -> None:
+    mdev = seen(node, "mdev", "mdev")
+    uuid, group = mdev["created"]["uuid"], mdev["created"]["iommu_group"]
+    assert "allocate" in mdev, "Allocate of the mdev failed in the guest"
+    allocate = mdev["allocate"]
+    assert allocate["envs"] == {MDEV_ENV: uuid}
+    paths = sorted(spec["host_path"] for spec in allocate["devices"])
+    assert paths == sorted([f"/dev/vfio/{group}", "/dev/vfio/vfio"])
+    assert allocate["char_device"] == dict.fromkeys(paths, True)
+    # The allocated group opens as QEMU opens an mdev (by its UUID), on the guest's kernel.
+    vfio = mdev["vfio"]
+    assert "error" not in vfio, vfio
+    assert vfio["viable"] is True and vfio["set_iommu"] == 0
+    assert vfio["device_fd_link"] == "anon_inode:[vfio-device]"
+    assert vfio["device_is_pci"] is True  # mtty's device_api is vfio-pci
+
+
+def test_a_removed_mdev_is_withdrawn(node: Scenario) -> None:
+    mdev = seen(node, "mdev", "mdev")
+    removed = mdev["removed"]
+    assert removed["withdrawn_after"] is not None, f"still served 15 s after remove: {removed}"
+    assert removed["withdrawn_after"] <= 5.0
+    # Its only device gone, the resource's server stopped: ListAndWatch ended, its socket removed.
+    assert removed["stream_open"] is False and removed["socket_left"] is False
+    assert mdev["plugin_resources_after_remove"][RESOURCE] is True
+    names = [r["name"] for r in mdev["discover_after_remove"]["json"]["resources"]]
+    assert names == [RESOURCE]
+
+
+def test_without_the_opt_in_an_mdev_of_a_non_pci_parent_is_named_not_offered(node: Scenario) -> None:
+    mdev = seen(node, "mdev", "mdev")
+    uuid = mdev["created"]["uuid"]
+    discovered = mdev["discover_not_opted_in"]
     assert discovered["rc"] == 0, discovered
     assert [resource["name"] for resource in discovered["json"]["resources"]] == [RESOURCE]
     assert "PCI function mtty: cannot read vendor" not in discovered["stderr"]
-    table = mdev["discover_table_with_mdev"]["stdout"]
+    table = mdev["discover_table_not_opted_in"]["stdout"]
     assert "not offered:" in table
     (line,) = [line for line in table.splitlines() if uuid in line]
-    assert "is not a PCI function" in line
-    # The plugin serves nothing for it either.
-    assert list(mdev["plugin_resources_with_mdev"]) == [RESOURCE]
+    assert "is not a PCI function" in line and "mdev_parent_selectors" in line
 
 
 def test_unbinding_back_returns_the_node_to_its_start(node: Scenario) -> None:
