@@ -23,7 +23,7 @@ from plugin.config import PluginConfig
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
 from schemas.errors import InputError
-from schemas.naming import ResourceKind
+from schemas.kinds import kind_info
 from schemas.pci import PciAddress
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
@@ -87,7 +87,7 @@ def _vfio(root: Path, config: PluginConfig, inventory: Inventory | None) -> Iter
     vgpu_only = (
         inventory is not None
         and inventory.resources
-        and all(resource.kind is ResourceKind.MDEV for resource in inventory.resources)
+        and not any(kind_info(resource.kind).needs_vfio_pci for resource in inventory.resources)
     )
     if drivers:
         yield Check("vfio-pci driver", Status.OK, f"loaded: {', '.join(drivers)}")
@@ -108,9 +108,9 @@ def _vfio(root: Path, config: PluginConfig, inventory: Inventory | None) -> Iter
 
 
 def _gpu(device: Device, resource: str) -> Check:
-    label = f"GPU {device.id}" if device.kind is ResourceKind.PCI else f"vGPU {device.id}"
+    label = f"{kind_info(device.kind).label} {device.id}"
     where = f"{device.vendor_device} on {device.driver}, IOMMU group {device.iommu_group}"
-    if device.kind is ResourceKind.MDEV:
+    if device.mdev_type is not None:
         parent = f"GPU {device.parent}" if device.parent is not None else "a non-PCI parent"
         where = f"{device.mdev_type} on {parent}, IOMMU group {device.iommu_group}"
     if device.healthy:
