@@ -23,8 +23,7 @@ from plugin.config import PluginConfig
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
 from schemas.errors import InputError
-from schemas.kinds import kind_info
-from schemas.pci import PciAddress
+from schemas.kinds import PCI_PASSTHROUGH, kind_info
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 PCI_IDS_MAX_AGE_DAYS = 2 * 365
@@ -58,14 +57,6 @@ def _bind_to_vfio(address: str, bound: bool = True) -> str:
         f"bind {address} to vfio-pci: echo vfio-pci > /sys/bus/pci/devices/{address}/driver_override; "
         f"{unbind}echo {address} > /sys/bus/pci/drivers_probe"
     )
-
-
-def _is_pci_address(text: str) -> bool:
-    try:
-        PciAddress.parse(text)
-    except InputError:
-        return False
-    return True
 
 
 def _iommu(root: Path) -> Check:
@@ -141,7 +132,7 @@ def _gpus(inventory: Inventory) -> Iterator[Check]:
                 f"{ignored.vendor_device} on {ignored.driver}: vGPU parent of {count} mdev(s) ({', '.join(names)})",
             )
             continue
-        if not _is_pci_address(ignored.id):  # an mdev whose parent is not a selected GPU: nothing to bind
+        if not PCI_PASSTHROUGH.looks_like_id(ignored.id):  # an mdev whose parent is not a selected GPU: nothing to bind
             yield Check(f"vGPU {ignored.id}", Status.WARN, f"not offered to VMs, {ignored.reason}")
             continue
         fix = (
