@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +41,14 @@ RUNTIME_PACKAGES = (
     "annotated_types", "annotated_types-*.dist-info", "typing_inspection", "typing_inspection-*.dist-info",
     "kubevirt_gpu_passthrough-*.dist-info",
 )  # fmt: skip
-PROJECT_PACKAGES = ("schemas", "plugin", "launcher_hook", "xmlgen", "tests")
+def _project_packages() -> tuple[str, ...]:
+    """The packages pyproject.toml installs (so a new one reaches the guest too), and the tests."""
+    with (REPO / "pyproject.toml").open("rb") as file:
+        include = tomllib.load(file)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return (*(pattern.rstrip("*") for pattern in include), "tests")
+
+
+PROJECT_PACKAGES = _project_packages()
 # The guest's /usr/bin/python3's standard library (the host's: the guest runs the host's root) goes in the bundle
 # too: read cold over 9p it cost ~15 s of the first imports under TCG. Not what the scenarios never import.
 STDLIB_SKIPPED = frozenset(
