@@ -22,7 +22,6 @@ libvirt's verdict is computed here, live, in two steps (docs/validation.md expla
 from __future__ import annotations
 
 import copy
-import os
 import re
 import shutil
 import subprocess
@@ -30,8 +29,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 from lxml import etree
+
+from tests.libvirt_support import missing as missing_piece
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH_SCRIPT = REPO / "scripts" / "fetch-libvirt-tests.sh"
@@ -43,10 +43,8 @@ X86 = {"x86_64", "i686", None}
 
 
 def unavailable(reason: str) -> None:
-    """Fail under CI=true, skip elsewhere."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"libvirt's test domains are needed under CI=true: {reason}")
-    pytest.skip(reason)
+    """Fail under CI=true, skip elsewhere (the project's one rule: tests.libvirt_support.missing)."""
+    missing_piece(f"libvirt's test domains: {reason}")
 
 
 def fetch_corpus() -> Path:

@@ -17,7 +17,7 @@ from xmlgen.libvirt_check import LibvirtReport, LibvirtUnavailable, assert_qemu_
 def missing(reason: str) -> None:
     """Fail under CI, skip elsewhere."""
     if os.environ.get("CI") == "true":
-        pytest.fail(f"libvirt piece missing under CI=true: {reason}")
+        pytest.fail(f"needed under CI=true: {reason}")
     pytest.skip(reason)
 
 

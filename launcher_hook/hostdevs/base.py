@@ -10,6 +10,7 @@ libvirt's QEMU driver on a test host (``xmlgen``'s libvirt checks). The element 
 
 from __future__ import annotations
 
+import abc
 import enum
 import re
 from collections.abc import Iterator
@@ -148,7 +149,7 @@ def set_switch(hostdev: etree._Element, attribute: str, on: bool) -> bool:
     return False
 
 
-class HostdevModel:
+class HostdevModel(abc.ABC):
     """One kind's ``<hostdev>``: written, read back, checked and prepared for QEMU by the same object."""
 
     kind: DeviceKind
@@ -158,23 +159,28 @@ class HostdevModel:
         """libvirt's ``type=`` of this kind's hostdev (also the first part of a source key)."""
         return self.kind.hostdev_type
 
+    @abc.abstractmethod
     def template(self, layout: Layout) -> str:
         """The printf template of the whole element for ``layout`` (built once per layout)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def render(self, template: str, driver_template: str, spec: HostdevSpec) -> str:
         """Fill ``template`` for ``spec`` (values are validated parts: nothing needs escaping)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def read_source(self, address: etree._Element) -> str | None:
         """The source's ID in the kernel's form (``0000:86:00.0``, a lower-case UUID) from ``<source><address>``,
         read as libvirt reads it; None when libvirt would not find a device there."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def source_problems(self, hostdev: etree._Element, label: str) -> Iterator[Finding]:
         """What libvirt's schema or QEMU driver would refuse (or silently drop) in this kind's element."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def correct_existing(
         self,
         hostdev: etree._Element,
@@ -185,7 +191,8 @@ class HostdevModel:
     ) -> set[str]:
         """Correct a hostdev virt-launcher already wrote for ``spec``'s source (the attributes this kind
         owns); returns what changed (``CHANGED_*``)."""
-        raise NotImplementedError
+        ...
 
-    def prepare_for_qemu(self, hostdev: etree._Element) -> None:
-        """Change a copy of the element so libvirt's QEMU driver accepts it on a host without IOMMU groups."""
+    def prepare_for_qemu(self, hostdev: etree._Element) -> None:  # noqa: B027 (a kind may need nothing)
+        """Change a copy of the element so libvirt's QEMU driver accepts it on a host without IOMMU groups;
+        by default nothing (an mdev needs no change)."""

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.libvirt_support import missing as missing_piece
 from tests.realnode.assets import AssetError, Assets, cache_root, ensure
 from tests.realnode.guest import QBOOT, QEMU, BootError
 from tests.realnode.scenarios import Scenario, run_scenario
 
 
 def missing(reason: str) -> None:
-    """Fail under CI, skip elsewhere."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"real-kernel piece missing under CI=true: {reason}")
-    pytest.skip(reason)
+    """Fail under CI=true, skip elsewhere (the project's one rule: tests.libvirt_support.missing)."""
+    missing_piece(f"real-kernel piece: {reason}")
 
 
 @pytest.fixture(scope="session")
