@@ -16,10 +16,8 @@ Each source returns an env-shaped mapping for ``build_domain``. A source that ca
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 
 from launcher_hook.allocation import parse_environ
+from runtime.files import read_regular_file
 from schemas import InputError
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
@@ -95,14 +94,6 @@ class ProcessEnvSource:
 MAX_ENVIRON_FILE_BYTES = 4 * 1024 * 1024
 """Largest environ file read (4 MiB). Linux caps a process's argv + env at a quarter of its stack limit (2 MiB
 with the usual 8 MiB stack; ``/proc/<pid>/environ`` is never larger), so this is twice what a real one holds."""
-_READ_CHUNK = 64 * 1024
-_FILE_KINDS = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISDIR, "a directory"),
-)
 
 
 def read_environ_file(path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> bytes:
@@ -113,26 +104,9 @@ def read_environ_file(path: Path, max_bytes: int = MAX_ENVIRON_FILE_BYTES) -> by
     given up as soon as it passes ``max_bytes`` (``/proc`` files report size 0, so the size is not trusted).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-            raise SourceUnavailable(f"environ file {path} is {kind}, not a regular file; refusing to read it")
-        chunks: list[bytes] = []
-        total = 0
-        while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:
-                raise SourceUnavailable(f"environ file {path} is over the {max_bytes}-byte limit")
-    except OSError as exc:
-        raise SourceUnavailable(f"environ file {path} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
+        return read_regular_file(path, max_bytes, "environ file", shown=str(path))
+    except InputError as exc:
+        raise SourceUnavailable(str(exc)) from None
 
 
 class EnvironFileSource:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
 from runtime.env import PLUGIN_ENV_PREFIX as ENV_PREFIX
+from runtime.files import read_regular_file
 from runtime.node import VFIO_DRIVER_NAMES
 from schemas.errors import InputError
 from schemas.naming import validate_resource_name
@@ -238,21 +238,10 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _from_file(path: Path) -> dict[str, Any]:
+    data = read_regular_file(path, MAX_CONFIG_BYTES, "config file")
     try:
-        info = path.stat()  # before opening: opening a FIFO would block, /dev/zero never ends
-    except FileNotFoundError:
-        raise InputError(f"config file {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise InputError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise InputError(f"config file {str(path)!r} is not a regular file")
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise InputError(f"config file {str(path)!r} is over the {MAX_CONFIG_BYTES}-byte limit")
         text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise InputError(f"cannot read config file {str(path)!r}: {exc}") from None
     import yaml  # noqa: PLC0415 -- only a config file needs it: serve without one never loads it
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.files import read_regular_file
 from schemas.errors import InputError
 
 SEARCH_PATHS: tuple[str, ...] = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/pci.ids")
@@ -33,6 +34,11 @@ def _vendor_line_end(text: str, vendor: int) -> int | None:
     return match.end() if match is not None else None
 
 
+MAX_PCI_IDS_BYTES = 32 * 1024 * 1024
+"""Largest pci.ids read (Debian's is about 1.4 MB): a FIFO or a huge file under the host root must not hang
+or bloat the plugin."""
+
+
 @dataclass(frozen=True)
 class PciIds:
     """One pci.ids database: its path (for messages) and its text, parsed lazily per vendor."""
@@ -43,11 +49,9 @@ class PciIds:
 
     @classmethod
     def load(cls, path: Path) -> PciIds:
-        """Read ``path``; an unreadable file is an ``InputError`` naming it."""
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise InputError(f"cannot read pci.ids file {str(path)!r}: {exc.strerror or exc}") from None
+        """Read ``path`` (a regular file of at most :data:`MAX_PCI_IDS_BYTES`); otherwise an ``InputError``
+        naming it."""
+        data = read_regular_file(path, MAX_PCI_IDS_BYTES, "pci.ids file")
         return cls(str(path), data.decode("utf-8", errors="replace"))
 
     @classmethod

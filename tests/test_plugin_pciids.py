@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,18 @@ def test_single_space_vendor_lines_name_gpus_in_a_whole_file() -> None:
                                      for line in SAMPLE.splitlines()))  # fmt: skip
     for vendor, device in ((0x10DE, 0x1F08), (0x10DE, 0x2236), (0x1002, 0x1F08), (0x10DF, 0x2FFF)):
         assert one.device_name(vendor, device) == two.device_name(vendor, device)
+
+
+def test_a_fifo_or_an_oversized_pci_ids_is_refused_not_read(tmp_path: Path) -> None:
+    """A FIFO at the pci.ids path would block the plugin's start in open(); a huge file would bloat it."""
+    from runtime.pciids import MAX_PCI_IDS_BYTES
+
+    fifo = tmp_path / "pci.ids"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="is a FIFO, not a regular file"):
+        PciIds.load(fifo)
+    big = tmp_path / "big.ids"
+    with big.open("wb") as handle:
+        handle.truncate(MAX_PCI_IDS_BYTES + 1)
+    with pytest.raises(InputError, match="over the"):
+        PciIds.load(big)
