@@ -44,7 +44,7 @@ X86 = {"x86_64", "i686", None}
 
 def unavailable(reason: str) -> None:
     """Fail under CI=true, skip elsewhere (the project's one rule: tests.libvirt_support.missing)."""
-    missing_piece(f"libvirt's test domains: {reason}")
+    missing_piece(reason, "libvirt's test domains are needed")
 
 
 def fetch_corpus() -> Path:

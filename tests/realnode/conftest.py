@@ -21,7 +21,7 @@ from tests.realnode.scenarios import Scenario, run_scenario
 
 def missing(reason: str) -> None:
     """Fail under CI=true, skip elsewhere (the project's one rule: tests.libvirt_support.missing)."""
-    missing_piece(f"real-kernel piece: {reason}")
+    missing_piece(reason, "real-kernel piece missing")
 
 
 @pytest.fixture(scope="session")
