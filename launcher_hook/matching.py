@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from launcher_hook.allocation import EnvAllocation, Pool, usb_env_var_for
 from launcher_hook.hostdev import HostdevSpec
-from schemas import DEVICE_KINDS, DeviceId, InputError, kind_info
+from schemas import VM_KINDS, DeviceId, InputError, kind_info
 from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
 
 SourceKey = tuple[str, str]
@@ -100,12 +100,12 @@ def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
 
 def _pools_for(device_name: str, allocation: EnvAllocation) -> list[Pool]:
     """The pools of ``device_name`` in the kinds table's order (PCI, then mdev, as virt-launcher; any may be absent)."""
-    return [pool for kind in DEVICE_KINDS.values() if (pool := allocation.pool(kind.env_var(device_name))) is not None]
+    return [pool for kind in VM_KINDS.values() if (pool := allocation.pool(kind.env_var(device_name))) is not None]
 
 
 def _left_to_virt_launcher(request: _Request, allocation: EnvAllocation, existing: DomainHostdevs) -> str | None:
     """Why an entry without a PCI/mdev variable is virt-launcher's alone (a warning), or None if it is not."""
-    variables = ", ".join(kind.env_var(request.device_name) for kind in DEVICE_KINDS.values())
+    variables = ", ".join(kind.env_var(request.device_name) for kind in VM_KINDS.values())
     aliases = [request.kubevirt_alias]
     if request.list_name == "hostDevices":
         aliases.append(KUBEVIRT_USB_ALIAS_PREFIX + request.name)
@@ -133,7 +133,7 @@ def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Po
 
 
 def _no_variable(request: _Request) -> InputError:
-    variables = " and ".join(kind.env_var(request.device_name) for kind in DEVICE_KINDS.values())
+    variables = " and ".join(kind.env_var(request.device_name) for kind in VM_KINDS.values())
     return InputError(
         f"{request.label}: no allocation variable found; looked for {variables} "
         "(is the device plugin serving this resource, and is this the compute container's env?)"

@@ -54,9 +54,9 @@ class Device:
     GPU); empty for a function on the root bus."""
     driver: str | None = None
     parent: PciAddress | None = None
-    """For an mdev, the GPU it is carved from."""
+    """For a vGPU, the GPU it is carved from (an mdev's parent, an SR-IOV VF's physical function)."""
     mdev_type: str | None = None
-    """For an mdev, its type ID (``nvidia-230``)."""
+    """For a vGPU, its type ID: an mdev's (``nvidia-230``), an SR-IOV VF's ``current_vgpu_type`` (``1147``)."""
 
     @property
     def health(self) -> str:

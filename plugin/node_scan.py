@@ -206,9 +206,13 @@ class NodeScan:
             for (name, kind), devices in self.devices.items()
         ]
         resources.sort(key=lambda resource: (resource.name, resource.kind.value))
+        # A device one kind's source offers is not "not offered" because another kind's source passed it by
+        # (an SR-IOV vGPU VF is on nvidia, which the passthrough source refuses).
+        offered = {device.id for devices in self.devices.values() for device in devices}
+        ignored = [item for item in self.ignored if item.id not in offered]
         return Inventory(
             resources=tuple(resources),
-            ignored=tuple(sorted(self.ignored, key=lambda item: item.id)),
+            ignored=tuple(sorted(ignored, key=lambda item: item.id)),
             warnings=tuple(self.warnings),
             pci_ids_path=self.pci_ids.path if self.pci_ids else None,
         )

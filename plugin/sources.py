@@ -17,6 +17,7 @@ from plugin.inventory import Device, Inventory
 from plugin.node_scan import NodeScan
 from plugin.source_mdev import MDEV_SOURCE
 from plugin.source_pci import PCI_SOURCE
+from plugin.source_sriov_vgpu import SRIOV_VGPU_SOURCE
 from schemas.kinds import DeviceKind, ResourceKind
 
 
@@ -47,7 +48,9 @@ class DeviceSource(Protocol):
         ...
 
 
-DEVICE_SOURCES: dict[ResourceKind, DeviceSource] = {source.kind.key: source for source in (PCI_SOURCE, MDEV_SOURCE)}
+DEVICE_SOURCES: dict[ResourceKind, DeviceSource] = {
+    source.kind.key: source for source in (PCI_SOURCE, MDEV_SOURCE, SRIOV_VGPU_SOURCE)
+}
 """Every kind's source, scanned in this order."""
 
 

@@ -6,7 +6,16 @@ place those rules live.
 """
 
 from schemas.errors import InputError
-from schemas.kinds import DEVICE_KINDS, DeviceId, DeviceKind, ResourceKind, kind_info, kind_of_id, kind_of_variable
+from schemas.kinds import (
+    DEVICE_KINDS,
+    VM_KINDS,
+    DeviceId,
+    DeviceKind,
+    ResourceKind,
+    kind_info,
+    kind_of_id,
+    kind_of_variable,
+)
 from schemas.mdev import parse_mdev_uuid
 from schemas.naming import (
     MDEV_ENV_PREFIX,
@@ -21,6 +30,7 @@ __all__ = [
     "DEVICE_KINDS",
     "MDEV_ENV_PREFIX",
     "PCI_ENV_PREFIX",
+    "VM_KINDS",
     "DeviceId",
     "DeviceKind",
     "InputError",

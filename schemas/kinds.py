@@ -6,7 +6,9 @@ the hook tells the kinds apart by variable prefix or by the ID's form, parses an
 kind (USB, SR-IOV vGPU) would silently take the else branch. Here each kind is one :class:`DeviceKind` row of
 :data:`DEVICE_KINDS`; code asks the row (``kind_info(kind).env_prefix``, ``.parse_id``, ``.hostdev_type`` …)
 instead of comparing kinds. Adding a kind is one :class:`ResourceKind` member and one row here, plus the
-per-kind module of each side (the plugin's discovery, the hook's hostdev model).
+per-kind module of each side (the plugin's discovery, the hook's hostdev model). A kind may reach the VM as
+another one (an SR-IOV vGPU VF is a PCI function to KubeVirt): its row says so (``reaches_vm_as``), it needs no
+hook module, and the hook only sees :data:`VM_KINDS`.
 
 The facts: KubeVirt's env naming (docs/protocols.md, "KubeVirt env naming"), libvirt's hostdev types
 (docs/protocols.md, "libvirt hostdev"), the sysfs layout (docs/node.md).
@@ -31,6 +33,7 @@ class ResourceKind(enum.StrEnum):
 
     PCI = "pci"
     MDEV = "mdev"
+    SRIOV_VGPU = "sriov_vgpu"
 
     @property
     def env_prefix(self) -> str:
@@ -101,6 +104,10 @@ class DeviceKind:
     """Whether a GPU of this kind gets ``display``/``ramfb`` by default (KubeVirt's rule for vGPUs)."""
     needs_vfio_pci: bool
     """Whether the node needs the ``vfio-pci`` driver for it (mdevs hang off their vendor's driver)."""
+    reaches_vm_as: ResourceKind | None = None
+    """The kind whose variable, ID form and ``<hostdev>`` this kind's devices reach the VM with, when that is
+    another kind's (an SR-IOV vGPU VF is a PCI hostdev to KubeVirt and libvirt); None for a kind the VM side
+    tells apart. Only the plugin sees such a kind; the hook sees the kind it reaches the VM as."""
 
     def format_id(self, device_id: DeviceId) -> str:
         """The ID as the plugin publishes it and the kernel names it (``0000:86:00.0``, a lower-case UUID)."""
@@ -142,11 +149,36 @@ MDEV_VGPU = DeviceKind(
     needs_vfio_pci=False,
 )
 
-DEVICE_KINDS: dict[ResourceKind, DeviceKind] = {kind.key: kind for kind in (PCI_PASSTHROUGH, MDEV_VGPU)}
-"""Every kind, in the order virt-launcher looks for a GPU's device (PCI pool first, then mdev)."""
+SRIOV_VGPU = DeviceKind(
+    key=ResourceKind.SRIOV_VGPU,
+    env_prefix=PCI_PASSTHROUGH.env_prefix,
+    hostdev_type=PCI_PASSTHROUGH.hostdev_type,
+    sysfs_bus="pci",
+    label="vGPU",
+    detail_heading="VGPU TYPE",
+    parse_id=_parse_pci,
+    parse_id_list=_parse_pci_list,
+    looks_like_id=_is_pci_address,
+    id_sort_key=_pci_sort_key,
+    takes_driver_element=True,
+    default_display=False,
+    needs_vfio_pci=False,
+    reaches_vm_as=ResourceKind.PCI,
+)
+"""An NVIDIA vGPU on an SR-IOV virtual function (vGPU 17+ on Ada, Hopper, Blackwell; docs/node.md, "SR-IOV
+vGPUs"): the VF stays on the ``nvidia`` driver, which serves it through VFIO itself, and goes to the VM as a
+whole PCI function, ``managed='no'``, as KubeVirt passes it (its PR #16890)."""
 
-_BY_PREFIX = sorted(DEVICE_KINDS.values(), key=lambda kind: -len(kind.env_prefix))  # longest prefix wins
-ENV_PREFIXES: tuple[str, ...] = tuple(f"{kind.env_prefix}_" for kind in DEVICE_KINDS.values())
+DEVICE_KINDS: dict[ResourceKind, DeviceKind] = {kind.key: kind for kind in (PCI_PASSTHROUGH, MDEV_VGPU, SRIOV_VGPU)}
+"""Every kind the plugin serves, in the order virt-launcher looks for a GPU's device (PCI pool first, then mdev)."""
+
+VM_KINDS: dict[ResourceKind, DeviceKind] = {
+    key: kind for key, kind in DEVICE_KINDS.items() if kind.reaches_vm_as is None
+}
+"""The kinds the VM side tells apart (each its own variable prefix and ``<hostdev>``): what the hook iterates."""
+
+_BY_PREFIX = sorted(VM_KINDS.values(), key=lambda kind: -len(kind.env_prefix))  # longest prefix wins
+ENV_PREFIXES: tuple[str, ...] = tuple(f"{kind.env_prefix}_" for kind in VM_KINDS.values())
 """``PCI_RESOURCE_``, ``MDEV_PCI_RESOURCE_``: the start of every allocation variable."""
 
 
@@ -156,7 +188,7 @@ def kind_info(kind: ResourceKind) -> DeviceKind:
 
 
 def kind_of_variable(variable: str) -> DeviceKind | None:
-    """The kind whose allocation variable ``variable`` is (by prefix), or None for any other variable."""
+    """The VM-side kind whose allocation variable ``variable`` is (by prefix), or None for any other variable."""
     for kind in _BY_PREFIX:
         if variable.startswith(kind.env_prefix) and variable[len(kind.env_prefix) : len(kind.env_prefix) + 1] == "_":
             return kind
@@ -164,8 +196,8 @@ def kind_of_variable(variable: str) -> DeviceKind | None:
 
 
 def kind_of_id(device_id: str) -> DeviceKind | None:
-    """The kind whose ID form ``device_id`` has, or None (e.g. another plugin's device ID)."""
-    for kind in DEVICE_KINDS.values():
+    """The VM-side kind whose ID form ``device_id`` has, or None (e.g. another plugin's device ID)."""
+    for kind in VM_KINDS.values():
         if kind.looks_like_id(device_id):
             return kind
     return None

@@ -7,6 +7,8 @@
 - :data:`VGPU_NODE`: two Tesla T4 on ``nvidia`` with vGPU mdevs: two ``GRID T4-1Q`` and one ``GRID T4-2Q``.
 - :data:`MIXED_NODE`: two A10, a GPU whose ID (``10de:2fff``) pci.ids lacks, and an RTX 3090 whose audio
   function is still on ``snd_hda_intel`` (a group that is not viable).
+- :data:`SRIOV_VGPU_NODE`: two L40S (``10de:26b9``) on ``nvidia`` split into SR-IOV vGPU VFs (vGPU 17+): two
+  ``NVIDIA L40S-1Q`` on the first, one ``NVIDIA L40S-1B`` on the second, the other VFs free.
 
 Each node carries :data:`PCI_IDS_EXCERPT`, real lines of pci.ids 2023.04.10 for its devices; the builder
 writes it to ``usr/share/misc/pci.ids`` of the tree, where discovery looks first. Topology follows a
@@ -15,7 +17,7 @@ two-socket Xeon Scalable: a root port per PCIe stack (``0000:85:00.0``), the car
 
 from __future__ import annotations
 
-from simkit.sysfs_fixture import Function, Mdev, MdevType, Node
+from simkit.sysfs_fixture import Function, Mdev, MdevType, Node, SriovVgpuGpu, sriov_vfs
 
 NVIDIA = 0x10DE
 INTEL = 0x8086
@@ -148,4 +150,50 @@ MIXED_NODE = Node(
 """Mixed: ``GA102GL_A10`` x2 healthy; ``nvidia.com/2fff`` (not in pci.ids, NUMA unknown); the RTX 3090 at
 ``0000:86:00.0`` unhealthy because ``0000:86:00.1`` is on ``snd_hda_intel``."""
 
-NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE)}
+L40S = 0x26B9
+L40S_1B = (1145, "NVIDIA L40S-1B")
+L40S_1Q = (1147, "NVIDIA L40S-1Q")
+"""Two vGPU types as an L40S host with vGPU Manager 580 lists them (docs/node.md, "SR-IOV vGPUs")."""
+L40S_TOTAL_VFS = 32
+L40S_FIXTURE_VFS = 4
+"""VFs enabled per L40S here (``sriov_numvfs``; NVIDIA's ``sriov-manage -e`` enables all 32): enough for the
+cases, small enough for fast trees."""
+
+
+def l40s_sriov(root_bus: int) -> tuple[Function, ...]:
+    """An L40S on ``nvidia`` below the root port on ``root_bus``, and its first VFs (``…:00.4`` on)."""
+    _, group = _STACKS[root_bus]
+    pf = _below(root_bus, 0, NVIDIA, L40S, CLASS_3D, "nvidia")
+    return (root_port(root_bus), pf, *sriov_vfs(pf, L40S_FIXTURE_VFS, group + 3))
+
+
+_L40S_A = l40s_sriov(0x3A)
+_L40S_B = l40s_sriov(0xD7)
+
+SRIOV_VGPU_NODE = Node(
+    name="gpu-sriov-vgpu01",
+    functions=(*_L40S_A, *_L40S_B),
+    sriov_vgpus=(
+        # Time-sliced vGPUs of one GPU share a type unless heterogeneous mode is on: with 1Q created, the free
+        # VFs of the first GPU list only 1Q, those of the second only 1B.
+        SriovVgpuGpu(
+            _L40S_A[1].address,
+            tuple(vf.address for vf in _L40S_A[2:]),
+            L40S_TOTAL_VFS,
+            types=(L40S_1Q,),
+            current=(L40S_1Q[0], L40S_1Q[0]),
+        ),
+        SriovVgpuGpu(
+            _L40S_B[1].address,
+            tuple(vf.address for vf in _L40S_B[2:]),
+            L40S_TOTAL_VFS,
+            types=(L40S_1B,),
+            current=(L40S_1B[0],),
+        ),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""SR-IOV vGPUs: ``nvidia.com/NVIDIA_L40S-1Q`` x2 (``0000:3b:00.4``, ``0000:3b:00.5``) and
+``nvidia.com/NVIDIA_L40S-1B`` x1 (``0000:d8:00.4``); the PFs and free VFs are not offered."""
+
+NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE, SRIOV_VGPU_NODE)}

@@ -67,6 +67,67 @@ class Mdev:
 
 
 @dataclass(frozen=True, slots=True)
+class SriovVgpuGpu:
+    """An NVIDIA GPU split into SR-IOV virtual functions for vGPUs (vGPU 17+ on Ada/Hopper/Blackwell).
+
+    The PF and its VFs are :class:`Function` s of the node (see :func:`sriov_vfs`); this adds what the kernel and
+    NVIDIA's driver write for them (docs/node.md, "SR-IOV vGPUs"): the PF's ``sriov_totalvfs``,
+    ``sriov_numvfs`` and ``virtfn<i>`` links, each VF's ``physfn`` link and ``nvidia/current_vgpu_type`` and
+    ``nvidia/creatable_vgpu_types``, and (the driver serving each VF through VFIO) ``/dev/vfio/<group>``.
+    """
+
+    pf: str
+    vfs: tuple[str, ...]
+    """The VF addresses, in ``virtfn`` order."""
+    total_vfs: int
+    types: tuple[tuple[int, str], ...]
+    """What a VF without a type lists in ``creatable_vgpu_types`` now, as ``(ID, name)``."""
+    current: tuple[int, ...] = ()
+    """Each VF's ``current_vgpu_type`` (``0``: none), in ``vfs`` order; missing entries are ``0``."""
+    full: bool = False
+    """The GPU can take no more vGPUs: VFs without a type list no types either (the header only)."""
+
+    def current_type(self, index: int) -> int:
+        return self.current[index] if index < len(self.current) else 0
+
+
+CREATABLE_HEADER = "ID    : vGPU Name\n"
+"""The first line of ``creatable_vgpu_types`` (then one ``ID : name`` line per type)."""
+
+
+def creatable_text(types: Iterable[tuple[int, str]]) -> str:
+    """``creatable_vgpu_types`` as the driver writes it: the header, then ``ID : name`` lines."""
+    return CREATABLE_HEADER + "".join(f"{type_id:<6}: {name}\n" for type_id, name in types)
+
+
+def sriov_vfs(pf: Function, count: int, first_group: int) -> tuple[Function, ...]:
+    """``count`` VFs of ``pf`` as the kernel places them: routing IDs after the PF's at offset 4, stride 1
+    (``0000:3b:00.4`` …), same IDs and class as the PF, on ``nvidia``, each in its own IOMMU group from
+    ``first_group``, under the PF's bridge."""
+    address = PciAddress.parse(pf.address)
+    functions = []
+    for index in range(count):
+        devfn = (address.slot << 3 | address.function) + 4 + index
+        vf = PciAddress(address.domain, address.bus, devfn >> 3, devfn & 7)
+        functions.append(
+            Function(
+                str(vf),
+                pf.vendor,
+                pf.device,
+                pf.pci_class,
+                "nvidia",
+                first_group + index,
+                pf.numa_node,
+                parent=pf.parent,
+                subsystem_vendor=pf.subsystem_vendor,
+                subsystem_device=pf.subsystem_device,
+                revision=pf.revision,
+            )
+        )
+    return tuple(functions)
+
+
+@dataclass(frozen=True, slots=True)
 class Node:
     """A whole machine: its PCI functions, mdev types and mdevs, and optionally its pci.ids text."""
 
@@ -82,6 +143,8 @@ class Node:
     """Whether ``dev/iommu`` exists; then every function on a VFIO driver and every bound mdev gets a VFIO
     device cdev (``<sysfs device>/vfio-dev/vfioN`` and ``dev/vfio/devices/vfioN``), numbered in order unless
     its ``vfio_dev`` says."""
+    sriov_vgpus: tuple[SriovVgpuGpu, ...] = ()
+    """GPUs split into SR-IOV vGPU VFs (their PF and VFs are among :attr:`functions`)."""
 
     def function(self, address: str) -> Function:
         for function in self.functions:
@@ -254,8 +317,41 @@ def build(node: Node, root: Path) -> Path:
         cdev_dir = device_dir / "vfio-dev" / f"vfio{number}"
         _write(cdev_dir / "dev", f"{_VFIO_CDEV_MAJOR}:{number}\n")
         _write(dev_vfio / "devices" / f"vfio{number}", "")
+    if node.sriov_vgpus:
+        numbers = _vfio_cdevs(node, dirs).values()
+        _write_sriov_vgpus(node, dirs, root, max(numbers, default=-1) + 1)
     if node.iommufd:
         _write(root / "dev" / "iommu", "")
     if node.pci_ids is not None:
         _write(root / "usr" / "share" / "misc" / "pci.ids", node.pci_ids)
     return root
+
+
+def _write_sriov_vgpus(node: Node, dirs: dict[str, Path], root: Path, next_cdev: int) -> None:
+    """The SR-IOV and ``nvidia/`` files of each :class:`SriovVgpuGpu`, its VFs' ``/dev/vfio/<group>`` nodes and
+    (with :attr:`Node.iommufd`) their VFIO device cdevs, numbered from ``next_cdev``."""
+    dev_vfio = root / "dev" / "vfio"
+    for gpu in node.sriov_vgpus:
+        if gpu.pf not in dirs or any(vf not in dirs for vf in gpu.vfs):
+            raise ValueError(f"SR-IOV GPU {gpu.pf}: its PF and VFs must be among the node's functions")
+        if len(gpu.vfs) > gpu.total_vfs:
+            raise ValueError(f"SR-IOV GPU {gpu.pf}: {len(gpu.vfs)} VFs, more than sriov_totalvfs {gpu.total_vfs}")
+        pf_dir = dirs[gpu.pf]
+        _write(pf_dir / "sriov_totalvfs", f"{gpu.total_vfs}\n")
+        _write(pf_dir / "sriov_numvfs", f"{len(gpu.vfs)}\n")
+        for index, address in enumerate(gpu.vfs):
+            vf_dir = dirs[address]
+            function = node.function(address)
+            _link(pf_dir / f"virtfn{index}", vf_dir)
+            _link(vf_dir / "physfn", pf_dir)
+            current = gpu.current_type(index)
+            _write(vf_dir / "nvidia" / "current_vgpu_type", f"{current}\n")
+            listed = () if current or gpu.full else gpu.types
+            _write(vf_dir / "nvidia" / "creatable_vgpu_types", creatable_text(listed))
+            if function.driver == "nvidia" and function.iommu_group is not None:
+                _write(dev_vfio / str(function.iommu_group), "")
+                if node.iommufd:
+                    cdev_dir = vf_dir / "vfio-dev" / f"vfio{next_cdev}"
+                    _write(cdev_dir / "dev", f"{_VFIO_CDEV_MAJOR}:{next_cdev}\n")
+                    _write(dev_vfio / "devices" / f"vfio{next_cdev}", "")
+                    next_cdev += 1

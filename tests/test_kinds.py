@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import DEVICE_KINDS, InputError, PciAddress, ResourceKind, env_var_for, kind_of_id, kind_of_variable
+from schemas import (
+    DEVICE_KINDS,
+    VM_KINDS,
+    InputError,
+    PciAddress,
+    ResourceKind,
+    env_var_for,
+    kind_of_id,
+    kind_of_variable,
+)
 
 
 def test_every_resource_kind_has_one_row_with_distinct_prefix_and_hostdev_type() -> None:
     assert set(DEVICE_KINDS) == set(ResourceKind)
-    assert len({kind.env_prefix for kind in DEVICE_KINDS.values()}) == len(DEVICE_KINDS)
-    assert len({kind.hostdev_type for kind in DEVICE_KINDS.values()}) == len(DEVICE_KINDS)
-    assert list(DEVICE_KINDS) == [ResourceKind.PCI, ResourceKind.MDEV]  # virt-launcher's pool order
+    assert len({kind.env_prefix for kind in VM_KINDS.values()}) == len(VM_KINDS)
+    assert len({kind.hostdev_type for kind in VM_KINDS.values()}) == len(VM_KINDS)
+    assert list(VM_KINDS) == [ResourceKind.PCI, ResourceKind.MDEV]  # virt-launcher's pool order
+
+
+def test_a_kind_that_reaches_the_vm_as_another_has_that_kinds_variable_ids_and_hostdev() -> None:
+    others = [kind for kind in DEVICE_KINDS.values() if kind.reaches_vm_as is not None]
+    assert [kind.key for kind in others] == [ResourceKind.SRIOV_VGPU]
+    for kind in others:
+        assert kind.reaches_vm_as is not None
+        seen_as = VM_KINDS[kind.reaches_vm_as]
+        assert (kind.env_prefix, kind.hostdev_type) == (seen_as.env_prefix, seen_as.hostdev_type)
+        assert kind.parse_id("0000:3b:00.4") == seen_as.parse_id("0000:3b:00.4")
+        assert kind_of_id("0000:3b:00.4") is seen_as
 
 
 @pytest.mark.parametrize(
@@ -33,7 +53,7 @@ def test_env_var_round_trips_through_the_table() -> None:
     for key, kind in DEVICE_KINDS.items():
         variable = env_var_for("nvidia.com/GRID_T4-1Q", key)
         assert variable == kind.env_var("nvidia.com/GRID_T4-1Q")
-        assert kind_of_variable(variable) is kind
+        assert kind_of_variable(variable) is VM_KINDS[kind.reaches_vm_as or key]
 
 
 def test_ids_parse_print_and_identify_their_kind() -> None:

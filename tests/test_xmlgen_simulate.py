@@ -97,7 +97,7 @@ def test_a_directory_node_and_a_custom_vmi(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--node", "nowhere"], "error: --node 'nowhere' is neither node01, vgpu, mixed nor a directory"),
+        (["--node", "nowhere"], "error: --node 'nowhere' is neither node01, vgpu, mixed, sriov-vgpu nor a directory"),
         (
             ["--node", "mixed"],
             "error: the VMI asks for 2 nvidia.com/TU106_GEFORCE_RTX_2060_REV__A, but the node offers",

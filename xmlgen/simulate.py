@@ -36,12 +36,18 @@ from schemas import InputError
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
-from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn, StandInError
 from simkit.sysfs_fixture import Node, build
 
-BUNDLED_NODES: Mapping[str, Node] = {"node01": NODE01, "vgpu": VGPU_NODE, "mixed": MIXED_NODE}
-"""The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node)."""
+BUNDLED_NODES: Mapping[str, Node] = {
+    "node01": NODE01,
+    "vgpu": VGPU_NODE,
+    "mixed": MIXED_NODE,
+    "sriov-vgpu": SRIOV_VGPU_NODE,
+}
+"""The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node, an SR-IOV vGPU node)."""
+_DEFAULT_VMIS = {"vgpu": ("vgpu-node", "vmi.json"), "sriov-vgpu": ("sriov-vgpu", "vmi.json")}
 _NEWEST_FIRST = tuple(reversed(HOOK_API_VERSIONS))
 _WAIT_SECONDS = 10.0
 
@@ -52,8 +58,9 @@ def example(*parts: str) -> bytes:
 
 
 def default_vmi(node: str) -> bytes:
-    """The VMI simulated on a node when none is given: the seed's two-GPU VM, or a vGPU desktop."""
-    return example("vgpu-node", "vmi.json") if node == "vgpu" else example("seed-node01", "vmi.json")
+    """The VMI simulated on a node when none is given: the seed's two-GPU VM, a vGPU desktop, or a VM with one
+    vGPU of each type of the SR-IOV vGPU node."""
+    return example(*_DEFAULT_VMIS.get(node, ("seed-node01", "vmi.json")))
 
 
 @dataclass

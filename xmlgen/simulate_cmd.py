@@ -20,11 +20,15 @@ def _log(line: str) -> None:
     default="node01",
     show_default=True,
     metavar="|".join([*BUNDLED_NODES, "DIR"]),
-    help="A bundled fixture node (node01: the seed's four TU106; vgpu: a T4 with GRID T4-1Q/2Q mdevs; mixed) "
+    help="A bundled fixture node (node01: the seed's four TU106; vgpu: a T4 with GRID T4-1Q/2Q mdevs; mixed; "
+    "sriov-vgpu: two L40S with NVIDIA L40S-1Q/1B vGPUs on SR-IOV VFs) "
     "or a directory holding a node's sys/ and dev/ tree.",
 )
 @click.option(
-    "--vmi", "vmi_path", metavar="FILE|-", help="VMI JSON. Default: the seed's two-GPU VM (vgpu: a vGPU desktop)."
+    "--vmi",
+    "vmi_path",
+    metavar="FILE|-",
+    help="VMI JSON. Default: the seed's two-GPU VM (vgpu: a vGPU desktop; sriov-vgpu: one 1Q and one 1B).",
 )
 @click.option(
     "--domain",

@@ -1,7 +1,8 @@
 """The hostdev model of every device kind, found by the kind's key: ``launcher_hook.hostdevs.<key>.MODEL``.
 
-Each row of :data:`schemas.kinds.DEVICE_KINDS` has its model in the module named after its key (``pci``,
-``mdev``), so adding a kind here is adding that one module; nothing lists the models by hand.
+Each VM-side kind (:data:`schemas.kinds.VM_KINDS`) has its model in the module named after its key (``pci``,
+``mdev``), so adding a kind here is adding that one module; nothing lists the models by hand. A kind that
+reaches the VM as another (``reaches_vm_as``: an SR-IOV vGPU is a PCI function) uses that kind's model.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from launcher_hook.hostdevs.base import HostdevModel
-from schemas import DEVICE_KINDS, ResourceKind
+from schemas import VM_KINDS, ResourceKind
 
 
 def _load(kind: ResourceKind) -> HostdevModel:
@@ -19,7 +20,7 @@ def _load(kind: ResourceKind) -> HostdevModel:
     return model
 
 
-HOSTDEV_MODELS: dict[ResourceKind, HostdevModel] = {kind: _load(kind) for kind in DEVICE_KINDS}
+HOSTDEV_MODELS: dict[ResourceKind, HostdevModel] = {kind: _load(kind) for kind in VM_KINDS}
 """Each kind's model, in the table's order."""
 MODELS_BY_TYPE: dict[str, HostdevModel] = {model.type_name: model for model in HOSTDEV_MODELS.values()}
 """The models by libvirt's ``<hostdev type=…>``."""

@@ -1,0 +1,204 @@
+"""SR-IOV vGPUs: virtual functions of an NVIDIA GPU given a vGPU type, found under ``/sys/bus/pci/drivers/nvidia``.
+
+From vGPU 17 on Ada, Hopper and Blackwell GPUs, NVIDIA's host driver no longer makes mdevs: the GPU (the
+physical function, PF) is split into SR-IOV virtual functions (VFs) that stay bound to ``nvidia``, and a VF
+becomes a vGPU when a type ID is written to its ``nvidia/current_vgpu_type`` (docs/node.md, "SR-IOV vGPUs").
+The driver serves such a VF through VFIO itself (``/dev/vfio/<group>``), and KubeVirt passes it to the VM as a
+plain PCI function (``PCI_RESOURCE_…``, ``<hostdev type='pci' managed='no'>``).
+
+A VF is offered when it is on ``nvidia``, its ``current_vgpu_type`` is not ``0`` and its PF is a selected GPU.
+Its resource is named after its vGPU type's name, as NVIDIA's plugin names mdev types (``NVIDIA L40S-1Q`` →
+``nvidia.com/NVIDIA_L40S-1Q``). The driver shows names only in ``creatable_vgpu_types`` (``ID : name`` lines),
+and a VF that has a type lists none; the name is read from the other VFs of the same GPU (and the PF's own
+list when the driver writes one), else from another GPU of the same PCI device ID (type IDs are the driver's
+per GPU model). A VF whose type no list names is not offered, with that reason (every VF of every such GPU is
+in use, or the GPU is full). Health: its IOMMU group and ``/dev/vfio`` as for any VFIO device; Allocate's
+re-check adds that it is still on ``nvidia`` with the same type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plugin.health import PciFunction, UsabilityRule
+from plugin.hostroot import HostRoot, ReadError
+from plugin.inventory import Companion, Device, Ignored
+from plugin.naming import mdev_resource_name
+from plugin.node_scan import NodeScan
+from schemas.errors import InputError
+from schemas.kinds import SRIOV_VGPU, DeviceKind
+from schemas.pci import PciAddress
+
+VF_DRIVER = "nvidia"
+"""The driver an SR-IOV vGPU VF stays on (NVIDIA's host driver is its VFIO driver too)."""
+MAX_TYPE_ID_DIGITS = 9
+"""A vGPU type ID is a small decimal number (``1147``); anything longer is not one."""
+
+
+def parse_creatable_types(text: str) -> dict[int, str]:
+    """``creatable_vgpu_types`` as ``{ID: name}``: ``ID : name`` lines; the header (``ID    : vGPU Name``) and any
+    line whose ID is not a plain number are skipped. The first name given for an ID wins.
+
+    >>> parse_creatable_types("ID    : vGPU Name\\n1145  : NVIDIA L40S-1B\\n1147  : NVIDIA L40S-1Q\\n")
+    {1145: 'NVIDIA L40S-1B', 1147: 'NVIDIA L40S-1Q'}
+    """
+    names: dict[int, str] = {}
+    for line in text.splitlines():
+        number, colon, name = line.partition(":")
+        number, name = number.strip(), name.strip()
+        if colon and name and number.isdigit() and len(number) <= MAX_TYPE_ID_DIGITS:
+            names.setdefault(int(number), name)
+    return names
+
+
+def parse_type_id(text: str | None) -> int | None:
+    """``current_vgpu_type``'s number (``0`` when the VF has no type); None when absent or not a number."""
+    if text is None:
+        return None
+    value = text.strip()
+    return int(value) if value.isdigit() and len(value) <= MAX_TYPE_ID_DIGITS else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Vf:
+    name: str
+    directory: str
+    type_id: int
+    pf: str | None
+    function: PciFunction
+
+
+@dataclass(frozen=True, slots=True)
+class SriovVgpuSource:
+    """The :class:`~plugin.sources.DeviceSource` of vGPUs on SR-IOV virtual functions."""
+
+    kind: DeviceKind = SRIOV_VGPU
+    kubevirt_list: str = "pciHostDevices"
+    kubevirt_selector: str = "pciVendorSelector"
+
+    def scan(self, node: NodeScan) -> None:
+        try:
+            entries = sorted(node.fs.listdir(f"/sys/bus/pci/drivers/{VF_DRIVER}"))
+        except OSError:
+            return  # the driver is not loaded: no SR-IOV vGPUs
+        vfs: list[_Vf] = []
+        by_pf: dict[str, dict[int, str]] = {}
+        by_model: dict[str, dict[int, str]] = {}
+        for entry in entries:
+            try:
+                PciAddress.parse(entry)
+            except InputError:
+                continue  # the driver directory also holds bind, unbind, module, new_id…
+            directory = f"{node.pci_dir}/{entry}"
+            type_id = parse_type_id(node.read_text(f"{directory}/nvidia/current_vgpu_type"))
+            if type_id is None:
+                continue  # not a vGPU VF (a PF, or a GPU on the host driver)
+            function = node.read_function(directory, entry)
+            if function is None:
+                continue
+            pf = node.fs.readlink_name(f"{directory}/physfn")
+            listed = parse_creatable_types(node.read_text(f"{directory}/nvidia/creatable_vgpu_types") or "")
+            if pf is not None:
+                _merge(by_pf.setdefault(pf, {}), listed)
+            _merge(by_model.setdefault(function.vendor_device, {}), listed)
+            if type_id:
+                vfs.append(_Vf(entry, directory, type_id, pf, function))
+        for pf in list(by_pf):
+            _merge(
+                by_pf[pf],
+                parse_creatable_types(node.read_text(f"{node.pci_dir}/{pf}/nvidia/creatable_vgpu_types") or ""),
+            )
+        for vf in vfs:
+            names = by_pf.get(vf.pf or "", {})
+            self._scan_vf(
+                node, vf, names.get(vf.type_id) or by_model.get(vf.function.vendor_device, {}).get(vf.type_id)
+            )
+
+    def _scan_vf(self, node: NodeScan, vf: _Vf, type_name: str | None) -> None:
+        function = vf.function
+        if vf.pf is None:
+            node.ignored.append(
+                Ignored(vf.name, function.vendor_device, function.driver, "it has a vGPU type but no physfn link")
+            )
+            return
+        if not node.config.selects(function.vendor, function.device, function.pci_class):
+            node.ignored.append(
+                Ignored(vf.name, function.vendor_device, function.driver, f"its GPU {vf.pf} is not a selected GPU")
+            )
+            return
+        if type_name is None:
+            reason = (
+                f"its vGPU type {vf.type_id} is named by no creatable_vgpu_types of its GPU {vf.pf} or of a GPU "
+                "like it (each VF has a type, or the GPU is full): its resource cannot be named"
+            )
+            node.ignored.append(Ignored(vf.name, function.vendor_device, function.driver, reason))
+            return
+        name = node.checked_name(
+            mdev_resource_name(type_name, node.config.resource_domain),
+            f"vGPU type {vf.type_id} ({type_name!r}) cannot be offered",
+        )
+        if name is None:
+            node.ignored.append(
+                Ignored(vf.name, function.vendor_device, function.driver, "its resource name is invalid")
+            )
+            return
+        with node.fs.directory(vf.directory) as handle:
+            group = node.read_group_in(handle)
+            numa = node.numa(vf.directory, handle)
+        problems: list[str] = []
+        companions: list[Companion] = []
+        if group is not None:
+            others = [member for member in node.members(group) if member.name != vf.name]
+            problems.extend(node.rule.group_problems(group, others))
+            companions = [
+                Companion(
+                    PciAddress.parse(member.name),
+                    member.vendor_device,
+                    member.pci_class,
+                    member.driver,
+                    node.rule.member_viable(member.driver),
+                )
+                for member in others
+            ]
+        problems.extend(node.vfio_problems(group))
+        root, path = node.topology(node.link_target(vf.directory))
+        device = Device(
+            id=vf.name,
+            kind=self.kind.key,
+            vendor_device=function.vendor_device,
+            iommu_group=group,
+            numa_node=numa,
+            healthy=not problems,
+            reason="; ".join(problems) or None,
+            companions=tuple(companions),
+            pcie_root=root,
+            pcie_path=path,
+            driver=function.driver,
+            parent=PciAddress.parse(vf.pf),
+            mdev_type=str(vf.type_id),
+        )
+        node.add(name, self.kind.key, device, function.vendor_device)
+
+    def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
+        """The VF must still be on ``nvidia`` with the vGPU type the scan saw."""
+        directory = f"/sys/bus/{self.kind.sysfs_bus}/devices/{device.id}"
+        driver = fs.readlink_name(f"{directory}/driver")
+        if driver != VF_DRIVER:
+            return f"it is now bound to {driver or 'no driver'}, not to {VF_DRIVER} (its vGPU is gone)"
+        try:
+            now = parse_type_id(fs.read(f"{directory}/nvidia/current_vgpu_type"))
+        except ReadError as exc:
+            return f"its nvidia/current_vgpu_type cannot be read: {exc}"
+        if now == 0:
+            return f"its vGPU was removed (current_vgpu_type is 0, was {device.mdev_type})"
+        if now is None or str(now) != device.mdev_type:
+            return f"its vGPU type is now {now if now is not None else 'unreadable'} (was {device.mdev_type})"
+        return None
+
+
+def _merge(names: dict[int, str], listed: dict[int, str]) -> None:
+    for type_id, name in listed.items():
+        names.setdefault(type_id, name)
+
+
+SRIOV_VGPU_SOURCE = SriovVgpuSource()
