@@ -352,9 +352,9 @@ def test_daemonset_runs_the_plugin_on_gpu_nodes_only(built: list[Doc]) -> None:
     assert "nodeSelector" not in pod
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert pod["serviceAccountName"] == one(built, "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == one(built, "ServiceAccount", "gpu-device-plugin")["metadata"]["name"]
     assert pod["automountServiceAccountToken"] is False
-    assert one(built, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert one(built, "ServiceAccount", "gpu-device-plugin")["automountServiceAccountToken"] is False
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
     namespace = one(built, "Namespace", "kubevirt-gpu-passthrough")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"  # hostPath
@@ -389,7 +389,11 @@ def test_daemonset_args_are_the_plugins_and_match_the_mounts(built: list[Doc]) -
     }
     assert mounts["/host/sys"][2]["recursiveReadOnly"] == "Enabled"
     assert all("mountPropagation" not in mount for _, _, mount in mounts.values())
-    assert set(volumes) == {mount["name"] for mount in main["volumeMounts"]}
+    init_mounts = [
+        m for init in daemonset["spec"]["template"]["spec"].get("initContainers", []) for m in init["volumeMounts"]
+    ]
+    assert set(volumes) == {mount["name"] for mount in [*main["volumeMounts"], *init_mounts]}
+    assert all(mount.get("readOnly") for mount in init_mounts)  # the wait reads the agent's state only
 
 
 def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], tmp_path: Path) -> None:
@@ -509,7 +513,7 @@ def test_the_example_vm_asks_for_two_gpus_through_the_hook(built: list[Doc]) -> 
 
 def test_every_part_builds_alone(built: list[Doc]) -> None:
     seen: set[tuple[str, str]] = set()
-    for part in ("device-plugin", "hook-sidecar"):
+    for part in ("device-plugin", "node-agent", "hook-sidecar"):
         docs = kustomize_build(DEPLOY / part)
         assert docs
         seen |= {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
