@@ -2,7 +2,8 @@
 
 ``xmlgen simulate`` shows a user, before they touch a cluster, that a VM gets its GPUs and why: the real
 device plugin serves a node tree (a bundled fixture node or a directory) to the kubelet stand-in over unix
-sockets; the stand-in asks for the VMI's GPUs as the kubelet does (preferred allocation, then Allocate);
+sockets (first, when the node needs it, what the node agent would change: :mod:`xmlgen.node_prep`); the
+stand-in asks for the VMI's GPUs as the kubelet does (preferred allocation, then Allocate);
 the real hook server gets the Allocate env and is called like virt-launcher (``Info``, then the newest
 ``OnDefineDomain``). Every step is told on the ``log`` callback; the result is the final domain XML.
 
@@ -39,6 +40,7 @@ from schemas.vmi import VirtualMachineInstance, parse_vmi
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn, StandInError
 from simkit.sysfs_fixture import Node, build
+from xmlgen.node_prep import node_preparation
 
 BUNDLED_NODES: Mapping[str, Node] = {
     "node01": NODE01,
@@ -197,6 +199,11 @@ def simulate(
         work = Path(tempfile.mkdtemp(prefix="xs", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         config = PluginConfig(host_root=str(host_root))
+        preparation = node_preparation(host_root)
+        if preparation.needed:
+            log("0. node preparation: what the node agent would change first (simulate changes nothing)")
+            for line in preparation.lines():
+                log(line)
         log(f"1. node {node}: discovering under {host_root}")
         inventory = discover_node(config)
         _report_inventory(inventory, log)

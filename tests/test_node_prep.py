@@ -1,0 +1,66 @@
+"""``xmlgen simulate``'s first step: what the node agent would change, computed from the tree (read only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE, l40s_sriov
+from simkit.sysfs_fixture import Node, build
+from xmlgen.node_prep import node_preparation
+
+
+def plan_of(node: Node, tmp_path: Path) -> tuple[str, list[str], list[str]]:
+    root = build(node, tmp_path / node.name)
+    before = sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+    plan = node_preparation(root)
+    assert sorted(str(path.relative_to(root)) for path in root.rglob("*")) == before  # nothing written
+    return plan.workload, plan.bind, plan.vgpu
+
+
+def test_a_passthrough_node_binds_the_gpu_left_on_nvidia(tmp_path: Path) -> None:
+    assert plan_of(NODE01, tmp_path) == ("vm-passthrough", ["0000:d8:00.0 (10DE:1EB8, nvidia) → vfio-pci"], [])
+
+
+def test_a_companion_on_a_host_driver_is_moved_with_its_group(tmp_path: Path) -> None:
+    workload, bind, vgpu = plan_of(MIXED_NODE, tmp_path)
+    assert (workload, vgpu) == ("vm-passthrough", [])
+    assert bind == ["0000:86:00.1 (10DE:1AEF, snd_hda_intel) → vfio-pci, in the IOMMU group of 0000:86:00.0"]
+
+
+def test_vgpu_nodes_with_their_vgpus_need_nothing(tmp_path: Path) -> None:
+    for node in (VGPU_NODE, SRIOV_VGPU_NODE):
+        workload, bind, vgpu = plan_of(node, tmp_path)
+        assert (workload, bind, vgpu) == ("vm-vgpu", [], []), node.name
+        assert not node_preparation(tmp_path / node.name).needed
+
+
+def test_a_vgpu_gpu_without_vgpus_is_listed_for_vgpu_apply(tmp_path: Path) -> None:
+    typed = SRIOV_VGPU_NODE.sriov_vgpus[0]
+    bare = l40s_sriov(0xD7)[:2]  # the second L40S with its VFs disabled (sriov_numvfs 0)
+    node = dataclasses.replace(
+        SRIOV_VGPU_NODE,
+        functions=(*SRIOV_VGPU_NODE.functions[: len(l40s_sriov(0x3A))], *bare),
+        sriov_vgpus=(
+            typed,
+            dataclasses.replace(SRIOV_VGPU_NODE.sriov_vgpus[1], pf=bare[1].address, vfs=(), current=()),
+        ),
+    )
+    assert plan_of(node, tmp_path) == ("vm-vgpu", [], ["0000:d8:00.0 (10DE:26B9, nvidia): no vGPU yet"])
+
+
+def test_simulate_shows_the_preparation_first_only_when_needed() -> None:
+    def stderr(node: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "xmlgen", "simulate", "--node", node],
+            capture_output=True, text=True, input="", timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    shown = stderr("node01")
+    assert shown.startswith("0. node preparation")
+    assert shown.index("gpu-node-agent bind --all") < shown.index("1. node node01")
+    assert "0. node preparation" not in stderr("sriov-vgpu")

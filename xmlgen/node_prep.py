@@ -1,0 +1,156 @@
+"""What the node agent would change on a node before the plugin serves it: the first step ``xmlgen simulate`` shows.
+
+Computed from the node's tree alone, read only (the agent is not run, nor imported): which NVIDIA GPUs
+``gpu-node-agent bind --all`` would move onto the VFIO driver, with the rest of their IOMMU groups, and which
+vGPU-capable GPUs have no vGPU yet, for ``gpu-node-agent vgpu apply``. Which of the two the node is for is
+its ``nvidia.com/gpu.workload.config`` label, which a tree does not carry: a node with any vGPU (an mdev, an
+SR-IOV VF with a vGPU type) is taken as a ``vm-vgpu`` node, any other as a ``vm-passthrough`` node
+(deploy/README.md, "The node agent").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plugin.hostroot import HostRoot, ReadError
+from runtime.node import VFIO_DRIVERS
+from schemas.mdev import looks_like_mdev_uuid
+
+NVIDIA = 0x10DE
+PCI_DIR = "/sys/bus/pci/devices"
+MAX_FUNCTIONS = 65536
+"""At most this many PCI functions are looked at (a PCI domain has 65,536 routing IDs)."""
+VIABLE_DRIVERS = frozenset({"pcieport", "pci-stub"})
+"""Drivers that may stay in a group the VFIO driver takes (docs/node.md); the agent leaves them."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Function:
+    name: str
+    vendor: int
+    device: int
+    pci_class: int
+    driver: str | None
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.vendor:04X}:{self.device:04X}, {self.driver or 'no driver'})"
+
+
+@dataclass
+class NodePreparation:
+    """What the agent would do, as lines for a person: the command and each change."""
+
+    workload: str
+    why: str
+    bind: list[str] = field(default_factory=list)
+    """One line per function ``bind`` would move: ``0000:d8:00.0 (10DE:1EB8, nvidia) → vfio-pci``."""
+    vgpu: list[str] = field(default_factory=list)
+    """One line per GPU without vGPUs: what ``vgpu apply`` would create there."""
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.bind or self.vgpu)
+
+    def lines(self) -> list[str]:
+        out = [f"  the node looks like a {self.workload} node ({self.why})"]
+        if self.bind:
+            out.append("  gpu-node-agent bind --all would move onto the VFIO driver:")
+            out.extend(f"    {line}" for line in self.bind)
+        if self.vgpu:
+            out.append("  gpu-node-agent vgpu apply --config FILE --select NAME would create vGPUs on:")
+            out.extend(f"    {line}" for line in self.vgpu)
+        return out
+
+
+def _read_int(fs: HostRoot, path: str, base: int) -> int | None:
+    try:
+        text = fs.read(path)
+    except ReadError:
+        return None
+    if text is None:
+        return None
+    try:
+        return int(text.strip(), base)
+    except ValueError:
+        return None
+
+
+def _function(fs: HostRoot, name: str) -> _Function | None:
+    directory = f"{PCI_DIR}/{name}"
+    vendor, device = _read_int(fs, f"{directory}/vendor", 16), _read_int(fs, f"{directory}/device", 16)
+    pci_class = _read_int(fs, f"{directory}/class", 16)
+    if vendor is None or device is None or pci_class is None:
+        return None
+    return _Function(name, vendor, device, pci_class, fs.readlink_name(f"{directory}/driver"))
+
+
+def _group_members(fs: HostRoot, name: str) -> list[str]:
+    group = fs.readlink_name(f"{PCI_DIR}/{name}/iommu_group")
+    if group is None or not group.isdigit():
+        return [name]
+    try:
+        return sorted(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))[:MAX_FUNCTIONS]
+    except OSError:
+        return [name]
+
+
+def _vgpus_of(fs: HostRoot, gpu: _Function) -> tuple[bool, int]:
+    """(whether ``gpu`` can host vGPUs, how many it has): mdevs below it, or SR-IOV VFs with a vGPU type."""
+    directory = f"{PCI_DIR}/{gpu.name}"
+    count = 0
+    capable = False
+    if fs.exists(f"{directory}/mdev_supported_types"):
+        capable = True
+        with contextlib.suppress(OSError):  # an unreadable parent counts as none
+            count += sum(1 for entry in fs.listdir(directory) if looks_like_mdev_uuid(entry))
+    if gpu.driver == "nvidia" and (_read_int(fs, f"{directory}/sriov_totalvfs", 10) or 0) > 0:
+        capable = True
+        for index in range(_read_int(fs, f"{directory}/sriov_numvfs", 10) or 0):
+            vf = fs.readlink_name(f"{directory}/virtfn{index}")
+            if vf is not None and (_read_int(fs, f"{PCI_DIR}/{vf}/nvidia/current_vgpu_type", 10) or 0) != 0:
+                count += 1
+    return capable, count
+
+
+def node_preparation(host_root: Path) -> NodePreparation:
+    """What ``gpu-node-agent`` would change on the node under ``host_root`` (nothing is written)."""
+    with HostRoot(str(host_root)) as fs:
+        try:
+            names = sorted(fs.listdir(PCI_DIR))[:MAX_FUNCTIONS]
+        except OSError:
+            names = []
+        functions = {name: function for name in names if (function := _function(fs, name)) is not None}
+        gpus = [
+            function
+            for function in functions.values()
+            if function.vendor == NVIDIA
+            and function.pci_class >> 16 == 0x03
+            and not fs.exists(f"{PCI_DIR}/{function.name}/physfn")  # a VF is the vGPU side's
+        ]
+        vgpus = {gpu.name: _vgpus_of(fs, gpu) for gpu in gpus}
+        total = sum(count for _, count in vgpus.values())
+        if total:
+            plan = NodePreparation("vm-vgpu", f"it has {total} vGPU{'s' if total != 1 else ''}")
+            for gpu in gpus:
+                capable, count = vgpus[gpu.name]
+                if capable and not count:
+                    plan.vgpu.append(f"{gpu.describe()}: no vGPU yet")
+            return plan
+        on_vfio = sum(1 for gpu in gpus if gpu.driver in VFIO_DRIVERS)
+        plan = NodePreparation("vm-passthrough", f"no vGPU; {on_vfio} of {len(gpus)} NVIDIA GPUs on a VFIO driver")
+        seen: set[str] = set()
+        for gpu in gpus:
+            for member in _group_members(fs, gpu.name):
+                function = functions.get(member) or _function(fs, member)
+                if member in seen or function is None:
+                    continue
+                seen.add(member)
+                if function.driver in VFIO_DRIVERS or function.driver in VIABLE_DRIVERS:
+                    continue
+                if function.driver is None and member != gpu.name:
+                    continue  # a companion with no driver does not keep the group from VFIO
+                what = "" if member == gpu.name else f", in the IOMMU group of {gpu.name}"
+                plan.bind.append(f"{function.describe()} → vfio-pci{what}")
+        return plan
