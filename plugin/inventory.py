@@ -127,6 +127,8 @@ class Ignored:
     vendor_device: str
     driver: str | None
     reason: str
+    fix: str | None = None
+    """What would get it offered, when its source knows better than binding it to vfio-pci (``xmlgen doctor``)."""
 
 
 @dataclass(frozen=True, slots=True)

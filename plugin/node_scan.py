@@ -44,6 +44,8 @@ class NodeScan:
     group_members: dict[int, tuple[PciFunction, ...]] = field(default_factory=dict)
     functions: dict[str, PciFunction] = field(default_factory=dict)
     """Functions already read, by name: a GPU's group members were mostly read by the bus scan."""
+    claims: dict[str, int] = field(default_factory=dict)
+    """Devices a later source said are its own (``claim``): ID → how many ``ignored`` entries came before."""
 
     fs: HostRoot = field(init=False)
 
@@ -185,6 +187,11 @@ class NodeScan:
             self.warnings.append(f"{exc}; {fix}")
             return None
 
+    def claim(self, device_id: str) -> None:
+        """Say the calling source explains ``device_id``: what sources before it recorded as not offered is
+        dropped (an SR-IOV vGPU VF is on ``nvidia``, which the passthrough source refuses)."""
+        self.claims.setdefault(device_id, len(self.ignored))
+
     def add(self, name: str, kind: ResourceKind, device: Device, selector: str) -> None:
         """File ``device`` under resource ``name``; a name another kind already uses is ignored (one kind each)."""
         for other_name, other in self.devices:
@@ -206,10 +213,14 @@ class NodeScan:
             for (name, kind), devices in self.devices.items()
         ]
         resources.sort(key=lambda resource: (resource.name, resource.kind.value))
-        # A device one kind's source offers is not "not offered" because another kind's source passed it by
-        # (an SR-IOV vGPU VF is on nvidia, which the passthrough source refuses).
+        # A device one kind's source offers, or claims, is not "not offered" because an earlier source passed it
+        # by (an SR-IOV vGPU VF is on nvidia, which the passthrough source refuses).
         offered = {device.id for devices in self.devices.values() for device in devices}
-        ignored = [item for item in self.ignored if item.id not in offered]
+        ignored = [
+            item
+            for index, item in enumerate(self.ignored)
+            if item.id not in offered and index >= self.claims.get(item.id, 0)
+        ]
         return Inventory(
             resources=tuple(resources),
             ignored=tuple(sorted(ignored, key=lambda item: item.id)),

@@ -93,6 +93,7 @@ class SriovVgpuSource:
             type_id = parse_type_id(node.read_text(f"{directory}/nvidia/current_vgpu_type"))
             if type_id is None:
                 continue  # not a vGPU VF (a PF, or a GPU on the host driver)
+            node.claim(entry)
             function = node.read_function(directory, entry)
             if function is None:
                 continue
@@ -103,6 +104,17 @@ class SriovVgpuSource:
             _merge(by_model.setdefault(function.vendor_device, {}), listed)
             if type_id:
                 vfs.append(_Vf(entry, directory, type_id, pf, function))
+            else:
+                node.ignored.append(
+                    Ignored(
+                        entry,
+                        function.vendor_device,
+                        function.driver,
+                        "an SR-IOV vGPU VF with no vGPU type yet (nvidia/current_vgpu_type is 0)",
+                        "create a vGPU on it (gpu-node-agent vgpu apply, or write an ID its "
+                        "nvidia/creatable_vgpu_types lists to nvidia/current_vgpu_type); never bind it to vfio-pci",
+                    )
+                )
         for pf in list(by_pf):
             _merge(
                 by_pf[pf],

@@ -83,6 +83,7 @@ def test_discovery_offers_typed_vfs_named_after_their_vgpu_type(tmp_path: Path) 
     ignored = {item.id: item.reason for item in inventory.ignored}
     assert VF_A0 not in ignored and VF_B0 not in ignored  # offered, so not "bound to nvidia" as well
     assert {PF_A, PF_B, VF_A2} <= set(ignored)
+    assert ignored[VF_A2] == "an SR-IOV vGPU VF with no vGPU type yet (nvidia/current_vgpu_type is 0)"
     assert "VGPU TYPE" in render_table(inventory) and "1147 on 0000:3b:00.0" in render_table(inventory)
 
 
@@ -245,3 +246,20 @@ def test_inventory_json_names_the_kind(tmp_path: Path) -> None:
     inventory: Inventory = discover(build_node(SRIOV_VGPU_NODE, tmp_path))
     kinds = {resource["name"]: resource["kind"] for resource in json.loads(inventory.to_json_text())["resources"]}
     assert kinds == {L40S_1B_NAME: "sriov_vgpu", L40S_1Q_NAME: "sriov_vgpu"}
+
+
+def test_doctor_never_advises_binding_a_vgpu_vf_to_vfio_pci(tmp_path: Path) -> None:
+    from plugin.config import PluginConfig
+    from xmlgen.doctor import Status, run_checks
+
+    root = build_node(SRIOV_VGPU_NODE, tmp_path)
+    (tmp_path / "image").mkdir()
+    found = {
+        check.name: check for check in run_checks(PluginConfig(host_root=str(root)), image_root=tmp_path / "image")
+    }
+    free = found[f"GPU {VF_A2}"]
+    assert free.status is Status.WARN and free.fix is not None
+    assert "never bind it to vfio-pci" in free.fix and "driver_override" not in free.fix
+    assert found[f"vGPU {VF_A0}"].status is Status.OK
+    assert "vGPU parent of 2 vGPU(s) (nvidia.com/NVIDIA_L40S-1Q)" in found[f"GPU {PF_A}"].detail
+    assert "serves vGPUs only" in found["vfio-pci driver"].detail

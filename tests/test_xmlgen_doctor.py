@@ -71,7 +71,7 @@ def test_vgpu_node_needs_no_vfio_pci_and_its_parents_are_fine_on_nvidia(tmp_path
     assert found["vfio-pci driver"].status is Status.OK
     assert "not needed" in found["vfio-pci driver"].detail
     parent = found["GPU 0000:3b:00.0"]
-    assert (parent.status, "vGPU parent of 2 mdev(s) (nvidia.com/GRID_T4-1Q)" in parent.detail) == (Status.OK, True)
+    assert (parent.status, "vGPU parent of 2 vGPU(s) (nvidia.com/GRID_T4-1Q)" in parent.detail) == (Status.OK, True)
     assert found["vGPU a297db4a-f4c2-11e6-90f6-d3b88d6c9525"].status is Status.OK
     assert not any(check.status is Status.FAIL for check in found.values())
 

@@ -83,7 +83,7 @@ def _vfio(root: Path, config: PluginConfig, inventory: Inventory | None) -> Iter
     if drivers:
         yield Check("vfio-pci driver", Status.OK, f"loaded: {', '.join(drivers)}")
     elif vgpu_only:
-        yield Check("vfio-pci driver", Status.OK, "not loaded, not needed: this node serves vGPUs (mdevs)")
+        yield Check("vfio-pci driver", Status.OK, "not loaded, not needed: this node serves vGPUs only")
     else:
         yield Check(
             "vfio-pci driver",
@@ -129,13 +129,13 @@ def _gpus(inventory: Inventory) -> Iterator[Check]:
             yield Check(
                 f"GPU {ignored.id}",
                 Status.OK,
-                f"{ignored.vendor_device} on {ignored.driver}: vGPU parent of {count} mdev(s) ({', '.join(names)})",
+                f"{ignored.vendor_device} on {ignored.driver}: vGPU parent of {count} vGPU(s) ({', '.join(names)})",
             )
             continue
         if not PCI_PASSTHROUGH.looks_like_id(ignored.id):  # an mdev whose parent is not a selected GPU: nothing to bind
             yield Check(f"vGPU {ignored.id}", Status.WARN, f"not offered to VMs, {ignored.reason}")
             continue
-        fix = (
+        fix = ignored.fix or (
             "if this node serves VMs (nvidia.com/gpu.workload.config=vm-passthrough), "
             f"{_bind_to_vfio(ignored.id, bound=ignored.driver is not None)}"
         )
