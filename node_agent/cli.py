@@ -22,14 +22,16 @@ from node_agent.bind import driver_chooser, missing_bindings, select
 from node_agent.bind import unbind as unbind_groups
 from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, parse_vfio_aliases
 from node_agent.kernel import AgentError, Kernel, RealKernel
-from node_agent.state import DEFAULT_STATE_DIR, set_ready, write_section
+from node_agent.state import DEFAULT_STATE_DIR, read_state, set_ready, write_section
 from node_agent.sysfs import Sysfs
+from node_agent.vgpu import apply as apply_vgpus
+from node_agent.vgpu import pending, plan_all
+from node_agent.vgpu_config import MAX_CONFIG_BYTES, VgpuSpec, parse_config, select_config
 from runtime.cli_options import log_format_option
 from runtime.files import read_regular_file
 from runtime.logs import component_logger, configure_logging
 from runtime.signals import stop_on_signals
 from schemas.clirun import run_cli
-from schemas.errors import InputError
 from schemas.logformat import LogFormat
 
 COMPONENT = "node_agent"
@@ -179,6 +181,25 @@ def unbind(
     show_envvar=True,
     help="What the node serves (the nvidia.com/gpu.workload.config label's value).",
 )
+@click.option(
+    "--vgpu-config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("vgpu_config"),
+    show_envvar=True,
+    help="vm-vgpu: the vGPU config file.",
+)
+@click.option(
+    "--vgpu-select", "config_name", envvar=env("vgpu_select"), show_envvar=True, help="vm-vgpu: the config's name."
+)
+@click.option(
+    "--vgpu-parent",
+    "parents",
+    multiple=True,
+    envvar=env("vgpu_parents"),
+    show_envvar=True,
+    help="vm-vgpu: manage these vGPU parents only.",
+)
 def validate(
     addresses: tuple[str, ...],
     all_gpus: bool,
@@ -186,6 +207,9 @@ def validate(
     host_root: Path,
     state_dir: Path,
     workload: str,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
 ) -> None:
     """Exit 0 when the node is ready for its workload (and write the readiness file), else 1 naming what is missing."""
     fs = Sysfs(host_root)
@@ -195,11 +219,95 @@ def validate(
         selected = _selected(fs, addresses, all_gpus, selectors)
         missing = missing_bindings(fs, selected, driver_chooser(fs, load_aliases(host_root)))
     else:
-        raise InputError("validate --workload vm-vgpu needs --config and --select-config")
+        specs = _specs(config_file, config_name)
+        kernel = _kernel(click.get_current_context())
+        missing = pending(plan_all(fs, kernel, specs, parents, _remembered(state_dir)))
     set_ready(state_dir, not missing, {"workload": workload})
     _emit({"workload": workload, "ready": not missing, "missing": missing})
     if missing:
         raise AgentError(f"node not ready for {workload}: " + "; ".join(missing))
+
+
+def _specs(config_file: Path | None, config_name: str | None) -> tuple[VgpuSpec, ...]:
+    if config_file is None or not config_name:
+        raise click.UsageError(
+            f"the vGPU config file and the name of the config in it are needed ({env('vgpu_config')}, "
+            f"{env('vgpu_select')})"
+        )
+    text = read_regular_file(config_file, MAX_CONFIG_BYTES, "vGPU config").decode(errors="replace")
+    return select_config(parse_config(text, str(config_file)), config_name, str(config_file))
+
+
+def _remembered(state_dir: Path) -> dict[str, dict[int, str]]:
+    """SR-IOV type names learnt by earlier runs (a VF with a type lists none)."""
+    names = read_state(state_dir).get("vgpu", {}).get("type_names", {})
+    if not isinstance(names, dict):
+        return {}
+    return {
+        str(parent): {int(number): str(name) for number, name in table.items() if str(number).isdigit()}
+        for parent, table in names.items()
+        if isinstance(table, dict)
+    }
+
+
+@cli.group()
+def vgpu() -> None:
+    """vGPU devices from an NVIDIA vgpu-device-manager style config (mdev parents and SR-IOV vGPU VFs)."""
+
+
+@vgpu.command("apply")
+@host_root_option
+@state_dir_option
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("vgpu_config"),
+    show_envvar=True,
+    help="The config file (version: v1, vgpu-configs: …).",
+)
+@click.option(
+    "--select",
+    "config_name",
+    envvar=env("vgpu_select"),
+    show_envvar=True,
+    help="Which of its vgpu-configs to apply (e.g. from the node's nvidia.com/vgpu.config label).",
+)
+@click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    envvar=env("vgpu_parents"),
+    show_envvar=True,
+    help="Manage these vGPU parents only (mdev_bus names or PF addresses; e.g. mtty in tests). "
+    "[default: every NVIDIA one]",
+)
+@click.option("--stay", is_flag=True, help="After applying, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def vgpu_apply(
+    host_root: Path,
+    state_dir: Path,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+    stay: bool,
+) -> None:
+    """Create and remove vGPUs so the node holds exactly what the selected config asks for."""
+    specs = _specs(config_file, config_name)
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    try:
+        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
+    except AgentError as exc:
+        earlier = read_state(state_dir).get("vgpu", {})
+        write_section(state_dir, "vgpu", {**earlier, "config": config_name, "status": "failed", "error": str(exc)})
+        raise
+    section = {"config": config_name, "file": str(config_file), "status": "success", **report.as_dict()}
+    write_section(state_dir, "vgpu", section)
+    _emit({"config": config_name, **report.as_dict()})
+    for change in report.changes:
+        log.info("%s %s on %s", change["action"], change.get("id", ""), change["parent"])
+    if stay:
+        _stay()
 
 
 def main() -> None:

@@ -174,8 +174,8 @@ class SimKernel:
             self._numvfs(parts[4], value)
         elif parts[:4] == ("sys", "bus", "pci", "devices") and parts[5:] == ("nvidia", "current_vgpu_type"):
             self._vgpu_type(parts[4], value)
-        elif parts[:3] == ("sys", "class", "mdev_bus") and len(parts) == 7 and parts[6] == "create":
-            self._mdev_create(parts[3], parts[5], value)
+        elif len(parts) > 3 and parts[-3] == "mdev_supported_types" and parts[-1] == "create":
+            self._mdev_create(Path(os.path.realpath(self.root.joinpath(*parts[:-3]))), parts[-2], value)
         elif parts[:4] == ("sys", "bus", "mdev", "devices") and len(parts) == 6 and parts[5] == "remove":
             self._mdev_remove(parts[4])
         else:
@@ -266,12 +266,11 @@ class SimKernel:
         groups = [int(name) for name in os.listdir(self.sys / "kernel" / "iommu_groups") if name.isdigit()]
         return max(groups, default=-1) + 1
 
-    def _mdev_create(self, parent: str, type_id: str, value: str) -> None:
+    def _mdev_create(self, parent_dir: Path, type_id: str, value: str) -> None:
         try:
             uid = str(uuid.UUID(value))
         except ValueError:
             raise OSError(errno.EINVAL, "not a UUID") from None
-        parent_dir = Path(os.path.realpath(self.sys / "class" / "mdev_bus" / parent))
         type_dir = parent_dir / "mdev_supported_types" / type_id
         if not type_dir.is_dir():
             raise OSError(errno.ENOENT, "no such type")
