@@ -168,38 +168,74 @@ def unbind(
         raise AgentError("; ".join(report.refused))
 
 
+workload_options = [
+    click.option(
+        "--workload",
+        type=click.Choice(WORKLOADS),
+        default="vm-passthrough",
+        show_default=True,
+        envvar=env("workload"),
+        show_envvar=True,
+        help="What the node serves (the nvidia.com/gpu.workload.config label's value).",
+    ),
+    click.option(
+        "--vgpu-config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar=env("vgpu_config"),
+        show_envvar=True,
+        help="vm-vgpu: the vGPU config file.",
+    ),
+    click.option(
+        "--vgpu-select", "config_name", envvar=env("vgpu_select"), show_envvar=True, help="vm-vgpu: the config's name."
+    ),
+    click.option(
+        "--vgpu-parent",
+        "parents",
+        multiple=True,
+        envvar=env("vgpu_parents"),
+        show_envvar=True,
+        help="vm-vgpu: manage these vGPU parents only.",
+    ),
+]
+
+
+def with_workload(function: Any) -> Any:
+    for option in reversed(workload_options):
+        function = option(function)
+    return function
+
+
+def _missing(
+    fs: Sysfs,
+    kernel: Kernel,
+    state_dir: Path,
+    workload: str,
+    selection: tuple[tuple[str, ...], bool, tuple[str, ...]],
+    vgpu: tuple[Path | None, str | None, tuple[str, ...]],
+) -> list[str]:
+    """What keeps the node from serving ``workload`` (empty: ready)."""
+    if workload == "container":
+        return []
+    if workload == "vm-passthrough":
+        selected = _selected(fs, *selection)
+        return missing_bindings(fs, selected, driver_chooser(fs, load_aliases(fs.root)))
+    config_file, config_name, parents = vgpu
+    return pending(plan_all(fs, kernel, _specs(config_file, config_name), parents, _remembered(state_dir)))
+
+
+def _judge(state_dir: Path, workload: str, missing: list[str], done: dict[str, Any] | None = None) -> None:
+    set_ready(state_dir, not missing, {"workload": workload})
+    _emit({"workload": workload, "ready": not missing, "missing": missing, **({"done": done} if done else {})})
+    if missing:
+        raise AgentError(f"node not ready for {workload}: " + "; ".join(missing))
+
+
 @cli.command()
 @with_selection
 @host_root_option
 @state_dir_option
-@click.option(
-    "--workload",
-    type=click.Choice(WORKLOADS),
-    default="vm-passthrough",
-    show_default=True,
-    envvar=env("workload"),
-    show_envvar=True,
-    help="What the node serves (the nvidia.com/gpu.workload.config label's value).",
-)
-@click.option(
-    "--vgpu-config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    envvar=env("vgpu_config"),
-    show_envvar=True,
-    help="vm-vgpu: the vGPU config file.",
-)
-@click.option(
-    "--vgpu-select", "config_name", envvar=env("vgpu_select"), show_envvar=True, help="vm-vgpu: the config's name."
-)
-@click.option(
-    "--vgpu-parent",
-    "parents",
-    multiple=True,
-    envvar=env("vgpu_parents"),
-    show_envvar=True,
-    help="vm-vgpu: manage these vGPU parents only.",
-)
+@with_workload
 def validate(
     addresses: tuple[str, ...],
     all_gpus: bool,
@@ -213,19 +249,51 @@ def validate(
 ) -> None:
     """Exit 0 when the node is ready for its workload (and write the readiness file), else 1 naming what is missing."""
     fs = Sysfs(host_root)
-    if workload == "container":
-        missing: list[str] = []
-    elif workload == "vm-passthrough":
-        selected = _selected(fs, addresses, all_gpus, selectors)
-        missing = missing_bindings(fs, selected, driver_chooser(fs, load_aliases(host_root)))
-    else:
-        specs = _specs(config_file, config_name)
-        kernel = _kernel(click.get_current_context())
-        missing = pending(plan_all(fs, kernel, specs, parents, _remembered(state_dir)))
-    set_ready(state_dir, not missing, {"workload": workload})
-    _emit({"workload": workload, "ready": not missing, "missing": missing})
-    if missing:
-        raise AgentError(f"node not ready for {workload}: " + "; ".join(missing))
+    kernel = _kernel(click.get_current_context())
+    selection = (addresses, all_gpus, selectors)
+    _judge(
+        state_dir, workload, _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+    )
+
+
+@cli.command()
+@with_selection
+@host_root_option
+@state_dir_option
+@with_workload
+@click.option("--stay", is_flag=True, help="When ready, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def prepare(
+    addresses: tuple[str, ...],
+    all_gpus: bool,
+    selectors: tuple[str, ...],
+    host_root: Path,
+    state_dir: Path,
+    workload: str,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+    stay: bool,
+) -> None:
+    """What the workload needs: vm-passthrough binds, vm-vgpu applies the vGPU config, container does nothing;
+    then validate (readiness file) and, with --stay, wait."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    selection = (addresses, all_gpus, selectors)
+    done: dict[str, Any] | None = None
+    if workload == "vm-passthrough":
+        selected = _selected(fs, *selection)
+        report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
+        write_section(state_dir, "bind", {"selected": selected, **report.as_dict()})
+        done = report.as_dict()
+        if report.refused:
+            set_ready(state_dir, False, {})
+            raise AgentError("; ".join(report.refused))
+    elif workload == "vm-vgpu":
+        done = _apply(fs, kernel, state_dir, config_file, config_name, parents)
+    missing = _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+    _judge(state_dir, workload, missing, done)
+    if stay:
+        _stay()
 
 
 def _specs(config_file: Path | None, config_name: str | None) -> tuple[VgpuSpec, ...]:
@@ -248,6 +316,29 @@ def _remembered(state_dir: Path) -> dict[str, dict[int, str]]:
         for parent, table in names.items()
         if isinstance(table, dict)
     }
+
+
+def _apply(
+    fs: Sysfs,
+    kernel: Kernel,
+    state_dir: Path,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+) -> dict[str, Any]:
+    """Apply the named config; the state file's ``vgpu`` section says success (with the vGPUs) or the error."""
+    specs = _specs(config_file, config_name)
+    try:
+        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
+    except AgentError as exc:
+        earlier = read_state(state_dir).get("vgpu", {})
+        write_section(state_dir, "vgpu", {**earlier, "config": config_name, "status": "failed", "error": str(exc)})
+        raise
+    section = {"config": config_name, "file": str(config_file), "status": "success", **report.as_dict()}
+    write_section(state_dir, "vgpu", section)
+    for change in report.changes:
+        log.info("%s %s on %s", change["action"], change.get("id", ""), change["parent"])
+    return report.as_dict()
 
 
 @cli.group()
@@ -292,20 +383,8 @@ def vgpu_apply(
     stay: bool,
 ) -> None:
     """Create and remove vGPUs so the node holds exactly what the selected config asks for."""
-    specs = _specs(config_file, config_name)
-    fs = Sysfs(host_root)
-    kernel = _kernel(click.get_current_context())
-    try:
-        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
-    except AgentError as exc:
-        earlier = read_state(state_dir).get("vgpu", {})
-        write_section(state_dir, "vgpu", {**earlier, "config": config_name, "status": "failed", "error": str(exc)})
-        raise
-    section = {"config": config_name, "file": str(config_file), "status": "success", **report.as_dict()}
-    write_section(state_dir, "vgpu", section)
-    _emit({"config": config_name, **report.as_dict()})
-    for change in report.changes:
-        log.info("%s %s on %s", change["action"], change.get("id", ""), change["parent"])
+    done = _apply(Sysfs(host_root), _kernel(click.get_current_context()), state_dir, config_file, config_name, parents)
+    _emit({"config": config_name, **done})
     if stay:
         _stay()
 

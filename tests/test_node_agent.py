@@ -237,3 +237,52 @@ def test_the_real_kernel_writer_names_the_file_and_the_refusal(tmp_path: Path) -
     kernel.write(attribute, "vfio-pci")
     assert attribute.read_text() == "vfio-pci" and kernel.writes == 1  # the refused open wrote nothing
     assert kernel.group_busy(tmp_path / "no-such-group") is False
+
+
+def test_prepare_follows_the_workload(sim: SimKernel, tmp_path: Path) -> None:
+    nothing = agent(sim, "prepare", "--workload", "container")
+    assert nothing.exit_code == 0 and sim.writes == 0
+    result = agent(sim, "prepare", "--all", env={"GPU_NODE_AGENT_WORKLOAD": "vm-passthrough"})
+    assert result.exit_code == 0, result.output
+    done = report(result)
+    assert done["ready"] is True and done["done"]["writes"] == 26
+    assert (sim.root.parent / "state/ready").exists()
+    assert [driver(sim, a) for a in CARD] == ["vfio-pci"] * 4
+
+
+def test_a_stopped_agent_leaves_the_node_bound(sim: SimKernel, tmp_path: Path) -> None:
+    """``bind --stay`` in its own process, stopped by SIGTERM: exit 0, and nothing written after the bind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from simkit.kernel_sim import SimKernel\n"
+        "from node_agent.cli import cli\n"
+        "kernel = SimKernel(Path(sys.argv[1]))\n"
+        "try:\n"
+        "    cli.main(sys.argv[2:], prog_name='gpu-node-agent', obj=kernel, standalone_mode=False)\n"
+        "finally:\n"
+        "    Path(sys.argv[1], '..', 'writes').write_text(str(kernel.writes))\n"
+    )
+    argv = [sys.executable, "-c", script, str(sim.root), "bind", "--all", "--stay", "--host-root", str(sim.root)]
+    argv += ["--state-dir", str(tmp_path / "state")]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1])
+
+    def catches_sigterm() -> bool:  # the agent waits (its handler is installed) once the bind is done
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+    deadline = time.monotonic() + 60
+    while process.poll() is None and not catches_sigterm() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process.poll() is None and catches_sigterm(), process.communicate(timeout=5)
+    process.send_signal(signal.SIGTERM)
+    _out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert (sim.root.parent / "writes").read_text() == "26"  # the bind's writes; none on SIGTERM
+    assert [driver(sim, a) for a in CARD + OTHER_CARD] == ["vfio-pci"] * 8
