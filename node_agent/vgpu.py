@@ -12,7 +12,9 @@ Two kinds of vGPU parents (docs/node-agent.md has the sysfs shapes and their sou
   A config names a type by its name (``NVIDIA L40S-1B`` or ``L40S-1B``) or its numeric ID.
 
 Managed parents: every NVIDIA one unless ``--parent`` names them (the kernel's sample drivers, ``mtty``,
-are only managed when named). GPU indexes (``devices: [0, 2]``) count the managed parents in name order.
+are only managed when named). GPU indexes (``devices: [0, 2]``) are NVIDIA's: every NVIDIA GPU that is not a
+VF, in PCI address order; for each parent the last spec matching it wins, and a parent no spec matches is
+left as it is (as NVIDIA's manager does).
 
 Order: read everything, plan every parent (pure: :func:`plan_parent`), refuse before any write when a
 type is unknown, a count cannot fit, or a vGPU to remove is held by a VM (named with its holder); then
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from node_agent.bind import group_holders
@@ -66,6 +68,8 @@ class Parent:
     total_vfs: int = 0
     groups: tuple[tuple[str, int | None], ...] = ()
     """Each existing vGPU's IOMMU group (mdev UUID or VF address → group)."""
+    index: int = -1
+    """The GPU index a config's ``devices`` names it by (see :func:`gpu_indexes`)."""
 
     def vgpus(self) -> dict[str, list[str]]:
         """Existing vGPUs by type key (mdev type directory, or the SR-IOV type ID as text) → their IDs."""
@@ -165,27 +169,48 @@ def _sriov_parent(fs: Sysfs, address: str, device_id: int) -> Parent:
     )
 
 
+def gpu_indexes(fs: Sysfs) -> dict[str, int]:
+    """NVIDIA's GPU numbering, as vgpu-device-manager's: every NVIDIA display-class function that is not a
+    VF, in PCI address order."""
+    gpus = []
+    for address in all_addresses(fs):
+        if os.path.lexists(fs.pci_devices / address / "physfn"):
+            continue
+        function = read_function(fs, address)
+        if function.vendor == NVIDIA_VENDOR and function.is_gpu:
+            gpus.append(address)
+    return {address: index for index, address in enumerate(sorted(gpus))}
+
+
 def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
-    """The managed vGPU parents in name order: the ``names`` given, else every NVIDIA one."""
+    """The managed vGPU parents, GPUs in index order then other parents by name: the ``names`` given, else
+    every NVIDIA one. A GPU's index is :func:`gpu_indexes`'s; a parent that is no NVIDIA GPU (the kernel's
+    sample drivers) is numbered after the GPUs, in name order."""
     wanted = set(names)
+    indexes = gpu_indexes(fs)
     parents: dict[str, Parent] = {}
     for name in fs.listdir(fs.sys / "class" / "mdev_bus"):
         parent = _mdev_parent(fs, name)
         if name in wanted or (not wanted and parent.nvidia):
             parents[name] = parent
-    for address in all_addresses(fs):
+    for address in indexes:
         if address in parents or (wanted and address not in wanted):
             continue
         directory = fs.pci_devices / address
-        if not os.path.lexists(directory / "sriov_totalvfs") or os.path.lexists(directory / "physfn"):
-            continue
-        function = read_function(fs, address)
-        if function.vendor == NVIDIA_VENDOR and function.is_gpu:
+        if os.path.lexists(directory / "sriov_totalvfs"):
+            function = read_function(fs, address)
             parents[address] = _sriov_parent(fs, address, function.device << 16 | function.vendor)
     missing = wanted - set(parents)
     if missing:
         raise AgentError(f"no vGPU parent named {', '.join(sorted(missing))} (no mdev_bus entry or SR-IOV GPU)")
-    return [parents[name] for name in sorted(parents)]
+    others = sorted(name for name in parents if name not in indexes)
+    numbered = {name: indexes[name] for name in parents if name in indexes}
+    following = len(indexes)
+    for name in others:
+        numbered[name] = following
+        following += 1
+    ordered = sorted(parents, key=lambda name: numbered[name])
+    return [replace(parents[name], index=numbered[name]) for name in ordered]
 
 
 # -- planning (pure) ---------------------------------------------------------------------------------------
@@ -291,12 +316,15 @@ def plan_parent(
     return plan
 
 
-def asked_for(index: int, parent: Parent, specs: tuple[VgpuSpec, ...]) -> tuple[tuple[str, int], ...]:
-    """The vGPUs the first spec matching GPU ``index`` asks for (none when no spec matches)."""
+def asked_for(parent: Parent, specs: tuple[VgpuSpec, ...]) -> tuple[tuple[str, int], ...] | None:
+    """What the config asks of ``parent``: as NVIDIA's manager applies specs in order, each matching spec
+    replacing the GPU's config, the last spec matching its index and device-filter wins; None when no spec
+    matches (the parent is then left as it is)."""
+    asked = None
     for spec in specs:
-        if spec.matches(index, parent.device_id):
-            return spec.vgpu_devices
-    return ()
+        if spec.matches(parent.index, parent.device_id):
+            asked = spec.vgpu_devices
+    return asked
 
 
 # -- applying ----------------------------------------------------------------------------------------------
@@ -339,8 +367,10 @@ def plan_all(
 ) -> list[ParentPlan]:
     """Every managed parent's plan (reading the node and who holds its vGPUs)."""
     plans = []
-    for index, parent in enumerate(read_parents(fs, parent_names)):
-        asked = asked_for(index, parent, specs)
+    for parent in read_parents(fs, parent_names):
+        asked = asked_for(parent, specs)
+        if asked is None:
+            continue
         plans.append(plan_parent(parent, asked, remembered.get(parent.name, {}), _held(fs, kernel, parent)))
     return plans
 
@@ -367,8 +397,8 @@ def apply(
     memory = remembered or {}
     report = ApplyReport()
     start = kernel.writes
-    for index, parent in enumerate(read_parents(fs, names)):
-        if parent.kind == "sriov" and not parent.vfs and asked_for(index, parent, specs):
+    for parent in read_parents(fs, names):
+        if parent.kind == "sriov" and not parent.vfs and asked_for(parent, specs):
             _enable_vfs(fs, kernel, parent, report)
     plans = plan_all(fs, kernel, specs, names, memory)
     errors = [error for plan in plans for error in plan.errors]

@@ -22,16 +22,19 @@ CONFIG = """\
 version: v1
 vgpu-configs:
   mixed:
-    - devices: [0]
-      vgpu-devices: {T4-1Q: 2}
     - devices: all
       device-filter: "0x1EB810DE"
       vgpu-devices: {nvidia-223: 1}
-  fewer:
     - devices: [0]
-      vgpu-devices: {"GRID T4-1Q": 1}
+      vgpu-devices: {T4-1Q: 2}
+  fewer:
     - devices: all
       vgpu-devices: {nvidia-223: 1}
+    - devices: [0]
+      vgpu-devices: {"GRID T4-1Q": 1}
+  clear:
+    - devices: all
+      vgpu-devices: {}
   none-here:
     - devices: all
       device-filter: ["0x20B510DE"]
@@ -86,7 +89,7 @@ def test_mdev_apply_creates_what_the_config_asks_on_each_gpu(mdev_sim: SimKernel
     assert code == 0, error
     assert len(mdevs(mdev_sim, T4S[0], "nvidia-222")) == 2
     assert mdevs(mdev_sim, T4S[1], "nvidia-222") == []  # index 1 is not in devices: [0]
-    assert len(mdevs(mdev_sim, T4S[0], "nvidia-223")) == 0  # the first matching spec wins for GPU 0
+    assert len(mdevs(mdev_sim, T4S[0], "nvidia-223")) == 0  # the last matching spec wins for GPU 0
     assert len(mdevs(mdev_sim, T4S[1], "nvidia-223")) == 1
     assert available(mdev_sim, T4S[0], "nvidia-222") == 2
     done = json.loads(out)
@@ -116,7 +119,7 @@ def test_a_changed_config_removes_only_the_surplus(mdev_sim: SimKernel) -> None:
     left = mdevs(mdev_sim, T4S[0], "nvidia-222")
     assert len(left) == 1 and left[0] in first
     assert mdevs(mdev_sim, T4S[1], "nvidia-223") == kept_223  # untouched, same UUID
-    assert mdevs(mdev_sim, T4S[0], "nvidia-223") == []  # GPU 0 takes the first spec that matches it
+    assert mdevs(mdev_sim, T4S[0], "nvidia-223") == []  # GPU 0 takes the last spec that matches it
     (change,) = json.loads(out)["changes"]
     assert change["action"] == "remove" and change["parent"] == T4S[0] and change["id"] in first
     assert json.loads(out)["writes"] == 1
@@ -146,9 +149,14 @@ def test_vgpus_a_vm_holds_are_never_removed_and_the_error_names_them(mdev_sim: S
     assert mdevs(mdev_sim, T4S[0], "nvidia-222") == [held[1]]
 
 
-def test_a_device_filter_matching_no_gpu_leaves_them_without_vgpus(mdev_sim: SimKernel) -> None:
+def test_a_gpu_no_spec_matches_is_left_as_it_is_and_an_empty_spec_clears(mdev_sim: SimKernel) -> None:
     assert apply(mdev_sim, "mixed")[0] == 0
-    assert apply(mdev_sim, "none-here")[0] == 0
+    before = {(p, t): mdevs(mdev_sim, p, t) for p in T4S for t in ("nvidia-222", "nvidia-223")}
+    writes = mdev_sim.writes
+    assert apply(mdev_sim, "none-here")[0] == 0  # its device-filter matches no T4: nothing changes
+    assert mdev_sim.writes == writes
+    assert {(p, t): mdevs(mdev_sim, p, t) for p in T4S for t in ("nvidia-222", "nvidia-223")} == before
+    assert apply(mdev_sim, "clear")[0] == 0
     assert all(mdevs(mdev_sim, p, t) == [] for p in T4S for t in ("nvidia-222", "nvidia-223"))
 
 
@@ -160,7 +168,7 @@ def test_a_device_filter_matching_no_gpu_leaves_them_without_vgpus(mdev_sim: Sim
             "unknown-type",
             "0000:3b:00.0 cannot create vGPU type 'A100-4C': it offers nvidia-222 (GRID T4-1Q), nvidia-223",
         ),
-        ("nope", "has no config named 'nope' (it has: fewer, l40s-1,"),
+        ("nope", "has no config named 'nope' (it has: clear, fewer, l40s-1,"),
     ],
 )
 def test_errors_name_the_type_the_count_and_the_config(mdev_sim: SimKernel, name: str, message: str) -> None:
@@ -287,3 +295,20 @@ def test_validate_vm_vgpu_says_what_is_missing_then_ready(mdev_sim: SimKernel) -
     assert report(result)["ready"] is True
     assert (mdev_sim.root.parent / "state/ready").exists()
     assert mdev_sim.writes == 3  # validate wrote nothing
+
+
+def test_gpu_indexes_count_every_nvidia_gpu_as_nvidias_manager_does(tmp_path: Path) -> None:
+    """A passthrough GPU at a lower address is GPU 0 even though it hosts no vGPU: the T4s are 1 and 2."""
+    from dataclasses import replace
+
+    node = mdev_node()
+    node = replace(
+        node, functions=(Function("0000:1a:00.0", NVIDIA, 0x2236, CLASS_3D, "vfio-pci", 9, 0), *node.functions)
+    )
+    sim = build_node(node, tmp_path / "root")
+    (tmp_path / "vgpu.yaml").write_text(
+        "version: v1\nvgpu-configs:\n  second:\n    - devices: [2]\n      vgpu-devices: {T4-1Q: 1}\n"
+    )
+    code, _, error = apply(sim, "second")
+    assert code == 0, error
+    assert mdevs(sim, T4S[0], "nvidia-222") == [] and len(mdevs(sim, T4S[1], "nvidia-222")) == 1
