@@ -114,7 +114,13 @@ def with_selection(function: Any) -> Any:
 def _selected(fs: Sysfs, addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...]) -> list[str]:
     if not (addresses or all_gpus or selectors):
         raise click.UsageError("name the GPUs: PCI addresses, --all, or --select VENDOR:DEVICE")
-    return select(fs, addresses, selectors, all_gpus)
+    if not fs.pci_devices.is_dir():
+        raise AgentError(f"{fs.pci_devices} does not exist: is {fs.root} the node's / (--host-root)?")
+    selected = select(fs, addresses, selectors, all_gpus)
+    if not selected:
+        wanted = " or ".join(["NVIDIA GPU (10de, VGA or 3D)"] * all_gpus + [f"function {s}" for s in selectors])
+        raise AgentError(f"no {wanted} on this node (under {fs.pci_devices})")
+    return selected
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

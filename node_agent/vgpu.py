@@ -203,6 +203,11 @@ def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
     missing = wanted - set(parents)
     if missing:
         raise AgentError(f"no vGPU parent named {', '.join(sorted(missing))} (no mdev_bus entry or SR-IOV GPU)")
+    if not parents:
+        raise AgentError(
+            f"no vGPU parent on this node: no NVIDIA GPU in {fs.sys / 'class' / 'mdev_bus'} and no NVIDIA GPU with "
+            "sriov_totalvfs (is the NVIDIA vGPU manager driver loaded?)"
+        )
     others = sorted(name for name in parents if name not in indexes)
     numbered = {name: indexes[name] for name in parents if name in indexes}
     following = len(indexes)

@@ -286,3 +286,14 @@ def test_a_stopped_agent_leaves_the_node_bound(sim: SimKernel, tmp_path: Path) -
     assert process.returncode == 0, err
     assert (sim.root.parent / "writes").read_text() == "26"  # the bind's writes; none on SIGTERM
     assert [driver(sim, a) for a in CARD + OTHER_CARD] == ["vfio-pci"] * 8
+
+
+def test_nothing_to_select_is_an_error_naming_where_it_looked(sim: SimKernel, tmp_path: Path) -> None:
+    result = agent(sim, "bind", "--select", "1234:1111")
+    assert result.exit_code == 1 and "no function 1234:1111 on this node" in str(result.exception)
+    from click.testing import CliRunner
+
+    from node_agent.cli import cli
+
+    missing = CliRunner().invoke(cli, ["bind", "--all", "--host-root", str(tmp_path / "nowhere")], obj=sim)
+    assert missing.exit_code == 1 and "sys/bus/pci/devices does not exist" in str(missing.exception)

@@ -312,3 +312,12 @@ def test_gpu_indexes_count_every_nvidia_gpu_as_nvidias_manager_does(tmp_path: Pa
     code, _, error = apply(sim, "second")
     assert code == 0, error
     assert mdevs(sim, T4S[0], "nvidia-222") == [] and len(mdevs(sim, T4S[1], "nvidia-222")) == 1
+
+
+def test_a_node_without_vgpu_parents_is_named(tmp_path: Path) -> None:
+    from simkit.agent_nodes import passthrough_node
+
+    sim = build_node(passthrough_node(), tmp_path / "root")
+    (tmp_path / "vgpu.yaml").write_text(CONFIG)
+    code, _, error = apply(sim, "mixed")
+    assert code == 1 and "no vGPU parent on this node" in str(error)
