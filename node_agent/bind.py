@@ -167,19 +167,20 @@ def _refusal(
         if held is not None:
             names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver})" for m in leaving)
             return f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}"
+    owners: dict[str, PciFunction] = {}
     for member in leaving:
         if member.driver in VFIO_DRIVERS:
             continue
-        nodes = set(member.device_nodes)
-        if member.driver == "nvidia":
-            nodes.update(_nvidia_nodes(fs, member))
-        found = holders(fs, nodes) if nodes else []
-        if found:
-            return (
-                f"{member.address} ({member.vendor_device}) is in use through its host driver {member.driver}: "
-                f"{'; '.join(found)}; not unbinding it (IOMMU group {group} left as it is)"
-            )
-    return None
+        nodes = [*member.device_nodes, *(_nvidia_nodes(fs, member) if member.driver == "nvidia" else [])]
+        owners.update(dict.fromkeys(nodes, member))
+    found = holders(fs, set(owners)) if owners else []  # one /proc scan for the whole group
+    if not found:
+        return None
+    member = next(owners[node] for node in owners if any(line.endswith(f" holds {node}") for line in found))
+    return (
+        f"{member.address} ({member.vendor_device}) is in use through its host driver {member.driver}: "
+        f"{'; '.join(found)}; not unbinding it (IOMMU group {group} left as it is)"
+    )
 
 
 def _apply(kernel: Kernel, steps: list[Step]) -> None:
