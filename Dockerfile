@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
-# One image for both roles of kubevirt-gpu-passthrough:
+# One image for every role of kubevirt-gpu-passthrough:
 #   - the device plugin DaemonSet:  gpu-device-plugin serve --host-root /host   (deploy/device-plugin/)
 #   - the KubeVirt hook sidecar:    launcher-hook serve …                       (deploy/hook-sidecar/)
+#   - the node agent:               gpu-node-agent bind|vgpu apply|validate …   (docs/node-agent.md)
 # plus `onDefineDomain` (for KubeVirt's sidecar-shim) and `xmlgen`, all on PATH from the venv /opt/venv.
 #
 #   docker build -t registry.example.com/kubevirt-gpu-passthrough:0.1.0 .
@@ -29,6 +30,7 @@ COPY schemas/ schemas/
 COPY runtime/ runtime/
 COPY plugin/ plugin/
 COPY launcher_hook/ launcher_hook/
+COPY node_agent/ node_agent/
 COPY simkit/ simkit/
 COPY xmlgen/ xmlgen/
 # A wheel (what pip would publish, built with the locked setuptools), installed without resolving anything
@@ -57,6 +59,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 # Every entry point starts, and the image has its own pci.ids.
 RUN gpu-device-plugin --help > /dev/null \
     && launcher-hook --help > /dev/null \
+    && gpu-node-agent --help > /dev/null \
     && onDefineDomain --help > /dev/null \
     && xmlgen --help > /dev/null \
     && test -s /usr/share/misc/pci.ids

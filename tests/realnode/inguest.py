@@ -408,6 +408,117 @@ def scenario_node(record: Recorder) -> None:
         write("/sys/bus/pci/drivers_probe", audio)
         record["unbound"] = {"gpu": function_state(gpu), "audio": function_state(audio), "dev_vfio": dev_vfio()}
     discover_and_doctor(record, "after_unbind")
+    agent_steps(record, gpu, audio)
+
+
+# -- the node agent (gpu-node-agent) on the real kernel ------------------------------------------------------------
+
+AGENT_STATE = RESULTS / "agent-state"
+AGENT_VGPU_CONFIG = """version: v1
+vgpu-configs:
+  two:
+    - devices: all
+      vgpu-devices: {mtty-2: 2}
+  one:
+    - devices: all
+      vgpu-devices: {"Dual port serial": 1}
+  none:
+    - devices: all
+      vgpu-devices: {}
+"""
+
+
+def agent(*args: str) -> dict[str, Any]:
+    """``gpu-node-agent ARGS`` in this process (the real click command and the real kernel writer)."""
+    from click.testing import CliRunner
+
+    from node_agent.cli import cli
+
+    words = [arg for arg in args if arg in ("bind", "unbind", "validate", "vgpu", "apply")]
+    argv = [*words, "--host-root", "/", "--state-dir", str(AGENT_STATE), *args[len(words) :]]
+    started = time.monotonic()
+    outcome = CliRunner().invoke(cli, argv, prog_name="gpu-node-agent")
+    result: dict[str, Any] = {
+        "argv": ["gpu-node-agent", *argv],
+        "rc": outcome.exit_code,
+        "stdout": outcome.stdout[-4000:],
+        "stderr": outcome.stderr[-4000:],
+        "error": None if outcome.exception is None else str(outcome.exception),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+    with contextlib.suppress(ValueError):
+        result["json"] = json.loads(outcome.stdout)
+    return result
+
+
+def mtty_mdevs() -> dict[str, Any]:
+    type_dir = Path(f"/sys/class/mdev_bus/{MDEV_PARENT}/mdev_supported_types/{MDEV_TYPE}")
+    devices = sorted(os.listdir(type_dir / "devices"))
+    return {
+        "devices": devices,
+        "available_instances": read(type_dir / "available_instances"),
+        "bus_links": sorted(d for d in devices if os.path.exists(f"/sys/bus/mdev/devices/{d}")),
+    }
+
+
+def agent_steps(record: Recorder, gpu: str, audio: str) -> None:
+    """bind/unbind/validate of the emulated GPU and its companion, and vgpu apply with mtty configs."""
+    seen: dict[str, Any] = {}
+    record["agent"] = seen
+    with record.step("agent bind"):
+        seen["bind"] = agent("bind", "--select", GPU_ID)
+        group = function_state(gpu)["iommu_group"]
+        seen["after_bind"] = {
+            "gpu": function_state(gpu),
+            "audio": function_state(audio),
+            "dev_vfio": dev_vfio(),
+            "status": group_status(f"/dev/vfio/{group}"),
+        }
+        seen["state"] = json.loads((AGENT_STATE / "state.json").read_text())
+    with record.step("agent bind again"):
+        seen["bind_again"] = agent("bind", "--select", GPU_ID)
+    with record.step("agent validate"):
+        seen["validate"] = agent("validate", "--select", GPU_ID)
+        seen["ready_file"] = (AGENT_STATE / "ready").exists()
+    with record.step("agent unbind refused while held"):
+        holder = os.open(f"/dev/vfio/{group}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            seen["held_pid"] = os.getpid()
+            seen["unbind_held"] = agent("unbind", "--select", GPU_ID)
+            seen["after_unbind_held"] = {"gpu": function_state(gpu), "audio": function_state(audio)}
+        finally:
+            os.close(holder)
+    with record.step("agent unbind"):
+        seen["unbind"] = agent("unbind", "--select", GPU_ID)
+        seen["after_unbind"] = {"gpu": function_state(gpu), "audio": function_state(audio), "dev_vfio": dev_vfio()}
+        seen["unbind_again"] = agent("unbind", "--select", GPU_ID)
+        seen["validate_unbound"] = agent("validate", "--select", GPU_ID)
+        seen["ready_file_unbound"] = (AGENT_STATE / "ready").exists()
+    config = RESULTS / "agent-vgpu.yaml"
+    config.write_text(AGENT_VGPU_CONFIG)
+
+    def apply(name: str) -> dict[str, Any]:
+        return agent("vgpu", "apply", "--config", str(config), "--select", name, "--parent", MDEV_PARENT)
+
+    with record.step("agent vgpu apply"):
+        seen["mtty_before"] = mtty_mdevs()
+        seen["apply_two"] = apply("two")
+        seen["mtty_two"] = mtty_mdevs()
+        seen["apply_two_again"] = apply("two")
+        seen["apply_one"] = apply("one")
+        seen["mtty_one"] = mtty_mdevs()
+        seen["apply_one_again"] = apply("one")
+    with record.step("agent vgpu remove refused while held"):
+        (kept,) = mtty_mdevs()["devices"]
+        mdev_group = link_name(Path(f"/sys/bus/mdev/devices/{kept}/iommu_group"))
+        holder = os.open(f"/dev/vfio/{mdev_group}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            seen["apply_none_held"] = apply("none")
+            seen["mtty_held"] = mtty_mdevs()
+        finally:
+            os.close(holder)
+        seen["apply_none"] = apply("none")
+        seen["mtty_none"] = mtty_mdevs()
 
 
 class ForkedPlugin:

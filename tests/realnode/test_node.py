@@ -264,3 +264,80 @@ def test_unbinding_back_returns_the_node_to_its_start(node: Scenario) -> None:
     assert seen(node, "discover_after_unbind")["json"]["resources"] == []
     assert seen(node, "plugin_exit") == 0
     assert seen(node, "plugin_sockets_left") == []
+
+
+# -- gpu-node-agent on the real kernel ---------------------------------------------------------------------------
+
+
+def test_the_agent_binds_the_gpu_and_its_companion_to_vfio_pci(node: Scenario) -> None:
+    gpu, audio = seen(node, "gpu"), seen(node, "audio")
+    agent = seen(node, "agent", "agent bind")
+    assert agent["bind"]["rc"] == 0, agent["bind"]
+    assert sorted(agent["bind"]["json"]["changed"]) == sorted([gpu, audio])
+    after = agent["after_bind"]
+    assert after["gpu"]["driver"] == "vfio-pci" and after["audio"]["driver"] == "vfio-pci"
+    assert after["gpu"]["driver_override"] == after["audio"]["driver_override"] == "vfio-pci"
+    assert after["status"]["viable"] is True
+    assert str(after["gpu"]["iommu_group"]) in after["dev_vfio"]
+    # The GPU had no driver (override + bind), the audio was on snd_hda_intel (override + unbind + bind).
+    assert agent["bind"]["json"]["writes"] == 5
+    assert agent["state"]["bind"]["changed"] == agent["bind"]["json"]["changed"]
+
+
+def test_the_agent_rebinding_writes_nothing_and_validates_ready(node: Scenario) -> None:
+    agent = seen(node, "agent", "agent bind again", "agent validate")
+    again = agent["bind_again"]
+    assert again["rc"] == 0 and again["json"]["writes"] == 0 and again["json"]["changed"] == []
+    assert agent["validate"]["rc"] == 0 and agent["validate"]["json"]["ready"] is True
+    assert agent["ready_file"] is True
+
+
+def test_the_agent_refuses_to_unbind_a_group_held_open(node: Scenario) -> None:
+    gpu = seen(node, "gpu")
+    agent = seen(node, "agent", "agent unbind refused while held")
+    held = agent["unbind_held"]
+    group = agent["after_bind"]["gpu"]["iommu_group"]
+    assert held["rc"] == 1
+    assert f"IOMMU group {group} is in use by a VM" in held["error"]
+    assert f"pid {agent['held_pid']} (" in held["error"] and f"holds /dev/vfio/{group}" in held["error"]
+    assert f"{gpu} (1234:1111, on vfio-pci)" in held["error"]
+    assert agent["after_unbind_held"]["gpu"]["driver"] == "vfio-pci"
+    assert agent["after_unbind_held"]["audio"]["driver"] == "vfio-pci"
+
+
+def test_the_agent_unbinds_back_and_the_kernel_reprobes(node: Scenario) -> None:
+    agent = seen(node, "agent", "agent unbind")
+    assert agent["unbind"]["rc"] == 0, agent["unbind"]
+    after = agent["after_unbind"]
+    assert after["gpu"]["driver"] is None and after["audio"]["driver"] == "snd_hda_intel"
+    assert after["gpu"]["driver_override"] == after["audio"]["driver_override"] == "(null)"
+    assert str(agent["after_bind"]["gpu"]["iommu_group"]) not in after["dev_vfio"]
+    assert agent["unbind_again"]["rc"] == 0 and agent["unbind_again"]["json"]["writes"] == 0
+    assert (
+        agent["validate_unbound"]["rc"] == 1
+        and "is on snd_hda_intel, not vfio-pci" in agent["validate_unbound"]["error"]
+    )
+    assert agent["ready_file_unbound"] is False
+
+
+def test_the_agent_creates_and_removes_real_mdevs_from_a_vgpu_config(node: Scenario) -> None:
+    agent = seen(node, "agent", "agent vgpu apply")
+    assert agent["mtty_before"]["devices"] == []
+    assert agent["apply_two"]["rc"] == 0, agent["apply_two"]
+    two = agent["mtty_two"]["devices"]
+    assert len(two) == 2 and agent["mtty_two"]["bus_links"] == two
+    assert int(agent["mtty_two"]["available_instances"]) == int(agent["mtty_before"]["available_instances"]) - 2
+    assert agent["apply_two_again"]["rc"] == 0 and agent["apply_two_again"]["json"]["writes"] == 0
+    assert agent["apply_one"]["rc"] == 0 and agent["apply_one"]["json"]["writes"] == 1
+    (kept,) = agent["mtty_one"]["devices"]
+    assert kept in two
+    assert agent["apply_one_again"]["json"]["writes"] == 0
+
+
+def test_the_agent_never_removes_an_mdev_held_open(node: Scenario) -> None:
+    agent = seen(node, "agent", "agent vgpu remove refused while held")
+    (kept,) = agent["mtty_one"]["devices"]
+    held = agent["apply_none_held"]
+    assert held["rc"] == 1 and "VMs hold" in held["error"] and kept in held["error"]
+    assert agent["mtty_held"]["devices"] == [kept]
+    assert agent["apply_none"]["rc"] == 0 and agent["mtty_none"]["devices"] == []

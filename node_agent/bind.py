@@ -1,0 +1,288 @@
+"""``bind`` / ``unbind``: each selected GPU and every other function of its IOMMU group onto (off) VFIO.
+
+The plan for one function is pure (:func:`bind_steps`, :func:`unbind_steps`: which attribute gets which
+value); :func:`bind` and :func:`unbind` read the node, refuse what must not be touched, and hand the writes
+to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
+
+- a whole IOMMU group moves: VFIO can only use a group whose every function is on a VFIO driver (or none);
+  PCI bridges in the group stay on their driver, as VFIO allows;
+- a function already on its VFIO driver gets no write (a re-run writes nothing);
+- nothing is unbound from a group a VM holds (its ``/dev/vfio/<N>`` answers ``EBUSY``) or from a host
+  driver whose device nodes a process has open; the error names the function and the holder;
+- a group is the unit: a refused group is left as it was, the other groups are still done, and the
+  command fails naming every refusal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node_agent.drivers import VfioAlias, choose_module, driver_of_module
+from node_agent.kernel import AgentError, Kernel
+from node_agent.sysfs import NVIDIA_VENDOR, PciFunction, Sysfs, all_addresses, holders, read_function
+from runtime.node import VFIO_DRIVERS
+from schemas.pci import PciAddress
+
+_SELECTOR = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{4}")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One write: ``value`` to the attribute ``path``."""
+
+    path: Path
+    value: str
+
+
+@dataclass
+class Report:
+    """What a bind/unbind did: functions changed, functions already right, refusals (each names its culprit)."""
+
+    changed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    drivers: dict[str, str] = field(default_factory=dict)
+    writes: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "changed": self.changed,
+            "unchanged": self.unchanged,
+            "refused": self.refused,
+            "drivers": self.drivers,
+            "writes": self.writes,
+        }
+
+
+def parse_selector(text: str) -> tuple[int, int]:
+    """``VVVV:DDDD`` (hex) → (vendor, device)."""
+    if _SELECTOR.fullmatch(text) is None:
+        raise AgentError(f"selector {text!r}: expected VENDOR:DEVICE in hex, e.g. 10de:2236")
+    vendor, device = text.split(":")
+    return int(vendor, 16), int(device, 16)
+
+
+def select(fs: Sysfs, addresses: Iterable[str], selectors: Iterable[str], nvidia_gpus: bool) -> list[str]:
+    """The selected functions: the given addresses, every function matching a ``VVVV:DDDD`` selector, and
+    with ``nvidia_gpus`` every NVIDIA display-class function (VGA or 3D controller)."""
+    chosen: set[str] = set()
+    for address in addresses:
+        chosen.add(str(PciAddress.parse(address)))
+    wanted = {parse_selector(text) for text in selectors}
+    if wanted or nvidia_gpus:
+        for address in all_addresses(fs):
+            function = read_function(fs, address)
+            if (function.vendor, function.device) in wanted or (
+                nvidia_gpus and function.vendor == NVIDIA_VENDOR and function.is_gpu
+            ):
+                chosen.add(address)
+    return sorted(chosen)
+
+
+def bind_steps(fs: Sysfs, function: PciFunction, driver: str) -> list[Step]:
+    """The writes that move ``function`` onto ``driver``: none when it is there already."""
+    if function.driver == driver:
+        return []
+    steps = []
+    if function.driver_override != driver:
+        steps.append(Step(fs.pci_devices / function.address / "driver_override", driver))
+    if function.driver is not None:
+        steps.append(Step(fs.pci_drivers / function.driver / "unbind", function.address))
+    steps.append(Step(fs.pci_drivers / driver / "bind", function.address))
+    return steps
+
+
+def unbind_steps(fs: Sysfs, function: PciFunction) -> list[Step]:
+    """The writes that hand ``function`` back to the kernel's choice: none when it is not on (or pinned to)
+    a VFIO driver. The override is cleared first, so the reprobe picks the device's own driver."""
+    on_vfio = function.driver in VFIO_DRIVERS
+    if not on_vfio and function.driver_override not in VFIO_DRIVERS:
+        return []
+    steps = []
+    if function.driver_override is not None:
+        steps.append(Step(fs.pci_devices / function.address / "driver_override", "\n"))
+    if on_vfio:
+        steps.append(Step(fs.pci_drivers / str(function.driver) / "unbind", function.address))
+    if on_vfio or function.driver is None:
+        steps.append(Step(fs.sys / "bus" / "pci" / "drivers_probe", function.address))
+    return steps
+
+
+def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
+    """Selected functions grouped by IOMMU group, with every other (non-bridge) function of each group."""
+    groups: dict[int, list[PciFunction]] = {}
+    for address in selected:
+        function = read_function(fs, address)
+        if function.iommu_group is None:
+            report.refused.append(
+                f"{address} ({function.vendor_device}) has no IOMMU group: the IOMMU is off (intel_iommu=on / "
+                "amd_iommu=on on the kernel command line) or the device is not behind one; VFIO cannot use it"
+            )
+            continue
+        if function.iommu_group in groups:
+            continue
+        members = [read_function(fs, member) for member in fs.group_members(function.iommu_group)]
+        groups[function.iommu_group] = [member for member in members if not member.is_bridge]
+    return groups
+
+
+def _nvidia_nodes(fs: Sysfs, function: PciFunction) -> list[str]:
+    """``/dev/nvidia<minor>`` of a GPU on the ``nvidia`` driver (its minor from /proc/driver/nvidia)."""
+    info = fs.proc / "driver" / "nvidia" / "gpus" / function.address / "information"
+    try:
+        text = fs.read(info) or ""
+    except AgentError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Device Minor" and value.strip().isdigit():
+            return [f"/dev/nvidia{value.strip()}"]
+    return []
+
+
+def group_holders(fs: Sysfs, kernel: Kernel, group: int) -> list[str] | None:
+    """Who holds the VFIO group ``group``: None when nobody; otherwise the holders found in /proc, or
+    ``["a process in another PID namespace"]``-style wording when only the group's EBUSY tells."""
+    node = fs.group_node(group)
+    if not os.path.lexists(node):
+        return None
+    found = holders(fs, {f"/dev/vfio/{group}"})
+    if found:
+        return found
+    if kernel.group_busy(node):
+        return [f"an unknown process ({node} answers EBUSY; not found in {fs.proc})"]
+    return None
+
+
+def _refusal(
+    fs: Sysfs, kernel: Kernel, group: int, members: list[PciFunction], leaving: list[PciFunction]
+) -> str | None:
+    """Why the functions in ``leaving`` (about to be unbound from their driver) must stay; None when they may go."""
+    if any(member.driver in VFIO_DRIVERS for member in members):
+        held = group_holders(fs, kernel, group)
+        if held is not None:
+            names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver})" for m in leaving)
+            return f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}"
+    owners: dict[str, PciFunction] = {}
+    for member in leaving:
+        if member.driver in VFIO_DRIVERS:
+            continue
+        nodes = [*member.device_nodes, *(_nvidia_nodes(fs, member) if member.driver == "nvidia" else [])]
+        owners.update(dict.fromkeys(nodes, member))
+    found = holders(fs, set(owners)) if owners else []  # one /proc scan for the whole group
+    if not found:
+        return None
+    member = next(owners[node] for node in owners if any(line.endswith(f" holds {node}") for line in found))
+    return (
+        f"{member.address} ({member.vendor_device}) is in use through its host driver {member.driver}: "
+        f"{'; '.join(found)}; not unbinding it (IOMMU group {group} left as it is)"
+    )
+
+
+def _apply(kernel: Kernel, steps: list[Step]) -> None:
+    for step in steps:
+        kernel.write(step.path, step.value)
+
+
+def driver_chooser(fs: Sysfs, aliases: list[VfioAlias]) -> Callable[[PciFunction], str]:
+    def choose(function: PciFunction) -> str:
+        return driver_of_module(choose_module(function.modalias, aliases))
+
+    return choose
+
+
+def ensure_driver(fs: Sysfs, kernel: Kernel, driver: str) -> None:
+    """Load ``driver``'s module when ``/sys/bus/pci/drivers/<driver>`` is missing; fail naming it otherwise."""
+    if (fs.pci_drivers / driver).is_dir():
+        return
+    module = driver.replace("-", "_")
+    kernel.load_module(module, fs.root)
+    if not (fs.pci_drivers / driver).is_dir():
+        raise AgentError(f"loaded {module}, yet {fs.pci_drivers / driver} does not exist")
+
+
+def bind(fs: Sysfs, kernel: Kernel, selected: list[str], choose: Callable[[PciFunction], str]) -> Report:
+    """Bind every selected function's whole IOMMU group to its VFIO driver (see the module's rules)."""
+    report = Report()
+    start = kernel.writes
+    for group, members in _groups(fs, selected, report).items():
+        targets = {member.address: choose(member) for member in members}
+        report.drivers.update(targets)
+        moving = [member for member in members if member.driver != targets[member.address]]
+        if not moving:
+            report.unchanged.extend(member.address for member in members)
+            continue
+        leaving = [member for member in moving if member.driver is not None]
+        refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
+        if refusal is not None:
+            report.refused.append(refusal)
+            continue
+        for driver in sorted({targets[member.address] for member in moving}):
+            ensure_driver(fs, kernel, driver)
+        for member in members:
+            steps = bind_steps(fs, member, targets[member.address])
+            if not steps:
+                report.unchanged.append(member.address)
+                continue
+            _apply(kernel, steps)
+            now = read_function(fs, member.address)
+            if now.driver != targets[member.address]:
+                raise AgentError(
+                    f"{member.address} ({member.vendor_device}) is on {now.driver or 'no driver'} after binding it "
+                    f"to {targets[member.address]} (IOMMU group {group})"
+                )
+            report.changed.append(member.address)
+    report.writes = kernel.writes - start
+    return report
+
+
+def unbind(fs: Sysfs, kernel: Kernel, selected: list[str]) -> Report:
+    """Clear ``driver_override`` and let the kernel reprobe every function of each selected group that is on
+    (or pinned to) a VFIO driver; a group a VM holds is refused."""
+    report = Report()
+    start = kernel.writes
+    for group, members in _groups(fs, selected, report).items():
+        plans = [(member, unbind_steps(fs, member)) for member in members]
+        moving = [member for member, steps in plans if steps]
+        if not moving:
+            report.unchanged.extend(member.address for member in members)
+            continue
+        held = group_holders(fs, kernel, group)
+        if held is not None:
+            names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver or 'no driver'})" for m in moving)
+            report.refused.append(f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}")
+            continue
+        for member, steps in plans:
+            if not steps:
+                report.unchanged.append(member.address)
+                continue
+            _apply(kernel, steps)
+            now = read_function(fs, member.address)
+            report.changed.append(member.address)
+            report.drivers[member.address] = now.driver or ""
+    report.writes = kernel.writes - start
+    return report
+
+
+def missing_bindings(fs: Sysfs, selected: list[str], choose: Callable[[PciFunction], str]) -> list[str]:
+    """What keeps the selected GPUs from VMs: each function of their groups not on its VFIO driver, and a
+    group node that does not exist; empty when the node is ready for ``vm-passthrough``."""
+    if not selected:
+        return ["no GPU selected: nothing matches the selection on this node"]
+    report = Report()
+    missing: list[str] = []
+    for group, members in _groups(fs, selected, report).items():
+        for member in members:
+            driver = choose(member)
+            if member.driver != driver:
+                missing.append(
+                    f"{member.address} ({member.vendor_device}, IOMMU group {group}) is on "
+                    f"{member.driver or 'no driver'}, not {driver}"
+                )
+        if not os.path.lexists(fs.group_node(group)):
+            missing.append(f"{fs.group_node(group)} does not exist")
+    return report.refused + missing

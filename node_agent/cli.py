@@ -1,0 +1,399 @@
+"""``gpu-node-agent``: thin click commands over :mod:`node_agent.bind`, :mod:`node_agent.vgpu` and
+:mod:`node_agent.state`. Each prints a JSON report on stdout and fails (``error: …``, exit 1) naming every
+refusal. The kernel is :class:`~node_agent.kernel.RealKernel` unless a caller passes another as click's
+``obj`` (the tests pass ``simkit.kernel_sim.SimKernel``).
+
+Every option can come from the environment (``GPU_NODE_AGENT_<OPTION>``), as a DaemonSet sets it.
+Stopping the agent changes nothing: ``--stay`` only waits for SIGTERM/SIGINT and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from node_agent.bind import bind as bind_groups
+from node_agent.bind import driver_chooser, missing_bindings, select
+from node_agent.bind import unbind as unbind_groups
+from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, parse_vfio_aliases
+from node_agent.kernel import AgentError, Kernel, RealKernel
+from node_agent.state import DEFAULT_STATE_DIR, read_state, set_ready, write_section
+from node_agent.sysfs import Sysfs
+from node_agent.vgpu import apply as apply_vgpus
+from node_agent.vgpu import pending, plan_all
+from node_agent.vgpu_config import MAX_CONFIG_BYTES, VgpuSpec, parse_config, select_config
+from runtime.cli_options import log_format_option
+from runtime.files import read_regular_file
+from runtime.logs import component_logger, configure_logging
+from runtime.signals import stop_on_signals
+from schemas.clirun import run_cli
+from schemas.logformat import LogFormat
+
+COMPONENT = "node_agent"
+ENV_PREFIX = "GPU_NODE_AGENT"
+WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
+log = component_logger(COMPONENT)
+
+
+def env(name: str) -> str:
+    return f"{ENV_PREFIX}_{name.upper()}"
+
+
+def _kernel(context: click.Context) -> Kernel:
+    obj = context.find_root().obj
+    return obj if obj is not None else RealKernel()
+
+
+def load_aliases(root: Path, release: str | None = None) -> list[VfioAlias]:
+    """The ``vfio_pci:`` aliases of the running kernel's modules.alias under ``root`` (none when absent:
+    every device then takes vfio-pci)."""
+    path = root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
+    if not path.exists():
+        log.info("no %s: every device takes vfio-pci", path)
+        return []
+    text = read_regular_file(path, MAX_MODULES_ALIAS, "modules.alias").decode(errors="replace")
+    return parse_vfio_aliases(text)
+
+
+def _emit(report: dict[str, Any]) -> None:
+    click.echo(json.dumps(report, indent=2, sort_keys=True))
+
+
+def _stay() -> None:
+    """Wait for SIGTERM/SIGINT, then return: the node stays as it is (no unbind, no vGPU removal)."""
+    stop = threading.Event()
+    with stop_on_signals(stop.set) as received:
+        stop.wait()
+    log.info("stopping on %s; the node is left as it is", ",".join(received) or "request")
+
+
+host_root_option = click.option(
+    "--host-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    envvar=env("host_root"),
+    show_envvar=True,
+    help="Where the node's / is mounted (sysfs, /dev/vfio, /proc and lib/modules are used under it).",
+)
+state_dir_option = click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_STATE_DIR,
+    show_default=True,
+    envvar=env("state_dir"),
+    show_envvar=True,
+    help="Where state.json and the readiness file go.",
+)
+selection_options = [
+    click.argument("addresses", nargs=-1),
+    click.option("--all", "all_gpus", is_flag=True, help="Every NVIDIA GPU (vendor 10de, VGA or 3D controller)."),
+    click.option(
+        "--select",
+        "selectors",
+        multiple=True,
+        envvar=env("select"),
+        show_envvar=True,
+        metavar="VENDOR:DEVICE",
+        help="Also every function with these IDs (e.g. 1234:1111 for QEMU's bochs-display in tests); repeatable.",
+    ),
+]
+
+
+def with_selection(function: Any) -> Any:
+    for option in reversed(selection_options):
+        function = option(function)
+    return function
+
+
+def _selected(fs: Sysfs, addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...]) -> list[str]:
+    if not (addresses or all_gpus or selectors):
+        raise click.UsageError("name the GPUs: PCI addresses, --all, or --select VENDOR:DEVICE")
+    if not fs.pci_devices.is_dir():
+        raise AgentError(f"{fs.pci_devices} does not exist: is {fs.root} the node's / (--host-root)?")
+    selected = select(fs, addresses, selectors, all_gpus)
+    if not selected:
+        wanted = " or ".join(["NVIDIA GPU (10de, VGA or 3D)"] * all_gpus + [f"function {s}" for s in selectors])
+        raise AgentError(f"no {wanted} on this node (under {fs.pci_devices})")
+    return selected
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="kubevirt-gpu-passthrough")
+@log_format_option(env("log_format"))
+def cli(log_format: LogFormat) -> None:
+    """Prepare a node for GPU VMs: GPUs onto VFIO (bind), vGPUs from a config (vgpu apply), readiness (validate)."""
+    context = click.get_current_context()
+    context.call_on_close(configure_logging(COMPONENT, log_format))
+
+
+@cli.command()
+@with_selection
+@host_root_option
+@state_dir_option
+@click.option("--stay", is_flag=True, help="After binding, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def bind(
+    addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...], host_root: Path, state_dir: Path, stay: bool
+) -> None:
+    """Bind each selected GPU and every other function of its IOMMU group to the VFIO driver."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    selected = _selected(fs, addresses, all_gpus, selectors)
+    report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
+    write_section(state_dir, "bind", {"selected": selected, **report.as_dict()})
+    _emit(report.as_dict())
+    for address in report.changed:
+        log.info("bound %s to %s", address, report.drivers.get(address))
+    if report.refused:
+        raise AgentError("; ".join(report.refused))
+    if stay:
+        _stay()
+
+
+@cli.command()
+@with_selection
+@host_root_option
+@state_dir_option
+def unbind(
+    addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...], host_root: Path, state_dir: Path
+) -> None:
+    """Clear driver_override and let the kernel reprobe each selected GPU's group (refused while a VM holds it)."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    selected = _selected(fs, addresses, all_gpus, selectors)
+    report = unbind_groups(fs, kernel, selected)
+    write_section(state_dir, "unbind", {"selected": selected, **report.as_dict()})
+    set_ready(state_dir, False, {})
+    _emit(report.as_dict())
+    if report.refused:
+        raise AgentError("; ".join(report.refused))
+
+
+workload_options = [
+    click.option(
+        "--workload",
+        type=click.Choice(WORKLOADS),
+        default="vm-passthrough",
+        show_default=True,
+        envvar=env("workload"),
+        show_envvar=True,
+        help="What the node serves (the nvidia.com/gpu.workload.config label's value).",
+    ),
+    click.option(
+        "--vgpu-config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar=env("vgpu_config"),
+        show_envvar=True,
+        help="vm-vgpu: the vGPU config file.",
+    ),
+    click.option(
+        "--vgpu-select", "config_name", envvar=env("vgpu_select"), show_envvar=True, help="vm-vgpu: the config's name."
+    ),
+    click.option(
+        "--vgpu-parent",
+        "parents",
+        multiple=True,
+        envvar=env("vgpu_parents"),
+        show_envvar=True,
+        help="vm-vgpu: manage these vGPU parents only.",
+    ),
+]
+
+
+def with_workload(function: Any) -> Any:
+    for option in reversed(workload_options):
+        function = option(function)
+    return function
+
+
+def _missing(
+    fs: Sysfs,
+    kernel: Kernel,
+    state_dir: Path,
+    workload: str,
+    selection: tuple[tuple[str, ...], bool, tuple[str, ...]],
+    vgpu: tuple[Path | None, str | None, tuple[str, ...]],
+) -> list[str]:
+    """What keeps the node from serving ``workload`` (empty: ready)."""
+    if workload == "container":
+        return []
+    if workload == "vm-passthrough":
+        selected = _selected(fs, *selection)
+        return missing_bindings(fs, selected, driver_chooser(fs, load_aliases(fs.root)))
+    config_file, config_name, parents = vgpu
+    return pending(plan_all(fs, kernel, _specs(config_file, config_name), parents, _remembered(state_dir)))
+
+
+def _judge(state_dir: Path, workload: str, missing: list[str], done: dict[str, Any] | None = None) -> None:
+    set_ready(state_dir, not missing, {"workload": workload})
+    _emit({"workload": workload, "ready": not missing, "missing": missing, **({"done": done} if done else {})})
+    if missing:
+        raise AgentError(f"node not ready for {workload}: " + "; ".join(missing))
+
+
+@cli.command()
+@with_selection
+@host_root_option
+@state_dir_option
+@with_workload
+def validate(
+    addresses: tuple[str, ...],
+    all_gpus: bool,
+    selectors: tuple[str, ...],
+    host_root: Path,
+    state_dir: Path,
+    workload: str,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+) -> None:
+    """Exit 0 when the node is ready for its workload (and write the readiness file), else 1 naming what is missing."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    selection = (addresses, all_gpus, selectors)
+    _judge(
+        state_dir, workload, _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+    )
+
+
+@cli.command()
+@with_selection
+@host_root_option
+@state_dir_option
+@with_workload
+@click.option("--stay", is_flag=True, help="When ready, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def prepare(
+    addresses: tuple[str, ...],
+    all_gpus: bool,
+    selectors: tuple[str, ...],
+    host_root: Path,
+    state_dir: Path,
+    workload: str,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+    stay: bool,
+) -> None:
+    """What the workload needs: vm-passthrough binds, vm-vgpu applies the vGPU config, container does nothing;
+    then validate (readiness file) and, with --stay, wait."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context())
+    selection = (addresses, all_gpus, selectors)
+    done: dict[str, Any] | None = None
+    if workload == "vm-passthrough":
+        selected = _selected(fs, *selection)
+        report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
+        write_section(state_dir, "bind", {"selected": selected, **report.as_dict()})
+        done = report.as_dict()
+        if report.refused:
+            set_ready(state_dir, False, {})
+            raise AgentError("; ".join(report.refused))
+    elif workload == "vm-vgpu":
+        done = _apply(fs, kernel, state_dir, config_file, config_name, parents)
+    missing = _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+    _judge(state_dir, workload, missing, done)
+    if stay:
+        _stay()
+
+
+def _specs(config_file: Path | None, config_name: str | None) -> tuple[VgpuSpec, ...]:
+    if config_file is None or not config_name:
+        raise click.UsageError(
+            f"the vGPU config file and the name of the config in it are needed ({env('vgpu_config')}, "
+            f"{env('vgpu_select')})"
+        )
+    text = read_regular_file(config_file, MAX_CONFIG_BYTES, "vGPU config").decode(errors="replace")
+    return select_config(parse_config(text, str(config_file)), config_name, str(config_file))
+
+
+def _remembered(state_dir: Path) -> dict[str, dict[int, str]]:
+    """SR-IOV type names learnt by earlier runs (a VF with a type lists none)."""
+    names = read_state(state_dir).get("vgpu", {}).get("type_names", {})
+    if not isinstance(names, dict):
+        return {}
+    return {
+        str(parent): {int(number): str(name) for number, name in table.items() if str(number).isdigit()}
+        for parent, table in names.items()
+        if isinstance(table, dict)
+    }
+
+
+def _apply(
+    fs: Sysfs,
+    kernel: Kernel,
+    state_dir: Path,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+) -> dict[str, Any]:
+    """Apply the named config; the state file's ``vgpu`` section says success (with the vGPUs) or the error."""
+    specs = _specs(config_file, config_name)
+    try:
+        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
+    except AgentError as exc:
+        earlier = read_state(state_dir).get("vgpu", {})
+        write_section(state_dir, "vgpu", {**earlier, "config": config_name, "status": "failed", "error": str(exc)})
+        raise
+    section = {"config": config_name, "file": str(config_file), "status": "success", **report.as_dict()}
+    write_section(state_dir, "vgpu", section)
+    for change in report.changes:
+        log.info("%s %s on %s", change["action"], change.get("id", ""), change["parent"])
+    return report.as_dict()
+
+
+@cli.group()
+def vgpu() -> None:
+    """vGPU devices from an NVIDIA vgpu-device-manager style config (mdev parents and SR-IOV vGPU VFs)."""
+
+
+@vgpu.command("apply")
+@host_root_option
+@state_dir_option
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("vgpu_config"),
+    show_envvar=True,
+    help="The config file (version: v1, vgpu-configs: …).",
+)
+@click.option(
+    "--select",
+    "config_name",
+    envvar=env("vgpu_select"),
+    show_envvar=True,
+    help="Which of its vgpu-configs to apply (e.g. from the node's nvidia.com/vgpu.config label).",
+)
+@click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    envvar=env("vgpu_parents"),
+    show_envvar=True,
+    help="Manage these vGPU parents only (mdev_bus names or PF addresses; e.g. mtty in tests). "
+    "[default: every NVIDIA one]",
+)
+@click.option("--stay", is_flag=True, help="After applying, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def vgpu_apply(
+    host_root: Path,
+    state_dir: Path,
+    config_file: Path | None,
+    config_name: str | None,
+    parents: tuple[str, ...],
+    stay: bool,
+) -> None:
+    """Create and remove vGPUs so the node holds exactly what the selected config asks for."""
+    done = _apply(Sysfs(host_root), _kernel(click.get_current_context()), state_dir, config_file, config_name, parents)
+    _emit({"config": config_name, **done})
+    if stay:
+        _stay()
+
+
+def main() -> None:
+    run_cli(cli, "gpu-node-agent")

@@ -1,0 +1,82 @@
+"""The agent's only way to change the node: a :class:`Kernel` that writes sysfs attributes and asks about
+VFIO groups. :class:`RealKernel` is what runs on a node (and in the real-kernel guest); ``simkit.kernel_sim``
+implements the same protocol over a fixture tree, giving each write the effect the kernel would.
+
+Stopping the agent never calls anything here: no write happens on SIGTERM (docs/node-agent.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from schemas.errors import InputError
+
+MODPROBE_TIMEOUT = 60.0
+"""Seconds ``modprobe`` may take (loading vfio-pci takes well under one; a hung one must not hang the agent)."""
+
+
+class AgentError(InputError):
+    """Something the agent refuses or cannot do; the message names the device, file or holder."""
+
+
+class Kernel(Protocol):
+    """What the agent asks of the kernel. Every write is one ``write(2)`` of ``value`` to ``path``."""
+
+    writes: int
+    """How many writes were made (a re-run that finds the node ready makes none)."""
+
+    def write(self, path: Path, value: str) -> None:
+        """Write ``value`` to the sysfs attribute ``path``; :class:`AgentError` naming both on failure."""
+
+    def group_busy(self, node: Path) -> bool:
+        """Whether the VFIO group node ``node`` is held open (by a VM): opening it answers ``EBUSY``."""
+
+    def load_module(self, module: str, root: Path) -> None:
+        """Load the kernel module ``module`` of the node whose ``/`` is ``root``."""
+
+
+class RealKernel:
+    """Writes the node's real sysfs files; opens ``/dev/vfio/<N>`` to see whether a VM holds it."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def write(self, path: Path, value: str) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        except OSError as exc:
+            raise AgentError(f"cannot open {path} to write {value.strip()!r}: {exc.strerror or exc}") from None
+        try:
+            self.writes += 1
+            written = os.write(fd, value.encode())
+            if written != len(value.encode()):
+                raise AgentError(f"short write of {value.strip()!r} to {path}: {written} bytes")
+        except OSError as exc:
+            raise AgentError(f"the kernel refused {value.strip()!r} written to {path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+
+    def group_busy(self, node: Path) -> bool:
+        # A group node can be open once: a VM (QEMU) holding it makes a second open fail with EBUSY. Opening it
+        # ourselves holds it for the few microseconds until close (a VM starting in that window would fail).
+        try:
+            fd = os.open(node, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as exc:
+            return exc.errno == errno.EBUSY
+        os.close(fd)
+        return False
+
+    def load_module(self, module: str, root: Path) -> None:
+        argv = ["modprobe", module] if str(root) == "/" else ["chroot", str(root), "modprobe", module]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=MODPROBE_TIMEOUT, check=False)
+        except subprocess.TimeoutExpired:
+            raise AgentError(f"{' '.join(argv)} did not finish in {MODPROBE_TIMEOUT:.0f} s") from None
+        except OSError as exc:
+            raise AgentError(f"cannot run {' '.join(argv)}: {exc.strerror or exc}") from None
+        if done.returncode != 0:
+            raise AgentError(f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")

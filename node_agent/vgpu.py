@@ -1,0 +1,463 @@
+"""``vgpu apply``: make the node's vGPUs what the selected config says, writing only the difference.
+
+Two kinds of vGPU parents (docs/node-agent.md has the sysfs shapes and their sources):
+
+- **mdev parents** (``/sys/class/mdev_bus/<parent>``): a type is a ``mdev_supported_types/<type>``
+  directory; a vGPU is created by writing a new UUID to its ``create`` and removed by writing ``1`` to
+  ``/sys/bus/mdev/devices/<uuid>/remove``. A config names a type by its directory (``nvidia-222``,
+  ``mtty-2``), its ``name`` file (``GRID T4-1Q``), or that name without ``GRID ``/``NVIDIA `` (``T4-1Q``).
+- **SR-IOV vGPU GPUs** (vGPU 17+; an NVIDIA PF with ``sriov_totalvfs``): VFs are enabled through
+  ``sriov_numvfs`` when a config wants vGPUs there and none are; a vGPU is a VF whose
+  ``nvidia/current_vgpu_type`` is a type ID from its ``nvidia/creatable_vgpu_types`` (``0`` removes it).
+  A config names a type by its name (``NVIDIA L40S-1B`` or ``L40S-1B``) or its numeric ID.
+
+Managed parents: every NVIDIA one unless ``--parent`` names them (the kernel's sample drivers, ``mtty``,
+are only managed when named). GPU indexes (``devices: [0, 2]``) are NVIDIA's: every NVIDIA GPU that is not a
+VF, in PCI address order; for each parent the last spec matching it wins, and a parent no spec matches is
+left as it is (as NVIDIA's manager does).
+
+Order: read everything, plan every parent (pure: :func:`plan_parent`), refuse before any write when a
+type is unknown, a count cannot fit, or a vGPU to remove is held by a VM (named with its holder); then
+remove surplus vGPUs (freeing room) and create the missing ones, re-reading the room before each creation.
+vGPUs already as asked are left alone, so a re-apply of the same config writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from node_agent.bind import group_holders
+from node_agent.kernel import AgentError, Kernel
+from node_agent.sysfs import NVIDIA_VENDOR, Sysfs, all_addresses, read_function
+from node_agent.vgpu_config import VgpuSpec
+
+MAX_VFS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class MdevKind:
+    type_id: str
+    name: str
+    available: int
+    devices: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualFunction:
+    address: str
+    current: int
+    creatable: tuple[tuple[int, str], ...]
+    group: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Parent:
+    """A GPU that hosts vGPUs, as sysfs shows it now."""
+
+    name: str
+    kind: str  # "mdev" | "sriov"
+    device_id: int | None
+    """``device << 16 | vendor`` for a PCI parent (device-filter); None otherwise (sample drivers)."""
+    nvidia: bool
+    mdev_types: tuple[MdevKind, ...] = ()
+    vfs: tuple[VirtualFunction, ...] = ()
+    total_vfs: int = 0
+    groups: tuple[tuple[str, int | None], ...] = ()
+    """Each existing vGPU's IOMMU group (mdev UUID or VF address → group)."""
+    index: int = -1
+    """The GPU index a config's ``devices`` names it by (see :func:`gpu_indexes`)."""
+
+    def vgpus(self) -> dict[str, list[str]]:
+        """Existing vGPUs by type key (mdev type directory, or the SR-IOV type ID as text) → their IDs."""
+        found: dict[str, list[str]] = {}
+        for kind in self.mdev_types:
+            if kind.devices:
+                found[kind.type_id] = sorted(kind.devices)
+        for vf in self.vfs:
+            if vf.current:
+                found.setdefault(str(vf.current), []).append(vf.address)
+        return found
+
+
+def display_names(name: str) -> set[str]:
+    """How a config may call a type named ``name``: as is, or without NVIDIA's ``GRID ``/``NVIDIA `` prefix."""
+    return {name, name.removeprefix("GRID "), name.removeprefix("NVIDIA ")}
+
+
+def parse_creatable(text: str) -> tuple[tuple[int, str], ...]:
+    """``creatable_vgpu_types``: a header ``ID    : vGPU Name``, then ``557   : NVIDIA L40S-1B`` lines."""
+    entries = []
+    for line in text.splitlines():
+        number, separator, name = line.partition(":")
+        if separator and number.strip().isdigit():
+            entries.append((int(number.strip()), name.strip()))
+    return tuple(entries)
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+
+def _int(text: str | None, what: Path) -> int:
+    try:
+        return int((text or "").strip() or "0")
+    except ValueError:
+        raise AgentError(f"{what} reads {text!r}, not a number") from None
+
+
+def _pci_ids(fs: Sysfs, directory: Path) -> tuple[int | None, bool]:
+    vendor, device = fs.read(directory / "vendor"), fs.read(directory / "device")
+    if vendor is None or device is None:
+        return None, False
+    try:
+        vendor_id, device_id = int(vendor, 16), int(device, 16)
+    except ValueError:
+        return None, False
+    return device_id << 16 | vendor_id, vendor_id == NVIDIA_VENDOR
+
+
+def _mdev_parent(fs: Sysfs, name: str) -> Parent:
+    directory = fs.inside(fs.sys / "class" / "mdev_bus" / name)
+    device_id, nvidia = _pci_ids(fs, directory)
+    kinds = []
+    groups = []
+    for type_id in fs.listdir(directory / "mdev_supported_types"):
+        type_dir = directory / "mdev_supported_types" / type_id
+        devices = tuple(fs.listdir(type_dir / "devices"))
+        for uid in devices:
+            group = fs.link_name(type_dir / "devices" / uid / "iommu_group")
+            groups.append((uid, int(group) if group and group.isdigit() else None))
+        kinds.append(
+            MdevKind(
+                type_id,
+                fs.read(type_dir / "name") or type_id,
+                _int(fs.read(type_dir / "available_instances"), type_dir / "available_instances"),
+                devices,
+            )
+        )
+    return Parent(name, "mdev", device_id, nvidia, mdev_types=tuple(kinds), groups=tuple(groups))
+
+
+def _sriov_parent(fs: Sysfs, address: str, device_id: int) -> Parent:
+    directory = fs.inside(fs.pci_devices / address)
+    total = min(_int(fs.read(directory / "sriov_totalvfs"), directory / "sriov_totalvfs"), MAX_VFS)
+    links = [name for name in fs.listdir(directory) if name.startswith("virtfn") and name[6:].isdigit()]
+    vfs = []
+    for link in sorted(links, key=lambda name: int(name[6:])):
+        vf_dir = fs.inside(directory / link)
+        current = _int(fs.read(vf_dir / "nvidia" / "current_vgpu_type"), vf_dir / "nvidia" / "current_vgpu_type")
+        group = fs.link_name(vf_dir / "iommu_group")
+        vfs.append(
+            VirtualFunction(
+                vf_dir.name,
+                current,
+                parse_creatable(fs.read(vf_dir / "nvidia" / "creatable_vgpu_types") or ""),
+                int(group) if group and group.isdigit() else None,
+            )
+        )
+    return Parent(
+        address,
+        "sriov",
+        device_id,
+        True,
+        vfs=tuple(vfs),
+        total_vfs=total,
+        groups=tuple((vf.address, vf.group) for vf in vfs if vf.current),
+    )
+
+
+def gpu_indexes(fs: Sysfs) -> dict[str, int]:
+    """NVIDIA's GPU numbering, as vgpu-device-manager's: every NVIDIA display-class function that is not a
+    VF, in PCI address order."""
+    gpus = []
+    for address in all_addresses(fs):
+        if os.path.lexists(fs.pci_devices / address / "physfn"):
+            continue
+        function = read_function(fs, address)
+        if function.vendor == NVIDIA_VENDOR and function.is_gpu:
+            gpus.append(address)
+    return {address: index for index, address in enumerate(sorted(gpus))}
+
+
+def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
+    """The managed vGPU parents, GPUs in index order then other parents by name: the ``names`` given, else
+    every NVIDIA one. A GPU's index is :func:`gpu_indexes`'s; a parent that is no NVIDIA GPU (the kernel's
+    sample drivers) is numbered after the GPUs, in name order."""
+    wanted = set(names)
+    indexes = gpu_indexes(fs)
+    parents: dict[str, Parent] = {}
+    for name in fs.listdir(fs.sys / "class" / "mdev_bus"):
+        parent = _mdev_parent(fs, name)
+        if name in wanted or (not wanted and parent.nvidia):
+            parents[name] = parent
+    for address in indexes:
+        if address in parents or (wanted and address not in wanted):
+            continue
+        directory = fs.pci_devices / address
+        if os.path.lexists(directory / "sriov_totalvfs"):
+            function = read_function(fs, address)
+            parents[address] = _sriov_parent(fs, address, function.device << 16 | function.vendor)
+    missing = wanted - set(parents)
+    if missing:
+        raise AgentError(f"no vGPU parent named {', '.join(sorted(missing))} (no mdev_bus entry or SR-IOV GPU)")
+    if not parents:
+        raise AgentError(
+            f"no vGPU parent on this node: no NVIDIA GPU in {fs.sys / 'class' / 'mdev_bus'} and no NVIDIA GPU with "
+            "sriov_totalvfs (is the NVIDIA vGPU manager driver loaded?)"
+        )
+    others = sorted(name for name in parents if name not in indexes)
+    numbered = {name: indexes[name] for name in parents if name in indexes}
+    following = len(indexes)
+    for name in others:
+        numbered[name] = following
+        following += 1
+    ordered = sorted(parents, key=lambda name: numbered[name])
+    return [replace(parents[name], index=numbered[name]) for name in ordered]
+
+
+# -- planning (pure) ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParentPlan:
+    parent: Parent
+    wanted: dict[str, int] = field(default_factory=dict)
+    """Type key → count asked for (mdev type directory, or SR-IOV type ID as text)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Type key → the name the config used (for messages and the state file)."""
+    remove: list[tuple[str, str]] = field(default_factory=list)
+    """(type key, vGPU ID) to remove."""
+    create: list[tuple[str, int]] = field(default_factory=list)
+    """(type key, how many) to create."""
+    errors: list[str] = field(default_factory=list)
+    known: dict[int, str] = field(default_factory=dict)
+    """SR-IOV type ID → name as seen when planning (the state file keeps them for later runs)."""
+
+
+def resolve_type(parent: Parent, wanted: str, known: dict[int, str]) -> str | None:
+    """The type key of the config's type name ``wanted`` on ``parent``; None when the parent has no such type."""
+    if parent.kind == "mdev":
+        for kind in parent.mdev_types:
+            if wanted == kind.type_id or wanted in display_names(kind.name):
+                return kind.type_id
+        return None
+    for number, name in known.items():
+        if wanted == str(number) or wanted in display_names(name):
+            return str(number)
+    return None
+
+
+def known_sriov_types(parent: Parent, remembered: dict[int, str]) -> dict[int, str]:
+    """Type ID → name from every VF's creatable list, and from earlier runs (a VF with a type lists none)."""
+    known = dict(remembered)
+    for vf in parent.vfs:
+        known.update(vf.creatable)
+    return known
+
+
+def plan_parent(
+    parent: Parent, asked: tuple[tuple[str, int], ...], remembered: dict[int, str], held: dict[str, list[str]]
+) -> ParentPlan:
+    """What must change on ``parent`` so it holds exactly ``asked`` (type name → count); ``held`` names the
+    vGPUs a VM holds (ID → holders), which may not be removed."""
+    plan = ParentPlan(parent)
+    known = known_sriov_types(parent, remembered)
+    plan.known = dict(known)
+    for name, count in asked:
+        key = resolve_type(parent, name, known)
+        if key is None:
+            offered = (
+                [f"{k.type_id} ({k.name})" for k in parent.mdev_types]
+                if parent.kind == "mdev"
+                else [f"{number} ({label})" for number, label in sorted(known.items())]
+            )
+            plan.errors.append(
+                f"{parent.name} cannot create vGPU type {name!r}: it offers {', '.join(offered) or 'no type now'}"
+            )
+            continue
+        plan.wanted[key] = plan.wanted.get(key, 0) + count
+        plan.labels[key] = name
+    if plan.errors:
+        return plan
+    existing = parent.vgpus()
+    for key in sorted(existing):
+        surplus = len(existing[key]) - plan.wanted.get(key, 0)
+        if surplus <= 0:
+            continue
+        free = [vgpu for vgpu in existing[key] if vgpu not in held]
+        if surplus > len(free):
+            busy = [f"{vgpu} ({'; '.join(held[vgpu])})" for vgpu in existing[key] if vgpu in held]
+            plan.errors.append(
+                f"{parent.name}: the config keeps {plan.wanted.get(key, 0)} vGPU(s) of type {key}, "
+                f"{len(existing[key])} exist and VMs hold {', '.join(busy)}: not removing vGPUs in use"
+            )
+            continue
+        plan.remove.extend((key, vgpu) for vgpu in free[:surplus])
+    removing = {key for key, _ in plan.remove}
+    for key, count in sorted(plan.wanted.items()):
+        missing = count - len(existing.get(key, []))
+        if missing <= 0:
+            continue
+        plan.create.append((key, missing))
+        if parent.kind == "mdev" and not removing:
+            available = next(k.available for k in parent.mdev_types if k.type_id == key)
+            if missing > available:
+                plan.errors.append(
+                    f"{parent.name}: {plan.labels[key]} ({key}) needs {missing} more vGPU(s) and "
+                    f"available_instances is {available}"
+                )
+    if parent.kind == "sriov":
+        in_use = sum(len(ids) for ids in existing.values()) - len(plan.remove)
+        extra = sum(count for _, count in plan.create)
+        room = (len(parent.vfs) or parent.total_vfs) - in_use
+        if extra > room:
+            plan.errors.append(
+                f"{parent.name}: the config asks for {in_use + extra} vGPU(s) and the GPU has "
+                f"{len(parent.vfs) or parent.total_vfs} VFs"
+            )
+    return plan
+
+
+def asked_for(parent: Parent, specs: tuple[VgpuSpec, ...]) -> tuple[tuple[str, int], ...] | None:
+    """What the config asks of ``parent``: as NVIDIA's manager applies specs in order, each matching spec
+    replacing the GPU's config, the last spec matching its index and device-filter wins; None when no spec
+    matches (the parent is then left as it is)."""
+    asked = None
+    for spec in specs:
+        if spec.matches(parent.index, parent.device_id):
+            asked = spec.vgpu_devices
+    return asked
+
+
+# -- applying ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ApplyReport:
+    changes: list[dict[str, str]] = field(default_factory=list)
+    vgpus: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    type_names: dict[str, dict[str, str]] = field(default_factory=dict)
+    writes: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"changes": self.changes, "vgpus": self.vgpus, "type_names": self.type_names, "writes": self.writes}
+
+
+def _held(fs: Sysfs, kernel: Kernel, parent: Parent) -> dict[str, list[str]]:
+    held: dict[str, list[str]] = {}
+    for vgpu, group in parent.groups:
+        if group is None:
+            continue
+        holders = group_holders(fs, kernel, group)
+        if holders is not None:
+            held[vgpu] = holders
+    return held
+
+
+def _enable_vfs(fs: Sysfs, kernel: Kernel, parent: Parent, report: ApplyReport) -> None:
+    path = fs.pci_devices / parent.name / "sriov_numvfs"
+    kernel.write(path, str(parent.total_vfs))
+    report.changes.append({"parent": parent.name, "action": "enable-vfs", "count": str(parent.total_vfs)})
+
+
+def plan_all(
+    fs: Sysfs,
+    kernel: Kernel,
+    specs: tuple[VgpuSpec, ...],
+    parent_names: Iterable[str],
+    remembered: dict[str, dict[int, str]],
+) -> list[ParentPlan]:
+    """Every managed parent's plan (reading the node and who holds its vGPUs)."""
+    plans = []
+    for parent in read_parents(fs, parent_names):
+        asked = asked_for(parent, specs)
+        if asked is None:
+            continue
+        plans.append(plan_parent(parent, asked, remembered.get(parent.name, {}), _held(fs, kernel, parent)))
+    return plans
+
+
+def pending(plans: list[ParentPlan]) -> list[str]:
+    """What differs from the config (empty: the node holds exactly the configured vGPUs)."""
+    missing = [error for plan in plans for error in plan.errors]
+    for plan in plans:
+        missing.extend(f"{plan.parent.name}: {count} {plan.labels[key]} vGPU(s) missing" for key, count in plan.create)
+        missing.extend(f"{plan.parent.name}: {vgpu} ({key}) is not in the config" for key, vgpu in plan.remove)
+    return missing
+
+
+def apply(
+    fs: Sysfs,
+    kernel: Kernel,
+    specs: tuple[VgpuSpec, ...],
+    parent_names: Iterable[str] = (),
+    remembered: dict[str, dict[int, str]] | None = None,
+    new_uuid: Callable[[], str] = lambda: str(uuid.uuid4()),
+) -> ApplyReport:
+    """Make the managed parents' vGPUs what ``specs`` asks (see the module doc); returns what changed."""
+    names = list(parent_names)
+    memory = remembered or {}
+    report = ApplyReport()
+    start = kernel.writes
+    for parent in read_parents(fs, names):
+        if parent.kind == "sriov" and not parent.vfs and asked_for(parent, specs):
+            _enable_vfs(fs, kernel, parent, report)
+    plans = plan_all(fs, kernel, specs, names, memory)
+    errors = [error for plan in plans for error in plan.errors]
+    if errors:
+        raise AgentError("; ".join(errors))
+    for plan in plans:
+        _remove(fs, kernel, plan, report)
+    for plan in plans:
+        _create(fs, kernel, plan, report, new_uuid)
+    planned = {plan.parent.name: plan.known for plan in plans}
+    for parent in read_parents(fs, names):
+        report.vgpus[parent.name] = parent.vgpus()
+        if parent.kind == "sriov":
+            known = {**planned.get(parent.name, {}), **known_sriov_types(parent, memory.get(parent.name, {}))}
+            report.type_names[parent.name] = {str(number): name for number, name in sorted(known.items())}
+    report.writes = kernel.writes - start
+    return report
+
+
+def _remove(fs: Sysfs, kernel: Kernel, plan: ParentPlan, report: ApplyReport) -> None:
+    for key, vgpu in plan.remove:
+        if plan.parent.kind == "mdev":
+            kernel.write(fs.sys / "bus" / "mdev" / "devices" / vgpu / "remove", "1")
+        else:
+            kernel.write(fs.pci_devices / vgpu / "nvidia" / "current_vgpu_type", "0")
+        report.changes.append({"parent": plan.parent.name, "action": "remove", "type": key, "id": vgpu})
+
+
+def _create(fs: Sysfs, kernel: Kernel, plan: ParentPlan, report: ApplyReport, new_uuid: Callable[[], str]) -> None:
+    parent = plan.parent
+    for key, count in plan.create:
+        label = plan.labels[key]
+        if parent.kind == "mdev":
+            type_dir = fs.sys / "class" / "mdev_bus" / parent.name / "mdev_supported_types" / key
+            fs.inside(type_dir)
+            available = _int(fs.read(type_dir / "available_instances"), type_dir / "available_instances")
+            if count > available:
+                raise AgentError(
+                    f"{parent.name}: {label} ({key}) needs {count} more vGPU(s) and available_instances is {available}"
+                )
+            for _ in range(count):
+                uid = new_uuid()
+                kernel.write(type_dir / "create", uid)
+                report.changes.append({"parent": parent.name, "action": "create", "type": key, "id": uid})
+            continue
+        for _ in range(count):
+            now = _sriov_parent(fs, parent.name, parent.device_id or 0)
+            free = [vf for vf in now.vfs if not vf.current]
+            chosen = next((vf for vf in free if int(key) in dict(vf.creatable)), None)
+            if chosen is None:
+                offered = sorted({f"{n} ({name})" for vf in free for n, name in vf.creatable})
+                raise AgentError(
+                    f"{parent.name}: no free VF can take {label} (type {key}) now; "
+                    f"they offer {', '.join(offered) or 'nothing'}"
+                )
+            kernel.write(fs.pci_devices / chosen.address / "nvidia" / "current_vgpu_type", key)
+            report.changes.append({"parent": parent.name, "action": "create", "type": key, "id": chosen.address})

@@ -1,0 +1,88 @@
+"""Nodes as they are before the node agent runs, for its tests, its benchmark and ``xmlgen simulate``.
+
+:func:`build_node` writes a :class:`~simkit.sysfs_fixture.Node` (plus a ``modules.alias`` for the running
+kernel's release and the ``/sys/class/mdev_bus`` links of its mdev parents) and returns the
+:class:`~simkit.kernel_sim.SimKernel` that gives the agent's writes their effect on it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from simkit.fixture_nodes import (
+    CLASS_3D,
+    CLASS_AUDIO,
+    CLASS_SERIAL_BUS,
+    CLASS_USB_XHCI,
+    CLASS_VGA,
+    NVIDIA,
+    root_port,
+)
+from simkit.kernel_sim import SimKernel
+from simkit.sysfs_fixture import Function, MdevType, Node, build
+
+GH100 = 0x2342
+MODULES_ALIAS = """\
+# Aliases extracted from modules themselves.
+alias pci:v000010DEd*sv*sd*bc03sc*i* nouveau
+alias vfio_pci:v000010DEd00002342sv*sd*bc03sc02i00* nvgrace_gpu_vfio_pci
+alias vfio_pci:v000010DEd00002345sv*sd*bc03sc02i00* nvgrace_gpu_vfio_pci
+alias vfio_pci:v*d*sv*sd*bc*sc*i* vfio_pci
+alias pci:v*d*sv*sd*bc04sc03i* snd_hda_intel
+"""
+
+
+def consumer_card(root_bus: int, gpu_driver: str | None = "nouveau") -> tuple[Function, ...]:
+    """An RTX 2060 as a desktop node has it before binding: four functions in one group on host drivers."""
+    port = root_port(root_bus)
+    group = (port.iommu_group or 0) + 2
+    below = f"0000:{root_bus + 1:02x}:00"
+    return (
+        port,
+        Function(f"{below}.0", NVIDIA, 0x1F08, CLASS_VGA, gpu_driver, group, port.numa_node, parent=port.address),
+        Function(
+            f"{below}.1", NVIDIA, 0x10F9, CLASS_AUDIO, "snd_hda_intel", group, port.numa_node, parent=port.address
+        ),
+        Function(f"{below}.2", NVIDIA, 0x1ADA, CLASS_USB_XHCI, "xhci_hcd", group, port.numa_node, parent=port.address),
+        Function(
+            f"{below}.3", NVIDIA, 0x1ADB, CLASS_SERIAL_BUS, "nvidia-gpu", group, port.numa_node, parent=port.address
+        ),
+    )
+
+
+def grace_gpu() -> Function:
+    """A GH100 3D controller on no driver: modules.alias names nvgrace_gpu_vfio_pci for it."""
+    return Function("0009:01:00.0", NVIDIA, GH100, CLASS_3D, None, 200, 0)
+
+
+def passthrough_node() -> Node:
+    return Node(name="agent-node", functions=(*consumer_card(0x85), *consumer_card(0xAE), grace_gpu()))
+
+
+def mdev_node(available: int = 4) -> Node:
+    """Two T4s on nvidia with two time-sliced mdev types each, no mdev yet."""
+    functions = (
+        Function("0000:3b:00.0", NVIDIA, 0x1EB8, CLASS_3D, "nvidia", 30, 0),
+        Function("0000:af:00.0", NVIDIA, 0x1EB8, CLASS_3D, "nvidia", 31, 1),
+    )
+    types = tuple(
+        MdevType(parent, type_id, name, available)
+        for parent in ("0000:3b:00.0", "0000:af:00.0")
+        for type_id, name in (("nvidia-222", "GRID T4-1Q"), ("nvidia-223", "GRID T4-2Q"))
+    )
+    return Node(name="vgpu-node", functions=functions, mdev_types=types)
+
+
+def build_node(node: Node, root: Path, *, modules_alias: str | None = MODULES_ALIAS) -> SimKernel:
+    build(node, root)
+    for parent in {t.parent for t in node.mdev_types}:
+        link = root / "sys" / "class" / "mdev_bus" / parent
+        link.parent.mkdir(parents=True, exist_ok=True)
+        target = os.path.realpath(root / "sys" / "bus" / "pci" / "devices" / parent)
+        link.symlink_to(os.path.relpath(target, link.parent))
+    if modules_alias is not None:
+        path = root / "lib" / "modules" / os.uname().release / "modules.alias"
+        path.parent.mkdir(parents=True)
+        path.write_text(modules_alias)
+    return SimKernel(root)
