@@ -45,8 +45,10 @@ FROM ${PYTHON_IMAGE} AS runtime
 # Debian's pci.ids: device names (and so resource names, docs/protocols.md, "Resource names") do not depend
 # on the node's own file, which the DaemonSet does not mount. Pinned so that a rebuild cannot rename resources; bump it on purpose.
 ARG PCI_IDS_VERSION=0.0~2023.04.11-1
+# kmod: the node agent's modprobe, loading the VFIO driver from the host's modules (modprobe -d /host).
+ARG KMOD_VERSION=30+20221128-1
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "pci.ids=${PCI_IDS_VERSION}" \
+    && apt-get install -y --no-install-recommends "pci.ids=${PCI_IDS_VERSION}" "kmod=${KMOD_VERSION}" \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 gpu-passthrough \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
@@ -62,7 +64,8 @@ RUN gpu-device-plugin --help > /dev/null \
     && gpu-node-agent --help > /dev/null \
     && onDefineDomain --help > /dev/null \
     && xmlgen --help > /dev/null \
-    && test -s /usr/share/misc/pci.ids
+    && test -s /usr/share/misc/pci.ids \
+    && modprobe --version > /dev/null
 LABEL org.opencontainers.image.title="kubevirt-gpu-passthrough" \
       org.opencontainers.image.description="NVIDIA GPUs for KubeVirt VMs: device plugin, hook sidecar, xmlgen" \
       org.opencontainers.image.licenses="Apache-2.0"

@@ -71,7 +71,10 @@ class RealKernel:
         return False
 
     def load_module(self, module: str, root: Path) -> None:
-        argv = ["modprobe", module] if str(root) == "/" else ["chroot", str(root), "modprobe", module]
+        # The image's own modprobe (kmod) with the host's modules: ``-d`` makes kmod read
+        # <root>/lib/modules/<release>/, which is all of the host the agent's pod mounts there (no host
+        # /sbin to chroot into).
+        argv = ["modprobe", module] if str(root) == "/" else ["modprobe", "-d", str(root), module]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=MODPROBE_TIMEOUT, check=False)
         except subprocess.TimeoutExpired:

@@ -295,6 +295,9 @@ def test_runtime_stage_is_slim_and_non_root_with_debians_pci_ids() -> None:
     args = {key: value for key, _, value in (i.rest.partition("=") for i in runtime.all("ARG"))}
     assert re.fullmatch(r"0\.0~\d{4}\.\d\d\.\d\d-\d+", args["PCI_IDS_VERSION"])
     assert "test -s /usr/share/misc/pci.ids" in " ".join(i.rest for i in runtime.all("RUN"))
+    # kmod for the node agent's modprobe -d <host-root> (docs/node-agent.md), pinned the same way.
+    assert re.search(r'"kmod=\$\{KMOD_VERSION\}"', apt.rest)
+    assert re.fullmatch(r"\d+\+\d{8}-\d+", args["KMOD_VERSION"])
     # The venv is the builder's, first on PATH; no build tools or sources copied from the context.
     (copy,) = runtime.all("COPY")
     assert copy.flags == ("--from=builder",)

@@ -239,6 +239,30 @@ def test_the_real_kernel_writer_names_the_file_and_the_refusal(tmp_path: Path) -
     assert kernel.group_busy(tmp_path / "no-such-group") is False
 
 
+def test_the_real_kernel_loads_the_driver_with_the_images_modprobe_from_the_host_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the pod the host root holds only sys, dev/vfio, proc and lib/modules: no host modprobe to chroot
+    into. The image's modprobe is run with ``-d <host-root>``; on the host itself, plain ``modprobe``."""
+    from node_agent.kernel import RealKernel
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "modprobe"
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\ncase " $* " in *" broken "*) echo "FATAL: no module" >&2; exit 1;; esac\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    kernel = RealKernel()
+    kernel.load_module("vfio_pci", Path("/host"))
+    kernel.load_module("vfio_pci", Path("/"))
+    assert calls.read_text().splitlines() == ["-d /host vfio_pci", "vfio_pci"]
+    with pytest.raises(AgentError, match=r"modprobe broken failed \(exit 1\): FATAL: no module"):
+        kernel.load_module("broken", Path("/"))
+
+
 def test_prepare_follows_the_workload(sim: SimKernel, tmp_path: Path) -> None:
     nothing = agent(sim, "prepare", "--workload", "container")
     assert nothing.exit_code == 0 and sim.writes == 0
