@@ -188,3 +188,47 @@ def test_components_are_kustomize_components() -> None:
     for directory in sorted((DEPLOY / "components").iterdir()):
         (kustomization,) = load_all((directory / "kustomization.yaml").read_text())
         assert kustomization["kind"] == "Component", directory
+
+
+def agent_invocations(docs: list[Doc]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """Every ``gpu-node-agent`` command the built manifests run (containers and exec probes), with its
+    container's env (an exec probe runs with it)."""
+    found = []
+    for daemonset in (doc for doc in docs if doc["kind"] == "DaemonSet"):
+        pod = daemonset["spec"]["template"]["spec"]
+        for each in pod.get("initContainers", []) + pod["containers"]:
+            env = {item["name"]: item.get("value", "<from a ConfigMap>") for item in each.get("env", [])}
+            argv = [*each.get("command", []), *each.get("args", [])]
+            commands = [argv] + [
+                each[probe]["exec"]["command"]
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe")
+                if "exec" in each.get(probe, {})
+            ]
+            for command in commands:
+                if command and command[0] == "gpu-node-agent":
+                    found.append((f"{daemonset['metadata']['name']}/{each['name']}", command[1:], env))
+    return found
+
+
+def test_every_agent_command_and_env_the_manifests_use_is_one_the_agent_takes(tmp_path: Path) -> None:
+    """The manifests and the CLI are written apart: each argv must parse with the real click command, and every
+    ``GPU_NODE_AGENT_*`` variable must be the env var of an option of the command it is given to."""
+    import click
+
+    from node_agent.cli import cli
+
+    docs = build_with(tmp_path, "gpu-operator")
+    invocations = agent_invocations(docs)
+    assert {name.split("/")[0] for name, _, _ in invocations} == set(AGENTS)
+    for name, args, env in invocations:
+        command: click.Command = cli
+        words = list(args)
+        while isinstance(command, click.Group):  # the subcommands, by name, as click dispatches them
+            found = command.get_command(click.Context(command), words[0]) if words else None
+            assert found is not None, f"{name}: no command in `gpu-node-agent {' '.join(args)}`"
+            command, words = found, words[1:]
+        command.make_context(command.name, words)  # an unknown option or a bad value raises here
+        accepted = {param.envvar for param in command.params if isinstance(param.envvar, str)}
+        accepted |= {param.envvar for param in cli.params if isinstance(param.envvar, str)}
+        unknown = {key for key in env if key.startswith("GPU_NODE_AGENT_")} - accepted
+        assert not unknown, f"{name}: `gpu-node-agent {' '.join(args)}` has no option for {sorted(unknown)}"
