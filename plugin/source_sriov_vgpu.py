@@ -97,7 +97,7 @@ class SriovVgpuSource:
             function = node.read_function(directory, entry)
             if function is None:
                 continue
-            pf = node.fs.readlink_name(f"{directory}/physfn")
+            pf = _pci_address(node.fs.readlink_name(f"{directory}/physfn"))
             listed = parse_creatable_types(node.read_text(f"{directory}/nvidia/creatable_vgpu_types") or "")
             if pf is not None:
                 _merge(by_pf.setdefault(pf, {}), listed)
@@ -129,9 +129,8 @@ class SriovVgpuSource:
     def _scan_vf(self, node: NodeScan, vf: _Vf, type_name: str | None) -> None:
         function = vf.function
         if vf.pf is None:
-            node.ignored.append(
-                Ignored(vf.name, function.vendor_device, function.driver, "it has a vGPU type but no physfn link")
-            )
+            reason = "it has a vGPU type but no physfn link naming a PCI function (its GPU is unknown)"
+            node.ignored.append(Ignored(vf.name, function.vendor_device, function.driver, reason))
             return
         if not node.config.selects(function.vendor, function.device, function.pci_class):
             node.ignored.append(
@@ -206,6 +205,18 @@ class SriovVgpuSource:
         if now is None or str(now) != device.mdev_type:
             return f"its vGPU type is now {now if now is not None else 'unreadable'} (was {device.mdev_type})"
         return None
+
+
+def _pci_address(name: str | None) -> str | None:
+    """A link's last component if it is a PCI address (``physfn`` → ``0000:3b:00.0``), else None: a link that
+    leads elsewhere (``/etc``, ``..``) names no GPU, and must not end the scan."""
+    if name is None:
+        return None
+    try:
+        PciAddress.parse(name)
+    except InputError:
+        return None
+    return name
 
 
 def _merge(names: dict[int, str], listed: dict[int, str]) -> None:

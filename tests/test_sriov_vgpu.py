@@ -263,3 +263,16 @@ def test_doctor_never_advises_binding_a_vgpu_vf_to_vfio_pci(tmp_path: Path) -> N
     assert found[f"vGPU {VF_A0}"].status is Status.OK
     assert "vGPU parent of 2 vGPU(s) (nvidia.com/NVIDIA_L40S-1Q)" in found[f"GPU {PF_A}"].detail
     assert "serves vGPUs only" in found["vfio-pci driver"].detail
+
+
+@pytest.mark.parametrize("target", ["/etc", "../../../../../../..", "../0000:3b:00.0x"])
+def test_a_physfn_link_naming_no_pci_function_costs_that_vf_only(tmp_path: Path, target: str) -> None:
+    root = build_node(SRIOV_VGPU_NODE, tmp_path)
+    link = pci(root, VF_A0) / "physfn"
+    link.unlink()
+    link.symlink_to(target)
+    inventory = discover(root)  # the scan goes on: one odd link does not take every GPU off the node
+    assert [d.id for d in inventory.resource(L40S_1Q_NAME).devices] == [VF_A1]
+    assert [d.id for d in inventory.resource(L40S_1B_NAME).devices] == [VF_B0]
+    reason = {item.id: item.reason for item in inventory.ignored}[VF_A0]
+    assert reason == "it has a vGPU type but no physfn link naming a PCI function (its GPU is unknown)"
