@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -276,3 +277,35 @@ def test_a_physfn_link_naming_no_pci_function_costs_that_vf_only(tmp_path: Path,
     assert [d.id for d in inventory.resource(L40S_1B_NAME).devices] == [VF_B0]
     reason = {item.id: item.reason for item in inventory.ignored}[VF_A0]
     assert reason == "it has a vGPU type but no physfn link naming a PCI function (its GPU is unknown)"
+
+
+def _rebind(root: Path, address: str, driver: str) -> None:
+    """What unbinding ``address`` from nvidia and binding it to ``driver`` leaves in the tree (nvidia/ goes)."""
+    link = pci(root, address) / "driver"
+    link.unlink()
+    drivers = root / "sys" / "bus" / "pci" / "drivers"
+    link.symlink_to(os.path.relpath(drivers / driver, link.parent))
+    (drivers / VF_DRIVER_NAME / address).unlink()
+    (drivers / driver).mkdir(exist_ok=True)
+    target = pci(root, address).resolve()
+    (drivers / driver / address).symlink_to(os.path.relpath(target, drivers / driver))
+    shutil.rmtree(target / "nvidia")
+
+
+VF_DRIVER_NAME = "nvidia"
+
+
+def test_a_vgpu_vf_moved_to_vfio_pci_is_not_offered_as_a_whole_gpu(tmp_path: Path) -> None:
+    root = build_node(SRIOV_VGPU_NODE, tmp_path)
+    before = discover(root)
+    _rebind(root, VF_A0, "vfio-pci")
+    inventory = discover(root)
+    # Gone from its vGPU resource, and not back under a passthrough resource named after the L40S either.
+    assert [d.id for d in inventory.resource(L40S_1Q_NAME).devices] == [VF_A1]
+    assert [(r.name, r.kind) for r in inventory.resources] == [(r.name, r.kind) for r in before.resources]
+    ignored = {item.id: item for item in inventory.ignored}[VF_A0]
+    assert ignored.reason == (
+        f"an SR-IOV VF of {PF_A}, a GPU on nvidia: "
+        "a vGPU VF works only on nvidia with a vGPU type, never as a whole GPU"
+    )
+    assert ignored.fix is not None and "drivers_probe" in ignored.fix
