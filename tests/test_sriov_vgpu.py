@@ -309,3 +309,16 @@ def test_a_vgpu_vf_moved_to_vfio_pci_is_not_offered_as_a_whole_gpu(tmp_path: Pat
         "a vGPU VF works only on nvidia with a vGPU type, never as a whole GPU"
     )
     assert ignored.fix is not None and "drivers_probe" in ignored.fix
+
+
+def test_a_type_name_whose_variable_another_resource_has_is_not_offered(tmp_path: Path) -> None:
+    # KubeVirt reads PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-1Q for both names: the second would get the first's devices.
+    lookalike = (1145, "nvidia.l40s-1q")
+    first, second = SRIOV_VGPU_NODE.sriov_vgpus
+    inventory = discover(build(with_gpus(first, dataclasses.replace(second, types=(lookalike,))), tmp_path))
+    assert inventory.resource_names == (L40S_1Q_NAME,)
+    reason = {item.id: item.reason for item in inventory.ignored}[VF_B0]
+    assert reason == (
+        f"resource nvidia.com/nvidia.l40s-1q would be allocated through {L40S_1Q_ENV}, which resource "
+        f"{L40S_1Q_NAME} already has (KubeVirt upper-cases a resource name and turns '.' and '/' into '_')"
+    )
