@@ -8,6 +8,7 @@ Built with ``kubectl kustomize`` like tests/test_deploy.py (which also validates
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,30 @@ def test_components_are_kustomize_components() -> None:
     for directory in sorted((DEPLOY / "components").iterdir()):
         (kustomization,) = load_all((directory / "kustomization.yaml").read_text())
         assert kustomization["kind"] == "Component", directory
+
+
+def _run_wait(script: str, state_dir: Path, wait_seconds: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", "-c", script.replace(STATE_DIR, str(state_dir))],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WAIT_SECONDS": wait_seconds},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_the_plugins_wait_for_the_agent_is_bounded_and_says_what_to_look_at(tmp_path: Path) -> None:
+    built = kustomize_build(DEPLOY)
+    (init,) = one(built, "DaemonSet", "gpu-device-plugin")["spec"]["template"]["spec"]["initContainers"]
+    env = {item["name"]: item["value"] for item in init["env"]}
+    assert 60 <= int(env["WAIT_SECONDS"]) <= 3600
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # kubectl describe shows why
+    (script,) = init["args"]
+    given_up = _run_wait(script, tmp_path, "0")
+    assert given_up.returncode == 1
+    assert f"the node agent did not mark this node ready ({tmp_path}/ready) within 0s" in given_up.stdout
+    assert "gpu-node-agent-passthrough (vm-passthrough) or gpu-node-agent-vgpu (vm-vgpu)" in given_up.stdout
+    (tmp_path / "ready").write_text("")
+    done = _run_wait(script, tmp_path, "0")
+    assert (done.returncode, done.stdout) == (0, "")
