@@ -134,6 +134,10 @@ def test_agents_are_privileged_with_only_the_host_paths_they_need_and_no_api_acc
             if "hostPath" in volumes[mount["name"]]
         }
         assert host == paths, name
+        # /dev/vfio exists only once a VFIO module is loaded, which on a fresh node is the agent's own work: a
+        # hostPath of type Directory would keep the agent from starting there, forever.
+        (vfio,) = [v for v in pod["volumes"] if v.get("hostPath", {}).get("path") == "/dev/vfio"]
+        assert vfio["hostPath"]["type"] == "DirectoryOrCreate", name
 
 
 def test_the_plugin_waits_for_the_agents_readiness_file_read_only_and_unprivileged() -> None:
