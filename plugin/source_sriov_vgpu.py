@@ -120,11 +120,30 @@ class SriovVgpuSource:
                 by_pf[pf],
                 parse_creatable_types(node.read_text(f"{node.pci_dir}/{pf}/nvidia/creatable_vgpu_types") or ""),
             )
+            self._explain_pf(node, pf)
         for vf in vfs:
             names = by_pf.get(vf.pf or "", {})
             self._scan_vf(
                 node, vf, names.get(vf.type_id) or by_model.get(vf.function.vendor_device, {}).get(vf.type_id)
             )
+
+    @staticmethod
+    def _explain_pf(node: NodeScan, pf: str) -> None:
+        """A GPU split into vGPU VFs is not offered because its VFs are, not because it is "not on vfio-pci"."""
+        function = node.read_function(f"{node.pci_dir}/{pf}", pf)
+        if function is None or function.driver != VF_DRIVER:
+            return
+        node.claim(pf)
+        enabled = node.read_int(f"{node.pci_dir}/{pf}/sriov_numvfs", 10)
+        reason = (
+            f"a GPU split into SR-IOV vGPU VFs ({enabled if enabled is not None else 'some'} enabled): "
+            "its VFs are offered as vGPUs, not the GPU itself"
+        )
+        fix = (
+            "nothing for vGPUs; to pass the whole GPU through instead, remove its vGPUs, disable its VFs "
+            "(sriov_numvfs 0) and bind it to vfio-pci (gpu-node-agent bind)"
+        )
+        node.ignored.append(Ignored(pf, function.vendor_device, function.driver, reason, fix))
 
     def _scan_vf(self, node: NodeScan, vf: _Vf, type_name: str | None) -> None:
         function = vf.function

@@ -85,6 +85,10 @@ def test_discovery_offers_typed_vfs_named_after_their_vgpu_type(tmp_path: Path) 
     assert VF_A0 not in ignored and VF_B0 not in ignored  # offered, so not "bound to nvidia" as well
     assert {PF_A, PF_B, VF_A2} <= set(ignored)
     assert ignored[VF_A2] == "an SR-IOV vGPU VF with no vGPU type yet (nvidia/current_vgpu_type is 0)"
+    # The GPUs themselves are on nvidia because they are split into vGPUs, not for want of vfio-pci.
+    assert ignored[PF_A] == (
+        "a GPU split into SR-IOV vGPU VFs (4 enabled): its VFs are offered as vGPUs, not the GPU itself"
+    )
     assert "VGPU TYPE" in render_table(inventory) and "1147 on 0000:3b:00.0" in render_table(inventory)
 
 
@@ -231,6 +235,9 @@ def test_simulate_takes_the_vfs_through_the_plugin_and_the_hook_into_pci_hostdev
     assert f"env {L40S_1Q_ENV}={VF_A0}" in done.stderr
     assert f"devices /dev/vfio/vfio (mrw), /dev/vfio/{GROUP[VF_A0]} (mrw)" in done.stderr
     assert "nvidia.com/NVIDIA_L40S-1Q (sriov_vgpu, 2/2 healthy)" in done.stderr
+    # Step 3 reads as what the VMI asks for against what is healthy, not as "1 of 2 (devices) healthy".
+    step3 = "nvidia.com/NVIDIA_L40S-1Q: the VMI asks for 1, the kubelet sees 2 healthy; the plugin prefers"
+    assert step3 in done.stderr
 
 
 @pytest.mark.libvirt
