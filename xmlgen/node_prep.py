@@ -22,6 +22,8 @@ NVIDIA = 0x10DE
 PCI_DIR = "/sys/bus/pci/devices"
 MAX_FUNCTIONS = 65536
 """At most this many PCI functions are looked at (a PCI domain has 65,536 routing IDs)."""
+MAX_VFS = 65535
+"""The most VFs a PF can have (``TotalVFs`` is a 16-bit field of the SR-IOV capability)."""
 VIABLE_DRIVERS = frozenset({"pcieport", "pci-stub"})
 """Drivers that may stay in a group the VFIO driver takes (docs/node.md); the agent leaves them."""
 
@@ -105,9 +107,13 @@ def _vgpus_of(fs: HostRoot, gpu: _Function) -> tuple[bool, int]:
         capable = True
         with contextlib.suppress(OSError):  # an unreadable parent counts as none
             count += sum(1 for entry in fs.listdir(directory) if looks_like_mdev_uuid(entry))
-    if gpu.driver == "nvidia" and (_read_int(fs, f"{directory}/sriov_totalvfs", 10) or 0) > 0:
+    total = _read_int(fs, f"{directory}/sriov_totalvfs", 10) or 0
+    if gpu.driver == "nvidia" and total > 0:
         capable = True
-        for index in range(_read_int(fs, f"{directory}/sriov_numvfs", 10) or 0):
+        # sriov_numvfs never exceeds sriov_totalvfs, a 16-bit field of the SR-IOV capability: a larger number is
+        # no count to loop over.
+        enabled = _read_int(fs, f"{directory}/sriov_numvfs", 10) or 0
+        for index in range(max(0, min(enabled, total, MAX_VFS))):
             vf = fs.readlink_name(f"{directory}/virtfn{index}")
             if vf is not None and (_read_int(fs, f"{PCI_DIR}/{vf}/nvidia/current_vgpu_type", 10) or 0) != 0:
                 count += 1
