@@ -12,9 +12,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from tests.test_deploy import DEPLOY, Doc, container, kustomize_build, load_all, one
+from tests.test_deploy import DEPLOY, Doc, assert_validates, container, kustomize_build, load_all, one
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 STATE_DIR = "/run/kubevirt-gpu-passthrough/node-agent"
@@ -220,3 +221,12 @@ def test_the_plugins_wait_for_the_agent_is_bounded_and_says_what_to_look_at(tmp_
     (tmp_path / "ready").write_text("")
     done = _run_wait(script, tmp_path, "0")
     assert (done.returncode, done.stdout) == (0, "")
+
+
+@pytest.mark.parametrize("component", ["default-workload-vm-passthrough", "gpu-operator"])
+def test_deploy_with_each_optional_component_validates_strictly(tmp_path: Path, component: str) -> None:
+    (tmp_path / "overlay").mkdir()
+    built = build_with(tmp_path / "overlay", component)
+    output = tmp_path / "built.yaml"
+    output.write_text(yaml.safe_dump_all(built))
+    assert_validates([output], built)
