@@ -85,3 +85,16 @@ def test_vf_counts_from_the_tree_are_bounded_by_the_pcie_limits(
     monkeypatch.setattr(HostRoot, "readlink_name", counting)
     assert node_preparation(root).workload == "vm-vgpu"
     assert sum("/0000:3b:00.0/virtfn" in path for path in looked) == 32  # sriov_totalvfs, not 4e9
+
+
+def test_gpus_split_into_vfs_without_vgpus_yet_wait_for_vgpu_apply_not_bind(tmp_path: Path) -> None:
+    # After sriov-manage -e and before vgpu apply: VFs enabled, none typed. Binding the GPUs to vfio-pci would be
+    # the wrong advice.
+    untyped = tuple(dataclasses.replace(gpu, current=()) for gpu in SRIOV_VGPU_NODE.sriov_vgpus)
+    node = dataclasses.replace(SRIOV_VGPU_NODE, sriov_vgpus=untyped)
+    assert plan_of(node, tmp_path) == (
+        "vm-vgpu",
+        [],
+        ["0000:3b:00.0 (10DE:26B9, nvidia): no vGPU yet", "0000:d8:00.0 (10DE:26B9, nvidia): no vGPU yet"],
+    )
+    assert node_preparation(tmp_path / node.name).why == "no vGPU yet, but 2 GPUs with SR-IOV vGPU VFs enabled"
