@@ -14,19 +14,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lxml import etree
 
 from launcher_hook.hostdevs import HOSTDEV_MODELS
 from plugin.allocation import DeviceSpec, DeviceUnavailable, allocate, recheck_device
+from plugin.hostroot import HostRoot
 from plugin.inventory import Inventory
 from plugin.source_sriov_vgpu import parse_creatable_types, parse_type_id
 from plugin.sources import permitted_host_devices
 from schemas import DEVICE_KINDS, VM_KINDS, ResourceKind, kind_of_variable
 from simkit.fixture_nodes import L40S_1B, L40S_1Q, SRIOV_VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn
-from simkit.sysfs_fixture import Node, SriovVgpuGpu, build, creatable_text
+from simkit.sysfs_fixture import Function, Node, SriovVgpuGpu, build, creatable_text, sriov_vfs
 from tests.discovery_support import build_node, discover
 from tests.plugin_support import build_tree, manager_for, running, short_dir
 from xmlgen.discover_cmd import render_permitted_host_devices, render_table
@@ -329,3 +331,50 @@ def test_a_type_name_whose_variable_another_resource_has_is_not_offered(tmp_path
         f"resource nvidia.com/nvidia.l40s-1q would be allocated through {L40S_1Q_ENV}, which resource "
         f"{L40S_1Q_NAME} already has (KubeVirt upper-cases a resource name and turns '.' and '/' into '_')"
     )
+
+
+def _sriov_node(vfs_per_gpu: int) -> Node:
+    """Eight L40S, each with ``vfs_per_gpu`` VFs enabled, half of them with a vGPU type."""
+    functions = []
+    gpus = []
+    for index, bus in enumerate((0x17, 0x1F, 0x3A, 0x5D, 0x85, 0x8F, 0xAE, 0xD7)):
+        port = Function(f"0000:{bus:02x}:00.0", 0x8086, 0x2030, 0x060400, "pcieport", 500 + index * 40, index // 4)
+        pf = Function(
+            f"0000:{bus + 1:02x}:00.0",
+            0x10DE,
+            0x26B9,
+            0x030200,
+            "nvidia",
+            501 + index * 40,
+            index // 4,
+            parent=port.address,
+        )
+        vfs = sriov_vfs(pf, vfs_per_gpu, 502 + index * 40)
+        functions += [port, pf, *vfs]
+        typed = (L40S_1Q[0],) * (vfs_per_gpu // 2)
+        gpus.append(SriovVgpuGpu(pf.address, tuple(vf.address for vf in vfs), 32, types=(L40S_1Q,), current=typed))
+    return dataclasses.replace(
+        SRIOV_VGPU_NODE, name=f"l40s-x8-{vfs_per_gpu}", functions=tuple(functions), sriov_vgpus=tuple(gpus)
+    )
+
+
+def test_scan_work_per_vf_stays_the_same_from_32_to_256_vfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear in the VFs (sriov_totalvfs 32 x 8 GPUs): the reads and link lookups per VF do not grow with their
+    number (the timing itself is bench/'s business)."""
+    calls: list[str] = []
+    for name in ("read", "readlink_name", "listdir", "exists", "resolve"):
+        original = getattr(HostRoot, name)
+
+        def counting(self: HostRoot, path: str, _original: Any = original) -> Any:
+            calls.append(path)
+            return _original(self, path)
+
+        monkeypatch.setattr(HostRoot, name, counting)
+    per_vf = {}
+    for vfs in (4, 32):
+        root = build(_sriov_node(vfs), tmp_path / str(vfs))
+        calls.clear()
+        inventory = discover(root)
+        assert len(inventory.resource(L40S_1Q_NAME).devices) == 8 * vfs // 2
+        per_vf[vfs] = len(calls) / (8 * vfs)
+    assert per_vf[32] <= per_vf[4] * 1.1, per_vf
