@@ -133,6 +133,8 @@ class SriovVgpuSource:
         function = node.read_function(f"{node.pci_dir}/{pf}", pf)
         if function is None or function.driver != VF_DRIVER:
             return
+        if not node.config.selects(function.vendor, function.device, function.pci_class):
+            return  # a GPU the plugin was not asked for is not listed at all
         node.claim(pf)
         enabled = node.read_int(f"{node.pci_dir}/{pf}/sriov_numvfs", 10)
         reason = (

@@ -142,6 +142,7 @@ def test_a_vf_of_a_gpu_not_selected_is_not_offered(tmp_path: Path) -> None:
     inventory = discover(build_node(SRIOV_VGPU_NODE, tmp_path), pci_selectors=("10DE:1EB8",))
     assert inventory.resources == ()
     assert "is not a selected GPU" in {item.id: item.reason for item in inventory.ignored}[VF_A0]
+    assert PF_A not in {item.id for item in inventory.ignored}  # a GPU not asked for is not listed itself
 
 
 def test_allocate_publishes_vf_addresses_and_rechecks_driver_and_type(tmp_path: Path) -> None:
