@@ -18,7 +18,7 @@ from plugin.inventory import Device, Ignored, Inventory, Resource
 from plugin.naming import pci_resource_name
 from runtime.pciids import PciIds
 from schemas.errors import InputError
-from schemas.naming import ResourceKind, validate_resource_name
+from schemas.naming import ResourceKind, env_var_for, validate_resource_name
 
 MAX_NUMA_NODE = 1023
 """The kernel has at most ``1 << CONFIG_NODES_SHIFT`` (≤ 1024) NUMA nodes; a larger ``numa_node`` is nonsense."""
@@ -44,6 +44,8 @@ class NodeScan:
     group_members: dict[int, tuple[PciFunction, ...]] = field(default_factory=dict)
     functions: dict[str, PciFunction] = field(default_factory=dict)
     """Functions already read, by name: a GPU's group members were mostly read by the bus scan."""
+    variables: dict[str, str] = field(default_factory=dict)
+    """Allocation variable → the resource that has it (KubeVirt's variable for a name: :func:`env_var_for`)."""
     claims: dict[str, int] = field(default_factory=dict)
     """Devices a later source said are its own (``claim``): ID → how many ``ignored`` entries came before."""
 
@@ -193,12 +195,24 @@ class NodeScan:
         self.claims.setdefault(device_id, len(self.ignored))
 
     def add(self, name: str, kind: ResourceKind, device: Device, selector: str) -> None:
-        """File ``device`` under resource ``name``; a name another kind already uses is ignored (one kind each)."""
+        """File ``device`` under resource ``name``; a name another kind already uses is ignored (one kind each),
+        and so is a name whose allocation variable another resource already has: virt-launcher finds devices by
+        that variable (upper-cased, ``.`` and ``/`` as ``_``), so ``nvidia.com/nvidia.l40s-1q`` and
+        ``nvidia.com/NVIDIA_L40S-1Q`` would hand a VM each other's devices."""
         for other_name, other in self.devices:
             if other_name == name and other is not kind:
                 reason = f"resource {name} is already a {other} resource"
                 self.ignored.append(Ignored(device.id, device.vendor_device, device.driver, reason))
                 return
+        variable = env_var_for(name, kind)
+        owner = self.variables.setdefault(variable, name)
+        if owner != name:
+            reason = (
+                f"resource {name} would be allocated through {variable}, which resource {owner} already has "
+                "(KubeVirt upper-cases a resource name and turns '.' and '/' into '_')"
+            )
+            self.ignored.append(Ignored(device.id, device.vendor_device, device.driver, reason))
+            return
         self.devices.setdefault((name, kind), []).append(device)
         self.selectors.setdefault((name, kind), set()).add(selector)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from plugin.health import UsabilityRule
+from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import HostRoot
 from plugin.inventory import Device, Ignored
 from plugin.naming import mdev_resource_name
@@ -34,6 +34,7 @@ class MdevVgpuSource:
             entries = sorted(node.fs.listdir(bus))
         except OSError:
             return  # no mdev support loaded: no vGPUs
+        parents: dict[str, tuple[PciFunction, int]] = {}
         for entry in entries:
             link = f"{bus}/{entry}"
             try:
@@ -70,6 +71,8 @@ class MdevVgpuSource:
                     Ignored(uuid, parent.vendor_device, driver, f"its parent {parent.describe()} is not a selected GPU")
                 )
                 continue
+            _, count = parents.get(parent.name, (parent, 0))
+            parents[parent.name] = (parent, count + 1)
             name = node.checked_name(
                 mdev_resource_name(type_name, node.config.resource_domain),
                 f"mdev type {os.path.basename(type_dir)} ({type_name!r}) cannot be offered",
@@ -95,6 +98,13 @@ class MdevVgpuSource:
                 mdev_type=os.path.basename(type_dir),
             )
             node.add(name, self.kind.key, device, type_name.strip())
+        for parent, count in parents.values():
+            if node.rule.driver_problem(parent.driver) is None:
+                continue  # on a VFIO driver: the passthrough source's to explain
+            # Its GPU is on the vendor's driver because it hosts vGPUs, not for want of vfio-pci.
+            node.claim(parent.name)
+            reason = f"a vGPU parent of {count} mdev(s): its mdevs are offered as vGPUs, not the GPU itself"
+            node.ignored.append(Ignored(parent.name, parent.vendor_device, parent.driver, reason))
 
     def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
         """An mdev stays on its vendor's driver: nothing to re-check beyond its group."""

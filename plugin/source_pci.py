@@ -18,6 +18,9 @@ from schemas.errors import InputError
 from schemas.kinds import PCI_PASSTHROUGH, DeviceKind
 from schemas.pci import PciAddress
 
+VGPU_HOST_DRIVER = "nvidia"
+"""The driver of a GPU whose VFs are SR-IOV vGPUs (:mod:`plugin.source_sriov_vgpu`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PciPassthroughSource:
@@ -57,6 +60,18 @@ class PciPassthroughSource:
         if not_on_vfio is not None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, not_on_vfio))
             return
+        vgpu_pf = self._vgpu_pf(node, directory)
+        if vgpu_pf is not None:
+            reason = (
+                f"an SR-IOV VF of {vgpu_pf}, a GPU on {VGPU_HOST_DRIVER}: a vGPU VF works only on "
+                f"{VGPU_HOST_DRIVER} with a vGPU type, never as a whole GPU"
+            )
+            fix = (
+                f"give it back to {VGPU_HOST_DRIVER}: clear its driver_override, unbind it from {gpu.driver} and "
+                "write it to /sys/bus/pci/drivers_probe (or disable the VFs: sriov_numvfs 0 on its GPU)"
+            )
+            node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, reason, fix))
+            return
         name = node.pci_name(gpu)
         if name is None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, "its resource name is invalid"))
@@ -95,6 +110,24 @@ class PciPassthroughSource:
             driver=gpu.driver,
         )
         node.add(name, self.kind.key, device, gpu.vendor_device)
+
+    @staticmethod
+    def _vgpu_pf(node: NodeScan, directory: str) -> str | None:
+        """The PF of the VF at ``directory`` when that PF is on NVIDIA's host driver, else None.
+
+        NVIDIA GPUs have VFs only for SR-IOV vGPUs, made by the host driver (docs/node.md, "SR-IOV vGPUs"); such
+        a VF moved to vfio-pci is no passthrough GPU, and offering it as one would advertise it twice over
+        time, as a vGPU and as a GPU named after the PF's model."""
+        pf = node.fs.readlink_name(f"{directory}/physfn")
+        if pf is None:
+            return None
+        try:
+            PciAddress.parse(pf)
+        except InputError:
+            return None
+        if node.fs.readlink_name(f"{node.pci_dir}/{pf}/driver") != VGPU_HOST_DRIVER:
+            return None
+        return pf
 
     def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
         """The GPU itself must still be on a VFIO driver."""

@@ -97,7 +97,7 @@ class SriovVgpuSource:
             function = node.read_function(directory, entry)
             if function is None:
                 continue
-            pf = node.fs.readlink_name(f"{directory}/physfn")
+            pf = _pci_address(node.fs.readlink_name(f"{directory}/physfn"))
             listed = parse_creatable_types(node.read_text(f"{directory}/nvidia/creatable_vgpu_types") or "")
             if pf is not None:
                 _merge(by_pf.setdefault(pf, {}), listed)
@@ -120,18 +120,38 @@ class SriovVgpuSource:
                 by_pf[pf],
                 parse_creatable_types(node.read_text(f"{node.pci_dir}/{pf}/nvidia/creatable_vgpu_types") or ""),
             )
+            self._explain_pf(node, pf)
         for vf in vfs:
             names = by_pf.get(vf.pf or "", {})
             self._scan_vf(
                 node, vf, names.get(vf.type_id) or by_model.get(vf.function.vendor_device, {}).get(vf.type_id)
             )
 
+    @staticmethod
+    def _explain_pf(node: NodeScan, pf: str) -> None:
+        """A GPU split into vGPU VFs is not offered because its VFs are, not because it is "not on vfio-pci"."""
+        function = node.read_function(f"{node.pci_dir}/{pf}", pf)
+        if function is None or function.driver != VF_DRIVER:
+            return
+        if not node.config.selects(function.vendor, function.device, function.pci_class):
+            return  # a GPU the plugin was not asked for is not listed at all
+        node.claim(pf)
+        enabled = node.read_int(f"{node.pci_dir}/{pf}/sriov_numvfs", 10)
+        reason = (
+            f"a GPU split into SR-IOV vGPU VFs ({enabled if enabled is not None else 'some'} enabled): "
+            "its VFs are offered as vGPUs, not the GPU itself"
+        )
+        fix = (
+            "nothing for vGPUs; to pass the whole GPU through instead, remove its vGPUs, disable its VFs "
+            "(sriov_numvfs 0) and bind it to vfio-pci (gpu-node-agent bind)"
+        )
+        node.ignored.append(Ignored(pf, function.vendor_device, function.driver, reason, fix))
+
     def _scan_vf(self, node: NodeScan, vf: _Vf, type_name: str | None) -> None:
         function = vf.function
         if vf.pf is None:
-            node.ignored.append(
-                Ignored(vf.name, function.vendor_device, function.driver, "it has a vGPU type but no physfn link")
-            )
+            reason = "it has a vGPU type but no physfn link naming a PCI function (its GPU is unknown)"
+            node.ignored.append(Ignored(vf.name, function.vendor_device, function.driver, reason))
             return
         if not node.config.selects(function.vendor, function.device, function.pci_class):
             node.ignored.append(
@@ -206,6 +226,18 @@ class SriovVgpuSource:
         if now is None or str(now) != device.mdev_type:
             return f"its vGPU type is now {now if now is not None else 'unreadable'} (was {device.mdev_type})"
         return None
+
+
+def _pci_address(name: str | None) -> str | None:
+    """A link's last component if it is a PCI address (``physfn`` → ``0000:3b:00.0``), else None: a link that
+    leads elsewhere (``/etc``, ``..``) names no GPU, and must not end the scan."""
+    if name is None:
+        return None
+    try:
+        PciAddress.parse(name)
+    except InputError:
+        return None
+    return name
 
 
 def _merge(names: dict[int, str], listed: dict[int, str]) -> None:

@@ -8,12 +8,14 @@ Built with ``kubectl kustomize`` like tests/test_deploy.py (which also validates
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from tests.test_deploy import DEPLOY, Doc, container, kustomize_build, load_all, one
+from tests.test_deploy import DEPLOY, Doc, assert_validates, container, kustomize_build, load_all, one
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 STATE_DIR = "/run/kubevirt-gpu-passthrough/node-agent"
@@ -133,6 +135,10 @@ def test_agents_are_privileged_with_only_the_host_paths_they_need_and_no_api_acc
             if "hostPath" in volumes[mount["name"]]
         }
         assert host == paths, name
+        # /dev/vfio exists only once a VFIO module is loaded, which on a fresh node is the agent's own work: a
+        # hostPath of type Directory would keep the agent from starting there, forever.
+        (vfio,) = [v for v in pod["volumes"] if v.get("hostPath", {}).get("path") == "/dev/vfio"]
+        assert vfio["hostPath"]["type"] == "DirectoryOrCreate", name
 
 
 def test_the_plugin_waits_for_the_agents_readiness_file_read_only_and_unprivileged() -> None:
@@ -232,3 +238,39 @@ def test_every_agent_command_and_env_the_manifests_use_is_one_the_agent_takes(tm
         accepted |= {param.envvar for param in cli.params if isinstance(param.envvar, str)}
         unknown = {key for key in env if key.startswith("GPU_NODE_AGENT_")} - accepted
         assert not unknown, f"{name}: `gpu-node-agent {' '.join(args)}` has no option for {sorted(unknown)}"
+
+
+def _run_wait(script: str, state_dir: Path, wait_seconds: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", "-c", script.replace(STATE_DIR, str(state_dir))],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WAIT_SECONDS": wait_seconds},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_the_plugins_wait_for_the_agent_is_bounded_and_says_what_to_look_at(tmp_path: Path) -> None:
+    built = kustomize_build(DEPLOY)
+    (init,) = one(built, "DaemonSet", "gpu-device-plugin")["spec"]["template"]["spec"]["initContainers"]
+    env = {item["name"]: item["value"] for item in init["env"]}
+    assert 60 <= int(env["WAIT_SECONDS"]) <= 3600
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # kubectl describe shows why
+    (script,) = init["args"]
+    given_up = _run_wait(script, tmp_path, "0")
+    assert given_up.returncode == 1
+    assert f"the node agent did not mark this node ready ({tmp_path}/ready) within 0s" in given_up.stdout
+    assert "gpu-node-agent-passthrough (vm-passthrough) or gpu-node-agent-vgpu (vm-vgpu)" in given_up.stdout
+    (tmp_path / "ready").write_text("")
+    done = _run_wait(script, tmp_path, "0")
+    assert (done.returncode, done.stdout) == (0, "")
+
+
+@pytest.mark.parametrize("component", ["default-workload-vm-passthrough", "gpu-operator"])
+def test_deploy_with_each_optional_component_validates_strictly(tmp_path: Path, component: str) -> None:
+    (tmp_path / "overlay").mkdir()
+    built = build_with(tmp_path / "overlay", component)
+    output = tmp_path / "built.yaml"
+    output.write_text(yaml.safe_dump_all(built))
+    assert_validates([output], built)

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from plugin.hostroot import HostRoot
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE, l40s_sriov
 from simkit.sysfs_fixture import Node, build
 from xmlgen.node_prep import node_preparation
@@ -64,3 +67,34 @@ def test_simulate_shows_the_preparation_first_only_when_needed() -> None:
     assert shown.startswith("0. node preparation")
     assert shown.index("gpu-node-agent bind --all") < shown.index("1. node node01")
     assert "0. node preparation" not in stderr("sriov-vgpu")
+
+
+def test_vf_counts_from_the_tree_are_bounded_by_the_pcie_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = build(SRIOV_VGPU_NODE, tmp_path / "n")
+    pf = root / "sys" / "bus" / "pci" / "devices" / "0000:3b:00.0"
+    (pf / "sriov_numvfs").write_text("4000000000\n")  # more than sriov_totalvfs (32), and than 16 bits
+    looked: list[str] = []
+    original = HostRoot.readlink_name
+
+    def counting(self: HostRoot, path: str) -> str | None:
+        looked.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(HostRoot, "readlink_name", counting)
+    assert node_preparation(root).workload == "vm-vgpu"
+    assert sum("/0000:3b:00.0/virtfn" in path for path in looked) == 32  # sriov_totalvfs, not 4e9
+
+
+def test_gpus_split_into_vfs_without_vgpus_yet_wait_for_vgpu_apply_not_bind(tmp_path: Path) -> None:
+    # After sriov-manage -e and before vgpu apply: VFs enabled, none typed. Binding the GPUs to vfio-pci would be
+    # the wrong advice.
+    untyped = tuple(dataclasses.replace(gpu, current=()) for gpu in SRIOV_VGPU_NODE.sriov_vgpus)
+    node = dataclasses.replace(SRIOV_VGPU_NODE, sriov_vgpus=untyped)
+    assert plan_of(node, tmp_path) == (
+        "vm-vgpu",
+        [],
+        ["0000:3b:00.0 (10DE:26B9, nvidia): no vGPU yet", "0000:d8:00.0 (10DE:26B9, nvidia): no vGPU yet"],
+    )
+    assert node_preparation(tmp_path / node.name).why == "no vGPU yet, but 2 GPUs with SR-IOV vGPU VFs enabled"

@@ -434,7 +434,8 @@ def test_mdev_type_names_are_trimmed_of_newlines_only_like_nvidia(tmp_path: Path
     assert inventory.resource("nvidia.com/GRID_T4-1Q").selectors == ("GRID  T4-1Q",)
     # "GRID T4-2Q " becomes GRID_T4-2Q_ (as in NVIDIA's plugin), which the kubelet would refuse: reported instead.
     assert [(item.id, item.reason) for item in inventory.ignored] == [
-        ("0000:3b:00.0", "bound to nvidia, not to vfio-pci or nvgrace_gpu_vfio_pci"),
+        # On nvidia because it hosts vGPUs, which is not a fault to fix with vfio-pci.
+        ("0000:3b:00.0", "a vGPU parent of 2 mdev(s): its mdevs are offered as vGPUs, not the GPU itself"),
         (T4_2Q, "its resource name is invalid"),
     ]
     assert any("GRID_T4-2Q_" in warning and "nvidia-231" in warning for warning in inventory.warnings)

@@ -9,23 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lxml import etree
 
 from launcher_hook.hostdevs import HOSTDEV_MODELS
 from plugin.allocation import DeviceSpec, DeviceUnavailable, allocate, recheck_device
+from plugin.hostroot import HostRoot
 from plugin.inventory import Inventory
 from plugin.source_sriov_vgpu import parse_creatable_types, parse_type_id
 from plugin.sources import permitted_host_devices
 from schemas import DEVICE_KINDS, VM_KINDS, ResourceKind, kind_of_variable
 from simkit.fixture_nodes import L40S_1B, L40S_1Q, SRIOV_VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn
-from simkit.sysfs_fixture import Node, SriovVgpuGpu, build, creatable_text
+from simkit.sysfs_fixture import Function, Node, SriovVgpuGpu, build, creatable_text, sriov_vfs
 from tests.discovery_support import build_node, discover
 from tests.plugin_support import build_tree, manager_for, running, short_dir
 from xmlgen.discover_cmd import render_permitted_host_devices, render_table
@@ -84,6 +87,10 @@ def test_discovery_offers_typed_vfs_named_after_their_vgpu_type(tmp_path: Path) 
     assert VF_A0 not in ignored and VF_B0 not in ignored  # offered, so not "bound to nvidia" as well
     assert {PF_A, PF_B, VF_A2} <= set(ignored)
     assert ignored[VF_A2] == "an SR-IOV vGPU VF with no vGPU type yet (nvidia/current_vgpu_type is 0)"
+    # The GPUs themselves are on nvidia because they are split into vGPUs, not for want of vfio-pci.
+    assert ignored[PF_A] == (
+        "a GPU split into SR-IOV vGPU VFs (4 enabled): its VFs are offered as vGPUs, not the GPU itself"
+    )
     assert "VGPU TYPE" in render_table(inventory) and "1147 on 0000:3b:00.0" in render_table(inventory)
 
 
@@ -135,6 +142,7 @@ def test_a_vf_of_a_gpu_not_selected_is_not_offered(tmp_path: Path) -> None:
     inventory = discover(build_node(SRIOV_VGPU_NODE, tmp_path), pci_selectors=("10DE:1EB8",))
     assert inventory.resources == ()
     assert "is not a selected GPU" in {item.id: item.reason for item in inventory.ignored}[VF_A0]
+    assert PF_A not in {item.id for item in inventory.ignored}  # a GPU not asked for is not listed itself
 
 
 def test_allocate_publishes_vf_addresses_and_rechecks_driver_and_type(tmp_path: Path) -> None:
@@ -230,6 +238,9 @@ def test_simulate_takes_the_vfs_through_the_plugin_and_the_hook_into_pci_hostdev
     assert f"env {L40S_1Q_ENV}={VF_A0}" in done.stderr
     assert f"devices /dev/vfio/vfio (mrw), /dev/vfio/{GROUP[VF_A0]} (mrw)" in done.stderr
     assert "nvidia.com/NVIDIA_L40S-1Q (sriov_vgpu, 2/2 healthy)" in done.stderr
+    # Step 3 reads as what the VMI asks for against what is healthy, not as "1 of 2 (devices) healthy".
+    step3 = "nvidia.com/NVIDIA_L40S-1Q: the VMI asks for 1, the kubelet sees 2 healthy; the plugin prefers"
+    assert step3 in done.stderr
 
 
 @pytest.mark.libvirt
@@ -263,3 +274,108 @@ def test_doctor_never_advises_binding_a_vgpu_vf_to_vfio_pci(tmp_path: Path) -> N
     assert found[f"vGPU {VF_A0}"].status is Status.OK
     assert "vGPU parent of 2 vGPU(s) (nvidia.com/NVIDIA_L40S-1Q)" in found[f"GPU {PF_A}"].detail
     assert "serves vGPUs only" in found["vfio-pci driver"].detail
+
+
+@pytest.mark.parametrize("target", ["/etc", "../../../../../../..", "../0000:3b:00.0x"])
+def test_a_physfn_link_naming_no_pci_function_costs_that_vf_only(tmp_path: Path, target: str) -> None:
+    root = build_node(SRIOV_VGPU_NODE, tmp_path)
+    link = pci(root, VF_A0) / "physfn"
+    link.unlink()
+    link.symlink_to(target)
+    inventory = discover(root)  # the scan goes on: one odd link does not take every GPU off the node
+    assert [d.id for d in inventory.resource(L40S_1Q_NAME).devices] == [VF_A1]
+    assert [d.id for d in inventory.resource(L40S_1B_NAME).devices] == [VF_B0]
+    reason = {item.id: item.reason for item in inventory.ignored}[VF_A0]
+    assert reason == "it has a vGPU type but no physfn link naming a PCI function (its GPU is unknown)"
+
+
+def _rebind(root: Path, address: str, driver: str) -> None:
+    """What unbinding ``address`` from nvidia and binding it to ``driver`` leaves in the tree (nvidia/ goes)."""
+    link = pci(root, address) / "driver"
+    link.unlink()
+    drivers = root / "sys" / "bus" / "pci" / "drivers"
+    link.symlink_to(os.path.relpath(drivers / driver, link.parent))
+    (drivers / VF_DRIVER_NAME / address).unlink()
+    (drivers / driver).mkdir(exist_ok=True)
+    target = pci(root, address).resolve()
+    (drivers / driver / address).symlink_to(os.path.relpath(target, drivers / driver))
+    shutil.rmtree(target / "nvidia")
+
+
+VF_DRIVER_NAME = "nvidia"
+
+
+def test_a_vgpu_vf_moved_to_vfio_pci_is_not_offered_as_a_whole_gpu(tmp_path: Path) -> None:
+    root = build_node(SRIOV_VGPU_NODE, tmp_path)
+    before = discover(root)
+    _rebind(root, VF_A0, "vfio-pci")
+    inventory = discover(root)
+    # Gone from its vGPU resource, and not back under a passthrough resource named after the L40S either.
+    assert [d.id for d in inventory.resource(L40S_1Q_NAME).devices] == [VF_A1]
+    assert [(r.name, r.kind) for r in inventory.resources] == [(r.name, r.kind) for r in before.resources]
+    ignored = {item.id: item for item in inventory.ignored}[VF_A0]
+    assert ignored.reason == (
+        f"an SR-IOV VF of {PF_A}, a GPU on nvidia: "
+        "a vGPU VF works only on nvidia with a vGPU type, never as a whole GPU"
+    )
+    assert ignored.fix is not None and "drivers_probe" in ignored.fix
+
+
+def test_a_type_name_whose_variable_another_resource_has_is_not_offered(tmp_path: Path) -> None:
+    # KubeVirt reads PCI_RESOURCE_NVIDIA_COM_NVIDIA_L40S-1Q for both names: the second would get the first's devices.
+    lookalike = (1145, "nvidia.l40s-1q")
+    first, second = SRIOV_VGPU_NODE.sriov_vgpus
+    inventory = discover(build(with_gpus(first, dataclasses.replace(second, types=(lookalike,))), tmp_path))
+    assert inventory.resource_names == (L40S_1Q_NAME,)
+    reason = {item.id: item.reason for item in inventory.ignored}[VF_B0]
+    assert reason == (
+        f"resource nvidia.com/nvidia.l40s-1q would be allocated through {L40S_1Q_ENV}, which resource "
+        f"{L40S_1Q_NAME} already has (KubeVirt upper-cases a resource name and turns '.' and '/' into '_')"
+    )
+
+
+def _sriov_node(vfs_per_gpu: int) -> Node:
+    """Eight L40S, each with ``vfs_per_gpu`` VFs enabled, half of them with a vGPU type."""
+    functions = []
+    gpus = []
+    for index, bus in enumerate((0x17, 0x1F, 0x3A, 0x5D, 0x85, 0x8F, 0xAE, 0xD7)):
+        port = Function(f"0000:{bus:02x}:00.0", 0x8086, 0x2030, 0x060400, "pcieport", 500 + index * 40, index // 4)
+        pf = Function(
+            f"0000:{bus + 1:02x}:00.0",
+            0x10DE,
+            0x26B9,
+            0x030200,
+            "nvidia",
+            501 + index * 40,
+            index // 4,
+            parent=port.address,
+        )
+        vfs = sriov_vfs(pf, vfs_per_gpu, 502 + index * 40)
+        functions += [port, pf, *vfs]
+        typed = (L40S_1Q[0],) * (vfs_per_gpu // 2)
+        gpus.append(SriovVgpuGpu(pf.address, tuple(vf.address for vf in vfs), 32, types=(L40S_1Q,), current=typed))
+    return dataclasses.replace(
+        SRIOV_VGPU_NODE, name=f"l40s-x8-{vfs_per_gpu}", functions=tuple(functions), sriov_vgpus=tuple(gpus)
+    )
+
+
+def test_scan_work_per_vf_stays_the_same_from_32_to_256_vfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear in the VFs (sriov_totalvfs 32 x 8 GPUs): the reads and link lookups per VF do not grow with their
+    number (the timing itself is bench/'s business)."""
+    calls: list[str] = []
+    for name in ("read", "readlink_name", "listdir", "exists", "resolve"):
+        original = getattr(HostRoot, name)
+
+        def counting(self: HostRoot, path: str, _original: Any = original) -> Any:
+            calls.append(path)
+            return _original(self, path)
+
+        monkeypatch.setattr(HostRoot, name, counting)
+    per_vf = {}
+    for vfs in (4, 32):
+        root = build(_sriov_node(vfs), tmp_path / str(vfs))
+        calls.clear()
+        inventory = discover(root)
+        assert len(inventory.resource(L40S_1Q_NAME).devices) == 8 * vfs // 2
+        per_vf[vfs] = len(calls) / (8 * vfs)
+    assert per_vf[32] <= per_vf[4] * 1.1, per_vf

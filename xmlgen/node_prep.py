@@ -4,7 +4,8 @@ Computed from the node's tree alone, read only (the agent is not run, nor import
 ``gpu-node-agent bind --all`` would move onto the VFIO driver, with the rest of their IOMMU groups, and which
 vGPU-capable GPUs have no vGPU yet, for ``gpu-node-agent vgpu apply``. Which of the two the node is for is
 its ``nvidia.com/gpu.workload.config`` label, which a tree does not carry: a node with any vGPU (an mdev, an
-SR-IOV VF with a vGPU type) is taken as a ``vm-vgpu`` node, any other as a ``vm-passthrough`` node
+SR-IOV VF with a vGPU type) or any GPU on ``nvidia`` with SR-IOV VFs enabled (made for vGPUs, not yet given a
+type) is taken as a ``vm-vgpu`` node, any other as a ``vm-passthrough`` node
 (deploy/README.md, "The node agent").
 """
 
@@ -22,6 +23,8 @@ NVIDIA = 0x10DE
 PCI_DIR = "/sys/bus/pci/devices"
 MAX_FUNCTIONS = 65536
 """At most this many PCI functions are looked at (a PCI domain has 65,536 routing IDs)."""
+MAX_VFS = 65535
+"""The most VFs a PF can have (``TotalVFs`` is a 16-bit field of the SR-IOV capability)."""
 VIABLE_DRIVERS = frozenset({"pcieport", "pci-stub"})
 """Drivers that may stay in a group the VFIO driver takes (docs/node.md); the agent leaves them."""
 
@@ -96,22 +99,29 @@ def _group_members(fs: HostRoot, name: str) -> list[str]:
         return [name]
 
 
-def _vgpus_of(fs: HostRoot, gpu: _Function) -> tuple[bool, int]:
-    """(whether ``gpu`` can host vGPUs, how many it has): mdevs below it, or SR-IOV VFs with a vGPU type."""
+def _vgpus_of(fs: HostRoot, gpu: _Function) -> tuple[bool, int, int]:
+    """(whether ``gpu`` can host vGPUs, how many it has, how many SR-IOV VFs it has enabled): mdevs below it, or
+    SR-IOV VFs with a vGPU type."""
     directory = f"{PCI_DIR}/{gpu.name}"
     count = 0
     capable = False
+    vfs = 0
     if fs.exists(f"{directory}/mdev_supported_types"):
         capable = True
         with contextlib.suppress(OSError):  # an unreadable parent counts as none
             count += sum(1 for entry in fs.listdir(directory) if looks_like_mdev_uuid(entry))
-    if gpu.driver == "nvidia" and (_read_int(fs, f"{directory}/sriov_totalvfs", 10) or 0) > 0:
+    total = _read_int(fs, f"{directory}/sriov_totalvfs", 10) or 0
+    if gpu.driver == "nvidia" and total > 0:
         capable = True
-        for index in range(_read_int(fs, f"{directory}/sriov_numvfs", 10) or 0):
+        # sriov_numvfs never exceeds sriov_totalvfs, a 16-bit field of the SR-IOV capability: a larger number is
+        # no count to loop over.
+        enabled = _read_int(fs, f"{directory}/sriov_numvfs", 10) or 0
+        vfs = max(0, min(enabled, total, MAX_VFS))
+        for index in range(vfs):
             vf = fs.readlink_name(f"{directory}/virtfn{index}")
             if vf is not None and (_read_int(fs, f"{PCI_DIR}/{vf}/nvidia/current_vgpu_type", 10) or 0) != 0:
                 count += 1
-    return capable, count
+    return capable, count, vfs
 
 
 def node_preparation(host_root: Path) -> NodePreparation:
@@ -130,11 +140,19 @@ def node_preparation(host_root: Path) -> NodePreparation:
             and not fs.exists(f"{PCI_DIR}/{function.name}/physfn")  # a VF is the vGPU side's
         ]
         vgpus = {gpu.name: _vgpus_of(fs, gpu) for gpu in gpus}
-        total = sum(count for _, count in vgpus.values())
-        if total:
-            plan = NodePreparation("vm-vgpu", f"it has {total} vGPU{'s' if total != 1 else ''}")
+        total = sum(count for _, count, _ in vgpus.values())
+        split = sum(1 for _, _, vfs in vgpus.values() if vfs)
+        if total or split:
+            # VFs enabled on a GPU on nvidia are there for SR-IOV vGPUs (sriov-manage -e): such a node is
+            # waiting for vgpu apply, and binding its GPUs to vfio-pci would undo that.
+            why = (
+                f"it has {total} vGPU{'s' if total != 1 else ''}"
+                if total
+                else f"no vGPU yet, but {split} GPU{'s' if split != 1 else ''} with SR-IOV vGPU VFs enabled"
+            )
+            plan = NodePreparation("vm-vgpu", why)
             for gpu in gpus:
-                capable, count = vgpus[gpu.name]
+                capable, count, _ = vgpus[gpu.name]
                 if capable and not count:
                     plan.vgpu.append(f"{gpu.describe()}: no vGPU yet")
             return plan

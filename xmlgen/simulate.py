@@ -160,7 +160,8 @@ def _allocate(
         except (StandInError, grpc.RpcError) as exc:
             raise SimulationError(f"Allocate for {resource} failed: {exc}") from None
         log(
-            f"  {resource}: {count} of {len(healthy)} healthy; the plugin prefers {', '.join(chosen)} "
+            f"  {resource}: the VMI asks for {count}, the kubelet sees {len(healthy)} healthy; "
+            f"the plugin prefers {', '.join(chosen)} "
             f"({_why(chosen, inventory, resource)})"
         )
         container = response.container_responses[0]
