@@ -24,13 +24,17 @@ def plan_of(node: Node, tmp_path: Path) -> tuple[str, list[str], list[str]]:
 
 
 def test_a_passthrough_node_binds_the_gpu_left_on_nvidia(tmp_path: Path) -> None:
-    assert plan_of(NODE01, tmp_path) == ("vm-passthrough", ["0000:d8:00.0 (10DE:1EB8, nvidia) → vfio-pci"], [])
+    assert plan_of(NODE01, tmp_path) == (
+        "vm-passthrough",
+        ["0000:d8:00.0 (10de:1eb8, IOMMU group 118) is on nvidia, not vfio-pci", "/dev/vfio/118 does not exist"],
+        [],
+    )
 
 
 def test_a_companion_on_a_host_driver_is_moved_with_its_group(tmp_path: Path) -> None:
     workload, bind, vgpu = plan_of(MIXED_NODE, tmp_path)
     assert (workload, vgpu) == ("vm-passthrough", [])
-    assert bind == ["0000:86:00.1 (10DE:1AEF, snd_hda_intel) → vfio-pci, in the IOMMU group of 0000:86:00.0"]
+    assert bind == ["0000:86:00.1 (10de:1aef, IOMMU group 74) is on snd_hda_intel, not vfio-pci"]
 
 
 def test_vgpu_nodes_with_their_vgpus_need_nothing(tmp_path: Path) -> None:
@@ -98,3 +102,20 @@ def test_gpus_split_into_vfs_without_vgpus_yet_wait_for_vgpu_apply_not_bind(tmp_
         ["0000:3b:00.0 (10DE:26B9, nvidia): no vGPU yet", "0000:d8:00.0 (10DE:26B9, nvidia): no vGPU yet"],
     )
     assert node_preparation(tmp_path / node.name).why == "no vGPU yet, but 2 GPUs with SR-IOV vGPU VFs enabled"
+
+
+def test_the_plan_names_the_driver_the_agent_would_choose_from_modules_alias(tmp_path: Path) -> None:
+    """The step is the agent's own rule: where the node's modules.alias names a variant driver for the GPU
+    (nvgrace_gpu_vfio_pci for a Grace Hopper GH100), the plan says that driver, not vfio-pci."""
+    import os
+
+    from simkit.agent_nodes import MODULES_ALIAS, grace_gpu
+
+    node = Node(name="grace", functions=(grace_gpu(),))
+    root = build(node, tmp_path / node.name)
+    modules = root / "lib" / "modules" / os.uname().release
+    modules.mkdir(parents=True)
+    (modules / "modules.alias").write_text(MODULES_ALIAS)
+    plan = node_preparation(root)
+    assert plan.workload == "vm-passthrough"
+    assert plan.bind[0].endswith("is on no driver, not nvgrace_gpu_vfio_pci"), plan.bind

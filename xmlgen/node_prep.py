@@ -1,7 +1,8 @@
 """What the node agent would change on a node before the plugin serves it: the first step ``xmlgen simulate`` shows.
 
-Computed from the node's tree alone, read only (the agent is not run, nor imported): which NVIDIA GPUs
-``gpu-node-agent bind --all`` would move onto the VFIO driver, with the rest of their IOMMU groups, and which
+Computed from the node's tree alone, read only (nothing is written): which functions
+``gpu-node-agent bind --all`` would move onto the VFIO driver, by the agent's own rule
+(``node_agent.bind.missing_bindings``: every NVIDIA GPU's whole IOMMU group, the driver from modules.alias), and which
 vGPU-capable GPUs have no vGPU yet, for ``gpu-node-agent vgpu apply``. Which of the two the node is for is
 its ``nvidia.com/gpu.workload.config`` label, which a tree does not carry: a node with any vGPU (an mdev, an
 SR-IOV VF with a vGPU type) or any GPU on ``nvidia`` with SR-IOV VFs enabled (made for vGPUs, not yet given a
@@ -15,6 +16,9 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node_agent.bind import driver_chooser, missing_bindings, select
+from node_agent.cli import load_aliases
+from node_agent.sysfs import Sysfs
 from plugin.hostroot import HostRoot, ReadError
 from runtime.node import VFIO_DRIVERS
 from schemas.mdev import looks_like_mdev_uuid
@@ -25,8 +29,6 @@ MAX_FUNCTIONS = 65536
 """At most this many PCI functions are looked at (a PCI domain has 65,536 routing IDs)."""
 MAX_VFS = 65535
 """The most VFs a PF can have (``TotalVFs`` is a 16-bit field of the SR-IOV capability)."""
-VIABLE_DRIVERS = frozenset({"pcieport", "pci-stub"})
-"""Drivers that may stay in a group the VFIO driver takes (docs/node.md); the agent leaves them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +91,6 @@ def _function(fs: HostRoot, name: str) -> _Function | None:
     return _Function(name, vendor, device, pci_class, fs.readlink_name(f"{directory}/driver"))
 
 
-def _group_members(fs: HostRoot, name: str) -> list[str]:
-    group = fs.readlink_name(f"{PCI_DIR}/{name}/iommu_group")
-    if group is None or not group.isdigit():
-        return [name]
-    try:
-        return sorted(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))[:MAX_FUNCTIONS]
-    except OSError:
-        return [name]
-
-
 def _vgpus_of(fs: HostRoot, gpu: _Function) -> tuple[bool, int, int]:
     """(whether ``gpu`` can host vGPUs, how many it has, how many SR-IOV VFs it has enabled): mdevs below it, or
     SR-IOV VFs with a vGPU type."""
@@ -158,17 +150,11 @@ def node_preparation(host_root: Path) -> NodePreparation:
             return plan
         on_vfio = sum(1 for gpu in gpus if gpu.driver in VFIO_DRIVERS)
         plan = NodePreparation("vm-passthrough", f"no vGPU; {on_vfio} of {len(gpus)} NVIDIA GPUs on a VFIO driver")
-        seen: set[str] = set()
-        for gpu in gpus:
-            for member in _group_members(fs, gpu.name):
-                function = functions.get(member) or _function(fs, member)
-                if member in seen or function is None:
-                    continue
-                seen.add(member)
-                if function.driver in VFIO_DRIVERS or function.driver in VIABLE_DRIVERS:
-                    continue
-                if function.driver is None and member != gpu.name:
-                    continue  # a companion with no driver does not keep the group from VFIO
-                what = "" if member == gpu.name else f", in the IOMMU group of {gpu.name}"
-                plan.bind.append(f"{function.describe()} → vfio-pci{what}")
+        # The agent's own rule (node_agent.bind): the whole IOMMU group of every NVIDIA GPU, each function onto
+        # the VFIO driver the node's modules.alias names, bridges left alone; read only, nothing is written.
+        agent_fs = Sysfs(host_root)
+        selected = select(agent_fs, [], [], nvidia_gpus=True)
+        if selected:
+            missing = missing_bindings(agent_fs, selected, driver_chooser(agent_fs, load_aliases(host_root)))
+            plan.bind = [line.replace(str(host_root), "", 1) for line in missing]
         return plan
