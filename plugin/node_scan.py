@@ -70,7 +70,13 @@ class NodeScan:
             return None
 
     def read_int(self, path: str, base: int) -> int | None:
-        return _as_int(self.read_text(path), base)
+        """A file's integer (None if absent, unreadable or not a number; an unusable file is warned)."""
+        try:
+            text = self.fs.read(path)
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
+            return None
+        return _as_int(text, base)
 
     def read_int_in(self, directory: Directory, name: str, base: int) -> int | None:
         """``read_int`` of ``<directory>/<name>`` through a directory handle (one path resolution for many)."""
@@ -97,16 +103,23 @@ class NodeScan:
         if cached is not None:
             return cached
         with self.fs.directory(directory) as handle:
-            if vendor is None:
-                vendor = self.read_int_in(handle, "vendor", 16)
-            device = self.read_int_in(handle, "device", 16)
-            pci_class = self.read_int_in(handle, "class", 16)
-            if vendor is None or device is None or pci_class is None:
-                self.warnings.append(
-                    f"PCI function {name}: cannot read vendor, device or class under {self.shown(directory)}"
-                )
-                return None
-            function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
+            return self.read_function_in(handle, name, vendor)
+
+    def read_function_in(self, handle: Directory, name: str, vendor: int | None = None) -> PciFunction | None:
+        """``read_function`` through an open handle on the function's directory (the caller reads more there)."""
+        cached = self.functions.get(name)
+        if cached is not None:
+            return cached
+        if vendor is None:
+            vendor = self.read_int_in(handle, "vendor", 16)
+        device = self.read_int_in(handle, "device", 16)
+        pci_class = self.read_int_in(handle, "class", 16)
+        if vendor is None or device is None or pci_class is None:
+            self.warnings.append(
+                f"PCI function {name}: cannot read vendor, device or class under {self.shown(handle.path)}"
+            )
+            return None
+        function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
         self.functions[name] = function
         return function
 
@@ -218,7 +231,7 @@ def _as_int(text: str | None, base: int) -> int | None:
     if text is None:
         return None
     try:
-        return int(text.strip(), base)
+        return int(text, base)  # int() ignores the surrounding whitespace (the newline) itself
     except ValueError:
         return None
 
