@@ -298,16 +298,10 @@ class HostRoot:
 
     def listdir(self, path: str) -> list[str]:
         """Entries of the directory ``path`` (resolved inside the root); raises ``OSError`` as ``os.listdir``."""
-        directory = self._kernel_open(path, os.O_PATH | os.O_DIRECTORY)
+        directory = self._kernel_open(path, os.O_RDONLY | os.O_DIRECTORY)
         if directory is not None:
             try:
-                # Listed through the descriptor's /proc/self/fd entry: the kernel reopens that very directory
-                # (5 system calls where listing a descriptor costs 8: a dup, flag fixes and a rewind).
-                return os.listdir(f"/proc/self/fd/{directory}")
-            except FileNotFoundError:
-                if os.path.isdir("/proc/self/fd"):
-                    raise  # the directory itself went (a deleted directory cannot be reopened)
-                return _list_descriptor(directory)  # no /proc: list a real descriptor
+                return os.listdir(directory)
             finally:
                 os.close(directory)
         resolved = self.resolve(path)
@@ -386,15 +380,6 @@ class Directory:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _list_descriptor(path_descriptor: int) -> list[str]:
-    """The entries of the directory open (``O_PATH``) at ``path_descriptor``, where ``/proc`` is missing."""
-    descriptor = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_descriptor)
-    try:
-        return os.listdir(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _last_component(target: str) -> str:
