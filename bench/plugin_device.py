@@ -5,7 +5,8 @@ process on the node01 fixture tree (four TU106 GPUs) in a temp dir; the kubelet 
 to it over the unix sockets, as the kubelet would.
 
 - start to registered: process start → the stand-in accepts ``Register`` (goal ≤ 1 s); floor: process start →
-  an empty Python gRPC server (``bench/plugin_floor_server.py``) listening;
+  an empty Python gRPC server (``bench/plugin_floor_server.py``) listening; both with their bytecode cached,
+  as the image has it (see :func:`env`);
 - Allocate round trip, median (goal ≤ 2 ms); floor: an empty unary call (``PreStartContainer``) to the same
   server over the same socket, interleaved;
 - health loss to the kubelet: ``/dev/vfio/<group>`` removed → the stand-in sees the GPU ``Unhealthy`` (goal
@@ -61,9 +62,23 @@ def verdict(met: bool) -> str:
     return "MET" if met else "NOT MET"
 
 
+PYCACHE: list[Path] = []
+"""Where the processes' bytecode is cached for the run (set by :func:`main`)."""
+
+
 def env() -> dict[str, str]:
+    """The processes' environment: the repository importable, and bytecode cached as in the image.
+
+    The image's ``pip install`` compiles every module at build time; a shell (or CI) with
+    ``PYTHONDONTWRITEBYTECODE`` set and no ``__pycache__`` would make every start compile the plugin's ~50
+    modules from source (and the floor's few). Both processes get a bytecode cache under the run's temp dir,
+    filled by one untimed start of each before the timed ones.
+    """
     variables = {key: value for key, value in os.environ.items() if not key.startswith("GPU_PLUGIN_")}
     variables["PYTHONPATH"] = str(ROOT)
+    if PYCACHE:
+        variables.pop("PYTHONDONTWRITEBYTECODE", None)
+        variables["PYTHONPYCACHEPREFIX"] = str(PYCACHE[0])
     return variables
 
 
@@ -109,7 +124,7 @@ def cpu_seconds(pid: int) -> float:
 def start_to_registered(base: Path, host_root: Path, rounds: int) -> tuple[float, float]:
     """Median seconds: plugin process start → registered; floor process start → listening."""
     plugin_times, floor_times = [], []
-    for index in range(rounds):
+    for index in range(-1, rounds):  # round -1 is untimed: it fills the bytecode cache (see env())
         kubelet_dir = base / f"s{index}"
         with KubeletStandIn(kubelet_dir) as kubelet:
             started = time.monotonic()
@@ -121,7 +136,7 @@ def start_to_registered(base: Path, host_root: Path, rounds: int) -> tuple[float
         with process([sys.executable, str(FLOOR_SERVER), "--socket", str(socket)]):
             wait_for(socket.is_socket)
             floor_times.append(time.monotonic() - started)
-    return statistics.median(plugin_times), statistics.median(floor_times)
+    return statistics.median(plugin_times[1:]), statistics.median(floor_times[1:])
 
 
 def allocate_round_trips(kubelet: KubeletStandIn, kubelet_dir: Path, rounds: int) -> tuple[float, float]:
@@ -178,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = max(options.rounds, 50)
     starts, losses = max(options.starts, 1), max(options.losses, 1)
     base = Path(tempfile.mkdtemp(prefix="kpb", dir="/tmp"))
+    PYCACHE[:] = [base / "pycache"]
     try:
         host_root = build(NODE01, base / "root")
         start_s, start_floor = start_to_registered(base, host_root, starts)

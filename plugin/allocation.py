@@ -32,6 +32,7 @@ from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import HostRoot
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sources import source_for
+from schemas.kinds import ResourceKind
 
 IOMMU_DEVICE = "/dev/iommu"
 VFIO_CDEV_DIR = "/dev/vfio/devices"
@@ -84,8 +85,11 @@ class Allocation:
         return self.device_specs
 
 
+_SYSFS_DEVICES = {kind: f"/sys/bus/{kind.info.sysfs_bus}/devices/" for kind in ResourceKind}
+
+
 def _sysfs_dir(device: Device) -> str:
-    return f"/sys/bus/{device.kind.info.sysfs_bus}/devices/{device.id}"
+    return _SYSFS_DEVICES[device.kind] + device.id
 
 
 def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> str | None:
@@ -100,22 +104,31 @@ def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = 
     if device.iommu_group is None:
         return "it has no IOMMU group"
     with HostRoot(root) as fs:  # links resolved inside the host root, as discovery does
-        return _recheck(device, root, fs, rule)
+        return _recheck(device, root, fs, rule, fs.exists(VFIO_CONTAINER))
 
 
-def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule) -> str | None:
+def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule, container: bool) -> str | None:
+    """:func:`recheck_device` through an open ``fs`` (one per Allocate); ``container``: /dev/vfio/vfio exists.
+
+    The device's own links are read through one handle on its sysfs directory (one path resolution for both).
+    """
+    if device.iommu_group is None:
+        return "it has no IOMMU group"
     sysfs = _sysfs_dir(device)
-    group_name = fs.readlink_name(f"{sysfs}/iommu_group")
-    if group_name is None:
-        return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
-    if group_name != str(device.iommu_group):
-        return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
-    group = int(group_name)
+    with fs.directory(sysfs) as handle:
+        group_name = handle.readlink_name("iommu_group")
+        if group_name is None:
+            return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
+        if group_name != str(device.iommu_group):
+            return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
+        problem = source_for(device.kind).recheck_driver(device, handle, rule)
+    group = device.iommu_group
     try:
         members = set(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))
     except OSError:
         return f"IOMMU group {group} is gone"
-    expected = {device.id, *(str(companion.address) for companion in device.companions)}
+    companions = [(str(companion.address), companion) for companion in device.companions]
+    expected = {device.id, *(name for name, _ in companions)}
     if members != expected:
         added, removed = sorted(members - expected), sorted(expected - members)
         change = "; ".join(
@@ -127,21 +140,20 @@ def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule) -> st
             if part
         )
         return f"IOMMU group {group} changed since the last scan: {change}"
-    problem = source_for(device.kind).recheck_driver(device, fs, rule)
     if problem is not None:
         return problem
     others = [
         PciFunction(
-            str(companion.address),
+            name,
             int(companion.vendor_device[:4], 16),
             int(companion.vendor_device[5:], 16),
             companion.pci_class,
-            fs.readlink_name(f"/sys/bus/pci/devices/{companion.address}/driver"),
+            fs.readlink_name(f"/sys/bus/pci/devices/{name}/driver"),
         )
-        for companion in device.companions
+        for name, companion in companions
     ]
-    problems = rule.group_problems(group, others)
-    problems += rule.vfio_problems(group, fs.exists(f"{VFIO_DEV_DIR}/{group}"), fs.exists(VFIO_CONTAINER))
+    problems = rule.group_problems(group, others) if others else []
+    problems += rule.vfio_problems(group, fs.exists(f"{VFIO_DEV_DIR}/{group}"), container)
     return "; ".join(problems) or None
 
 
@@ -151,15 +163,19 @@ def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
     The kernel lists it as ``<sysfs device>/vfio-dev/vfioN``; the node must exist under the host root.
     """
     with HostRoot(os.fspath(host_root)) as fs:
-        try:
-            names = fs.listdir(f"{_sysfs_dir(device)}/vfio-dev")
-        except OSError:
-            return None
-        for name in sorted(names):
-            if name.startswith("vfio") and name[4:].isdigit():
-                path = f"{VFIO_CDEV_DIR}/{name}"
-                return path if fs.exists(path) else None
+        return _vfio_cdev(device, fs)
+
+
+def _vfio_cdev(device: Device, fs: HostRoot) -> str | None:
+    try:
+        names = fs.listdir(f"{_sysfs_dir(device)}/vfio-dev")
+    except OSError:
         return None
+    for name in sorted(names):
+        if name.startswith("vfio") and name[4:].isdigit():
+            path = f"{VFIO_CDEV_DIR}/{name}"
+            return path if fs.exists(path) else None
+    return None
 
 
 def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
@@ -198,27 +214,27 @@ def allocate(
                 f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
                 device.id,
             )
-    for device in chosen:
-        problem = recheck_device(device, root, rule)
-        if problem is not None:
-            raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
-    with HostRoot(root) as fs:  # /dev/vfio/vfio itself is part of each device's re-check
-        iommu = fs.exists(IOMMU_DEVICE)
-
-    specs = [DeviceSpec.node(VFIO_CONTAINER)]
-    groups: set[int] = set()
-    for device in chosen:
-        group = device.iommu_group
-        if group is not None and group not in groups:
-            groups.add(group)
-            specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
-    if iommu:
-        specs.append(DeviceSpec.node(IOMMU_DEVICE))
-        cdevs: set[str] = set()
+    with HostRoot(root) as fs:  # one root for the whole request: every device re-checked through it
+        container = fs.exists(VFIO_CONTAINER)
         for device in chosen:
-            cdev = vfio_cdev(device, root)
-            if cdev is not None and cdev not in cdevs:
-                cdevs.add(cdev)
-                specs.append(DeviceSpec.node(cdev))
+            problem = _recheck(device, root, fs, rule, container)
+            if problem is not None:
+                raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
+        iommu = fs.exists(IOMMU_DEVICE)
+        specs = [DeviceSpec.node(VFIO_CONTAINER)]
+        groups: set[int] = set()
+        for device in chosen:
+            group = device.iommu_group
+            if group is not None and group not in groups:
+                groups.add(group)
+                specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
+        if iommu:
+            specs.append(DeviceSpec.node(IOMMU_DEVICE))
+            cdevs: set[str] = set()
+            for device in chosen:
+                cdev = _vfio_cdev(device, fs)
+                if cdev is not None and cdev not in cdevs:
+                    cdevs.add(cdev)
+                    specs.append(DeviceSpec.node(cdev))
     ids = tuple(device_ids)
     return Allocation(envs={resource.env: ",".join(ids)}, device_specs=tuple(specs), device_ids=ids)

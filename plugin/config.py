@@ -1,9 +1,13 @@
-"""The device plugin's configuration: one pydantic model, read from a YAML/JSON file and the environment.
+"""The device plugin's configuration: one frozen, typed value, read from a YAML/JSON file and the environment.
 
 Which functions count as GPUs, which drivers mean "ready for a VM", and names for device IDs an old
 pci.ids lacks are site decisions (docs/node.md; docs/protocols.md, "Resource names"), so they are configuration, not
-code. The model is the single source of truth: its JSON Schema is exported to ``schemas/plugin-config.schema.json``
+code. The field table below is the single source of truth: values are checked against it (unknown keys refused,
+types checked, every value bounded), and its JSON Schema is exported to ``schemas/plugin-config.schema.json``
 (run ``python -m plugin.config --write-schema``; a test fails when the file is stale) for editors and reviews.
+
+Read by hand rather than with pydantic, as the hook reads its VMI (``schemas/vmi.py``): pydantic alone added
+about 11 MB to the plugin's memory (issue 12). The loader imports YAML only for a config file that is not JSON.
 
 Precedence, lowest first: defaults, the file (``--config`` or ``GPU_PLUGIN_CONFIG``), ``GPU_PLUGIN_*``
 environment variables, command-line flags. Every problem is an ``InputError`` naming the file or variable
@@ -16,11 +20,10 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any
-
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from typing import Any, ClassVar
 
 from plugin.naming import DEFAULT_RESOURCE_DOMAIN
 from runtime.env import PLUGIN_ENV_PREFIX as ENV_PREFIX
@@ -32,13 +35,32 @@ from schemas.naming import validate_resource_name
 CONFIG_FILE_ENV = "GPU_PLUGIN_CONFIG"
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest configuration file read (1 MiB; a real one is a few hundred bytes)."""
+MAX_ITEMS = 1024
+"""Most entries of one list or of ``name_overrides`` (a real node needs a handful)."""
+MAX_PATH_CHARS = 4096
+"""Longest ``host_root`` or ``pci_ids`` (the kernel's PATH_MAX)."""
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plugin-config.schema.json"
+TITLE = "kubevirt-gpu-passthrough device plugin"
 
 _SELECTOR = re.compile(r"[0-9A-Fa-f]{4}:([0-9A-Fa-f]{4}|\*)")
 _DEVICE_ID = re.compile(r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4}")
 _DRIVER = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
 _MDEV_NAME = re.compile(r"[A-Za-z0-9_.:+-]{1,64}")
 _NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+class ConfigError(ValueError):
+    """Settings that do not fit the field table; ``problems`` are ``field: reason`` strings, all of them."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _path(value: str) -> str:
+    if len(value) > MAX_PATH_CHARS or "\0" in value:
+        raise ValueError(f"not a path: longer than {MAX_PATH_CHARS} characters or holding a NUL")
+    return value
 
 
 def _selector(value: str) -> str:
@@ -87,75 +109,215 @@ def _domain(value: str) -> str:
     return value
 
 
-def _pattern(regex: re.Pattern[str]) -> Any:
-    """Show the validator's rule in the exported JSON Schema (the validator itself gives the better message)."""
-    return Field(json_schema_extra={"pattern": f"^{regex.pattern}$"})
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
 
 
-Selector = Annotated[str, AfterValidator(_selector), _pattern(_SELECTOR)]
-DriverName = Annotated[str, AfterValidator(_driver), _pattern(_DRIVER)]
-MdevName = Annotated[str, AfterValidator(_mdev_name), _pattern(_MDEV_NAME)]
-DeviceId = Annotated[str, AfterValidator(_device_id), _pattern(_DEVICE_ID)]
-OverrideName = Annotated[str, AfterValidator(_override_name)]
-ResourceDomain = Annotated[str, AfterValidator(_domain)]
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of the field table: its shape, its check (which may normalise), and its documentation."""
+
+    shape: str
+    """``str``, ``str?`` (a string or null), ``list`` (of strings) or ``map`` (string → string)."""
+    check: Callable[[str], str]
+    """Checks one string (each item of a list, each value of a map); raises ``ValueError`` with the reason."""
+    description: str
+    pattern: re.Pattern[str] | None = None
+    """Shown in the JSON Schema (the check itself gives the better message)."""
+    key_check: Callable[[str], str] | None = None
+    key_pattern: re.Pattern[str] | None = None
+
+    def parse(self, name: str, value: object, problems: list[str]) -> Any:
+        """``value`` checked and normalised (lists become tuples); each problem appended as ``name…: reason``."""
+        if self.shape in ("str", "str?"):
+            if value is None and self.shape == "str?":
+                return None
+            if not isinstance(value, str):
+                wanted = "a string or null" if self.shape == "str?" else "a string"
+                problems.append(f"{name}: expected {wanted}, got {_type_name(value)}")
+                return None
+            return self._one(name, value, self.check, problems)
+        if self.shape == "list":
+            if not isinstance(value, list | tuple):
+                problems.append(f"{name}: expected a list of strings, got {_type_name(value)}")
+                return ()
+            if len(value) > MAX_ITEMS:
+                problems.append(f"{name}: {len(value)} entries, more than {MAX_ITEMS}")
+                return ()
+            items = []
+            for index, item in enumerate(value):
+                if not isinstance(item, str):
+                    problems.append(f"{name}.{index}: expected a string, got {_type_name(item)}")
+                    continue
+                items.append(self._one(f"{name}.{index}", item, self.check, problems))
+            return tuple(items)
+        if not isinstance(value, Mapping):
+            problems.append(f"{name}: expected a mapping of strings, got {_type_name(value)}")
+            return {}
+        if len(value) > MAX_ITEMS:
+            problems.append(f"{name}: {len(value)} entries, more than {MAX_ITEMS}")
+            return {}
+        key_check = self.key_check or _path
+        result: dict[str, str] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(f"{name}.{str(key)[:64]}: expected a string key, got {_type_name(key)}")
+                continue
+            checked_key = self._one(f"{name}.{key[:64]}", key, key_check, problems)
+            if not isinstance(item, str):
+                problems.append(f"{name}.{key[:64]}: expected a string, got {_type_name(item)}")
+                continue
+            checked = self._one(f"{name}.{key[:64]}", item, self.check, problems)
+            if checked_key is not None and checked is not None:
+                result[checked_key] = checked
+        return result
+
+    @staticmethod
+    def _one(where: str, value: str, check: Callable[[str], str], problems: list[str]) -> str | None:
+        try:
+            return check(value)
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
+            return None
+
+    def json_schema(self, name: str, default: object) -> dict[str, Any]:
+        """This setting's JSON Schema (the layout pydantic gave it, so the exported file did not change)."""
+        schema: dict[str, Any] = {"description": self.description, "title": name.replace("_", " ").title()}
+        if self.shape == "str":
+            schema["type"] = "string"
+        elif self.shape == "str?":
+            schema["anyOf"] = [{"type": "string"}, {"type": "null"}]
+        elif self.shape == "list":
+            item: dict[str, Any] = {"type": "string"}
+            if self.pattern is not None:
+                item["pattern"] = f"^{self.pattern.pattern}$"
+            schema["items"] = item
+            schema["type"] = "array"
+        else:
+            assert self.key_pattern is not None
+            schema["patternProperties"] = {f"^{self.key_pattern.pattern}$": {"type": "string"}}
+            schema["type"] = "object"
+        if self.shape != "map":  # a map's default is built per instance: pydantic left it out, so do we
+            schema["default"] = list(default) if isinstance(default, tuple) else default
+        return schema
 
 
-class PluginConfig(BaseModel):
-    """What the node offers and how it is named. Every field has a working default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, title="kubevirt-gpu-passthrough device plugin")
-
-    host_root: str = Field(
-        default="/",
-        description="Where the node's / is mounted in this container; sysfs is read from <host_root>/sys, "
+SETTINGS: dict[str, Setting] = {
+    "host_root": Setting(
+        "str",
+        _path,
+        "Where the node's / is mounted in this container; sysfs is read from <host_root>/sys, "
         "/dev/vfio from <host_root>/dev/vfio.",
-    )
-    pci_ids: str | None = Field(
-        default=None,
-        description="A pci.ids file to name devices by (it must exist). Unset: the first of "
+    ),
+    "pci_ids": Setting(
+        "str?",
+        _path,
+        "A pci.ids file to name devices by (it must exist). Unset: the first of "
         "usr/share/hwdata/pci.ids, usr/share/misc/pci.ids, usr/pci.ids under host_root, then under the image's /; "
         "none found means hex names and a warning.",
-    )
-    resource_domain: ResourceDomain = Field(
-        default=DEFAULT_RESOURCE_DOMAIN,
-        description="The domain of every resource name (nvidia.com keeps NVIDIA's plugin's names).",
-    )
-    pci_selectors: tuple[Selector, ...] = Field(
-        default=("10DE:*",),
-        description="Which PCI functions are GPUs, as VENDOR:DEVICE (like KubeVirt's pciVendorSelector). "
+    ),
+    "resource_domain": Setting(
+        "str",
+        _domain,
+        "The domain of every resource name (nvidia.com keeps NVIDIA's plugin's names).",
+    ),
+    "pci_selectors": Setting(
+        "list",
+        _selector,
+        "Which PCI functions are GPUs, as VENDOR:DEVICE (like KubeVirt's pciVendorSelector). "
         "VENDOR:* matches display-class functions (class 0x03xxxx) only; an exact VENDOR:DEVICE matches that "
         "ID whatever its class. Mdevs count when their parent GPU matches.",
-    )
-    vfio_drivers: tuple[DriverName, ...] = Field(
-        default=VFIO_DRIVER_NAMES,
-        description="Drivers that mean a GPU is ready for passthrough. GPUs on any other driver (nvidia, "
+        _SELECTOR,
+    ),
+    "vfio_drivers": Setting(
+        "list",
+        _driver,
+        "Drivers that mean a GPU is ready for passthrough. GPUs on any other driver (nvidia, "
         "nouveau, none) are not offered.",
-    )
-    allowed_companion_drivers: tuple[DriverName, ...] = Field(
-        default=("pci-stub", "pcieport"),
-        description="Besides vfio_drivers and no driver at all, the drivers the kernel lets share a viable IOMMU "
+        _DRIVER,
+    ),
+    "allowed_companion_drivers": Setting(
+        "list",
+        _driver,
+        "Besides vfio_drivers and no driver at all, the drivers the kernel lets share a viable IOMMU "
         "group with a VFIO device (they never touch the device's DMA). Any other driver in a GPU's group makes "
         "the GPU unhealthy.",
-    )
-    mdev_parent_selectors: tuple[MdevName, ...] = Field(
-        default=(),
-        description="Opt-in, off by default: mdevs whose parent is NOT a PCI function (e.g. the kernel's sample "
+        _DRIVER,
+    ),
+    "mdev_parent_selectors": Setting(
+        "list",
+        _mdev_name,
+        "Opt-in, off by default: mdevs whose parent is NOT a PCI function (e.g. the kernel's sample "
         "drivers' virtual devices mtty, mdpy, mbochs) are offered when their parent's sysfs name is listed here. "
         "Mdevs of PCI parents (NVIDIA vGPU) are not affected: they count when their parent matches pci_selectors. "
         "Their resource is <resource_domain>/<mdev type name>, like a vGPU type's.",
-    )
-    mdev_type_selectors: tuple[MdevName, ...] = Field(
-        default=(),
-        description="Opt-in, off by default: mdevs whose parent is NOT a PCI function are offered when their mdev "
+        _MDEV_NAME,
+    ),
+    "mdev_type_selectors": Setting(
+        "list",
+        _mdev_name,
+        "Opt-in, off by default: mdevs whose parent is NOT a PCI function are offered when their mdev "
         "type ID (the directory name under mdev_supported_types, e.g. mtty-2) is listed here. Mdevs of PCI parents "
         "are not affected.",
-    )
-    name_overrides: dict[DeviceId, OverrideName] = Field(
-        default_factory=dict,
-        description="Resource names per device ID (VENDOR:DEVICE), for IDs an old pci.ids lacks or names that "
+        _MDEV_NAME,
+    ),
+    "name_overrides": Setting(
+        "map",
+        _override_name,
+        "Resource names per device ID (VENDOR:DEVICE), for IDs an old pci.ids lacks or names that "
         "drifted: a name part (GB202GL_RTX_PRO_6000, put under resource_domain) or a whole resource name. "
         "Two IDs with one name share one resource.",
-    )
+        key_check=_device_id,
+        key_pattern=_DEVICE_ID,
+    ),
+}
+"""Every setting, in the order of :class:`PluginConfig`'s fields."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    host_root: str = "/"
+    pci_ids: str | None = None
+    resource_domain: str = DEFAULT_RESOURCE_DOMAIN
+    pci_selectors: tuple[str, ...] = ("10DE:*",)
+    vfio_drivers: tuple[str, ...] = VFIO_DRIVER_NAMES
+    allowed_companion_drivers: tuple[str, ...] = ("pci-stub", "pcieport")
+    mdev_parent_selectors: tuple[str, ...] = ()
+    mdev_type_selectors: tuple[str, ...] = ()
+    name_overrides: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name, setting in SETTINGS.items():
+            object.__setattr__(self, name, setting.parse(name, getattr(self, name), problems))
+        if problems:
+            raise ConfigError(problems)
+
+
+class PluginConfig(_Fields):
+    """What the node offers and how it is named. Every field has a working default.
+
+    Built from keyword arguments (checked and normalised as a file's values are: ``ConfigError``, a
+    ``ValueError``, lists every problem) or with :meth:`from_mapping` (unknown keys refused too). Frozen.
+    """
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[str, ...]] = tuple(SETTINGS)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ValueError(f"PluginConfig is frozen: cannot set {name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise ValueError(f"PluginConfig is frozen: cannot delete {name}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object]) -> PluginConfig:
+        """Settings by name (a config file's mapping, merged with env and flags): unknown names are refused."""
+        unknown = [str(key) for key in values if key not in SETTINGS]
+        if unknown:
+            known = ", ".join(SETTINGS)
+            raise ConfigError([f"{key[:64]}: unknown setting (known are {known})" for key in unknown])
+        return cls(**values)  # type: ignore[arg-type]  # checked and normalised by __post_init__
 
     def selector_vendors(self) -> frozenset[int]:
         return frozenset(int(selector[:4], 16) for selector in self.pci_selectors)
@@ -181,13 +343,7 @@ class PluginConfig(BaseModel):
         return name if "/" in name else f"{self.resource_domain}/{name}"
 
 
-def _describe(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {message}")
-    return "; ".join(parts)
+assert tuple(item.name for item in fields(_Fields)) == PluginConfig.FIELDS, "the field table and the fields differ"
 
 
 def _split_list(value: str) -> list[str]:
@@ -214,27 +370,43 @@ def _split_overrides(variable: str, value: str) -> dict[str, str]:
     return overrides
 
 
-_LIST_FIELDS = frozenset(
-    {"pci_selectors", "vfio_drivers", "allowed_companion_drivers", "mdev_parent_selectors", "mdev_type_selectors"}
-)
-
-
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for variable, value in sorted(env.items()):
         if not variable.startswith(ENV_PREFIX) or variable == CONFIG_FILE_ENV:
             continue
-        field = variable.removeprefix(ENV_PREFIX).lower()
-        if field not in PluginConfig.model_fields:
-            known = ", ".join(ENV_PREFIX + name.upper() for name in PluginConfig.model_fields)
+        name = variable.removeprefix(ENV_PREFIX).lower()
+        setting = SETTINGS.get(name)
+        if setting is None:
+            known = ", ".join(ENV_PREFIX + known.upper() for known in SETTINGS)
             raise InputError(f"unknown environment variable {variable}: known are {known} and {CONFIG_FILE_ENV}")
-        if field in _LIST_FIELDS:
-            values[field] = _split_list(value)
-        elif field == "name_overrides":
-            values[field] = _split_overrides(variable, value)
+        if setting.shape == "list":
+            values[name] = _split_list(value)
+        elif setting.shape == "map":
+            values[name] = _split_overrides(variable, value)
         else:
-            values[field] = value
+            values[name] = value
     return values
+
+
+def _parse_text(text: str, path: Path) -> object:
+    """The file's data: JSON (no YAML import: the plugin's memory), else YAML (JSON is nearly a YAML subset)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InputError(f"config file {str(path)!r} is nested too deeply") from None
+    except ValueError:
+        pass  # not JSON: YAML tells where it is wrong, if it is
+    import yaml  # noqa: PLC0415 -- only a YAML config file needs it: serve without one never loads it
+
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise InputError(f"config file {str(path)!r} is nested too deeply") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise InputError(f"config file {str(path)!r} is not valid YAML or JSON{where}") from None
 
 
 def _from_file(path: Path) -> dict[str, Any]:
@@ -243,16 +415,7 @@ def _from_file(path: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"cannot read config file {str(path)!r}: {exc}") from None
-    import yaml  # noqa: PLC0415 -- only a config file needs it: serve without one never loads it
-
-    try:
-        loaded = yaml.safe_load(text)
-    except RecursionError:
-        raise InputError(f"config file {str(path)!r} is nested too deeply") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise InputError(f"config file {str(path)!r} is not valid YAML or JSON{where}") from None
+    loaded = _parse_text(text, path)
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -279,15 +442,22 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None, 
         source += " and " + ", ".join(ENV_PREFIX + name.upper() for name in from_env)
     values.update({key: value for key, value in overrides.items() if value is not None})
     try:
-        return PluginConfig.model_validate(values)
-    except ValidationError as exc:
-        raise InputError(f"{source}: {_describe(exc)}") from None
+        return PluginConfig.from_mapping(values)
+    except ConfigError as exc:
+        raise InputError(f"{source}: {exc}") from None
 
 
 def config_json_schema() -> str:
     """The JSON Schema of :class:`PluginConfig`, as written to ``schemas/plugin-config.schema.json``."""
-    schema = PluginConfig.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    defaults = PluginConfig()
+    schema = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "additionalProperties": False,
+        "description": (PluginConfig.__doc__ or "").split("\n\n")[0],
+        "properties": {name: setting.json_schema(name, getattr(defaults, name)) for name, setting in SETTINGS.items()},
+        "title": TITLE,
+        "type": "object",
+    }
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 

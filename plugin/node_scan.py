@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from plugin.config import PluginConfig
 from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import Directory, HostRoot, ReadError
-from plugin.inventory import Device, Ignored, Inventory, Resource
+from plugin.inventory import Companion, Device, Ignored, Inventory, Resource
 from plugin.naming import pci_resource_name
 from runtime.pciids import PciIds
 from schemas.errors import InputError
 from schemas.naming import ResourceKind, env_var_for, validate_resource_name
+from schemas.pci import PciAddress
 
 MAX_NUMA_NODE = 1023
 """The kernel has at most ``1 << CONFIG_NODES_SHIFT`` (≤ 1024) NUMA nodes; a larger ``numa_node`` is nonsense."""
@@ -74,7 +75,13 @@ class NodeScan:
             return None
 
     def read_int(self, path: str, base: int) -> int | None:
-        return _as_int(self.read_text(path), base)
+        """A file's integer (None if absent, unreadable or not a number; an unusable file is warned)."""
+        try:
+            text = self.fs.read(path)
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
+            return None
+        return _as_int(text, base)
 
     def read_int_in(self, directory: Directory, name: str, base: int) -> int | None:
         """``read_int`` of ``<directory>/<name>`` through a directory handle (one path resolution for many)."""
@@ -101,16 +108,23 @@ class NodeScan:
         if cached is not None:
             return cached
         with self.fs.directory(directory) as handle:
-            if vendor is None:
-                vendor = self.read_int_in(handle, "vendor", 16)
-            device = self.read_int_in(handle, "device", 16)
-            pci_class = self.read_int_in(handle, "class", 16)
-            if vendor is None or device is None or pci_class is None:
-                self.warnings.append(
-                    f"PCI function {name}: cannot read vendor, device or class under {self.shown(directory)}"
-                )
-                return None
-            function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
+            return self.read_function_in(handle, name, vendor)
+
+    def read_function_in(self, handle: Directory, name: str, vendor: int | None = None) -> PciFunction | None:
+        """``read_function`` through an open handle on the function's directory (the caller reads more there)."""
+        cached = self.functions.get(name)
+        if cached is not None:
+            return cached
+        if vendor is None:
+            vendor = self.read_int_in(handle, "vendor", 16)
+        device = self.read_int_in(handle, "device", 16)
+        pci_class = self.read_int_in(handle, "class", 16)
+        if vendor is None or device is None or pci_class is None:
+            self.warnings.append(
+                f"PCI function {name}: cannot read vendor, device or class under {self.shown(handle.path)}"
+            )
+            return None
+        function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
         self.functions[name] = function
         return function
 
@@ -158,6 +172,28 @@ class NodeScan:
             )
             return None
         return node
+
+    def group_facts(self, name: str, group: int | None) -> tuple[list[str], tuple[Companion, ...]]:
+        """What the IOMMU group of the function ``name`` says about it: the problems that keep it from a VM
+        (other members on host drivers, the group node or container missing) and its companions (every other
+        member, each with whether its driver lets the group stay viable)."""
+        problems: list[str] = []
+        companions: tuple[Companion, ...] = ()
+        if group is not None:
+            others = [member for member in self.members(group) if member.name != name]
+            problems.extend(self.rule.group_problems(group, others))
+            companions = tuple(
+                Companion(
+                    PciAddress.parse(member.name),
+                    member.vendor_device,
+                    member.pci_class,
+                    member.driver,
+                    self.rule.member_viable(member.driver),
+                )
+                for member in others
+            )
+        problems.extend(self.vfio_problems(group))
+        return problems, companions
 
     def vfio_problems(self, group: int | None) -> list[str]:
         group_node = group is not None and self.fs.exists(f"/dev/vfio/{group}")
@@ -247,7 +283,7 @@ def _as_int(text: str | None, base: int) -> int | None:
     if text is None:
         return None
     try:
-        return int(text.strip(), base)
+        return int(text, base)  # int() ignores the surrounding whitespace (the newline) itself
     except ValueError:
         return None
 

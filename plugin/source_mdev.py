@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from plugin.health import PciFunction, UsabilityRule
-from plugin.hostroot import HostRoot
+from plugin.hostroot import Directory
 from plugin.inventory import Device, Ignored
 from plugin.naming import mdev_resource_name
 from plugin.node_scan import NodeScan
@@ -106,7 +106,7 @@ class MdevVgpuSource:
             reason = f"a vGPU parent of {count} mdev(s): its mdevs are offered as vGPUs, not the GPU itself"
             node.ignored.append(Ignored(parent.name, parent.vendor_device, parent.driver, reason))
 
-    def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
+    def recheck_driver(self, device: Device, directory: Directory, rule: UsabilityRule) -> str | None:
         """An mdev stays on its vendor's driver: nothing to re-check beyond its group."""
         return None
 

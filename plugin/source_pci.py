@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plugin.health import PciFunction, UsabilityRule
-from plugin.hostroot import HostRoot
-from plugin.inventory import Companion, Device, Ignored
+from plugin.hostroot import Directory
+from plugin.inventory import Device, Ignored
 from plugin.node_scan import NodeScan
 from schemas.errors import InputError
 from schemas.kinds import PCI_PASSTHROUGH, DeviceKind
@@ -20,6 +20,17 @@ from schemas.pci import PciAddress
 
 VGPU_HOST_DRIVER = "nvidia"
 """The driver of a GPU whose VFs are SR-IOV vGPUs (:mod:`plugin.source_sriov_vgpu`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Gpu:
+    """A selected GPU function and what its directory said, read in the scan's first pass."""
+
+    function: PciFunction
+    group: int | None
+    numa: int | None
+    sysfs_dir: str | None
+    """Its real directory (``/sys/devices/pci…/<BDF>``), links resolved inside the host root."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,27 +51,38 @@ class PciPassthroughSource:
                 "(it must hold the node's /sys)?"
             ) from None
         vendors = node.config.selector_vendors()
+        gpus: list[_Gpu] = []
+        # First every function of a selected vendor (its group members are then read already), then each GPU.
         for name in names:
             directory = f"{bus}/{name}"
-            vendor = node.read_int(f"{directory}/vendor", 16)
+            vendor = node.read_int(f"{directory}/vendor", 16)  # the one read a function of another vendor costs
             if vendor not in vendors:
                 continue
-            function = node.read_function(directory, name, vendor)
-            if function is None or not node.config.selects(function.vendor, function.device, function.pci_class):
-                continue
-            try:
-                PciAddress.parse(name)
-            except InputError as exc:
-                node.warnings.append(f"skipping {node.shown(directory)}: {exc}")
-                continue
-            self._scan_gpu(node, directory, function)
+            with node.fs.directory(directory) as handle:
+                function = node.read_function_in(handle, name, vendor)
+                if function is None or not node.config.selects(function.vendor, function.device, function.pci_class):
+                    continue
+                try:
+                    PciAddress.parse(name)
+                except InputError as exc:
+                    node.warnings.append(f"skipping {node.shown(directory)}: {exc}")
+                    continue
+                if node.rule.driver_problem(function.driver) is not None:
+                    gpus.append(_Gpu(function, None, None, None))  # not offered: nothing more to read
+                    continue
+                group = node.read_group_in(handle)
+                numa = node.numa(directory, handle)
+                gpus.append(_Gpu(function, group, numa, handle.resolved()))
+        for gpu in gpus:
+            self._scan_gpu(node, gpu)
 
-    def _scan_gpu(self, node: NodeScan, directory: str, gpu: PciFunction) -> None:
+    def _scan_gpu(self, node: NodeScan, found: _Gpu) -> None:
+        gpu = found.function
         not_on_vfio = node.rule.driver_problem(gpu.driver)
         if not_on_vfio is not None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, not_on_vfio))
             return
-        vgpu_pf = self._vgpu_pf(node, directory)
+        vgpu_pf = self._vgpu_pf(node, f"/sys/bus/{self.kind.sysfs_bus}/devices/{gpu.name}")
         if vgpu_pf is not None:
             reason = (
                 f"an SR-IOV VF of {vgpu_pf}, a GPU on {VGPU_HOST_DRIVER}: a vGPU VF works only on "
@@ -76,35 +98,18 @@ class PciPassthroughSource:
         if name is None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, "its resource name is invalid"))
             return
-        with node.fs.directory(directory) as handle:
-            group = node.read_group_in(handle)
-            numa = node.numa(directory, handle)
-        problems: list[str] = []
-        companions: list[Companion] = []
-        if group is not None:
-            others = [member for member in node.members(group) if member.name != gpu.name]
-            problems.extend(node.rule.group_problems(group, others))
-            companions = [
-                Companion(
-                    PciAddress.parse(member.name),
-                    member.vendor_device,
-                    member.pci_class,
-                    member.driver,
-                    node.rule.member_viable(member.driver),
-                )
-                for member in others
-            ]
-        problems.extend(node.vfio_problems(group))
-        root, path = node.topology(node.link_target(directory))
+        group = found.group
+        problems, companions = node.group_facts(gpu.name, group)
+        root, path = node.topology(found.sysfs_dir)
         device = Device(
             id=gpu.name,
             kind=self.kind.key,
             vendor_device=gpu.vendor_device,
             iommu_group=group,
-            numa_node=numa,
+            numa_node=found.numa,
             healthy=not problems,
             reason="; ".join(problems) or None,
-            companions=tuple(companions),
+            companions=companions,
             pcie_root=root,
             pcie_path=path,
             driver=gpu.driver,
@@ -129,9 +134,9 @@ class PciPassthroughSource:
             return None
         return pf
 
-    def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
-        """The GPU itself must still be on a VFIO driver."""
-        problem = rule.driver_problem(fs.readlink_name(f"/sys/bus/{self.kind.sysfs_bus}/devices/{device.id}/driver"))
+    def recheck_driver(self, device: Device, directory: Directory, rule: UsabilityRule) -> str | None:
+        """The GPU itself must still be on a VFIO driver (``directory``: its sysfs directory)."""
+        problem = rule.driver_problem(directory.readlink_name("driver"))
         return None if problem is None else f"it is now {problem}"
 
 

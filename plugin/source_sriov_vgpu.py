@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plugin.health import PciFunction, UsabilityRule
-from plugin.hostroot import HostRoot, ReadError
-from plugin.inventory import Companion, Device, Ignored
+from plugin.hostroot import Directory, ReadError
+from plugin.inventory import Device, Ignored
 from plugin.naming import mdev_resource_name
 from plugin.node_scan import NodeScan
 from schemas.errors import InputError
@@ -177,22 +177,7 @@ class SriovVgpuSource:
         with node.fs.directory(vf.directory) as handle:
             group = node.read_group_in(handle)
             numa = node.numa(vf.directory, handle)
-        problems: list[str] = []
-        companions: list[Companion] = []
-        if group is not None:
-            others = [member for member in node.members(group) if member.name != vf.name]
-            problems.extend(node.rule.group_problems(group, others))
-            companions = [
-                Companion(
-                    PciAddress.parse(member.name),
-                    member.vendor_device,
-                    member.pci_class,
-                    member.driver,
-                    node.rule.member_viable(member.driver),
-                )
-                for member in others
-            ]
-        problems.extend(node.vfio_problems(group))
+        problems, companions = node.group_facts(vf.name, group)
         root, path = node.topology(node.link_target(vf.directory))
         device = Device(
             id=vf.name,
@@ -202,7 +187,7 @@ class SriovVgpuSource:
             numa_node=numa,
             healthy=not problems,
             reason="; ".join(problems) or None,
-            companions=tuple(companions),
+            companions=companions,
             pcie_root=root,
             pcie_path=path,
             driver=function.driver,
@@ -211,14 +196,16 @@ class SriovVgpuSource:
         )
         node.add(name, self.kind.key, device, function.vendor_device)
 
-    def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
-        """The VF must still be on ``nvidia`` with the vGPU type the scan saw."""
-        directory = f"/sys/bus/{self.kind.sysfs_bus}/devices/{device.id}"
-        driver = fs.readlink_name(f"{directory}/driver")
+    def recheck_driver(self, device: Device, directory: Directory, rule: UsabilityRule) -> str | None:
+        """The VF must still be on ``nvidia`` with the vGPU type the scan saw (``directory``: its sysfs
+        directory)."""
+        driver = directory.readlink_name("driver")
         if driver != VF_DRIVER:
             return f"it is now bound to {driver or 'no driver'}, not to {VF_DRIVER} (its vGPU is gone)"
         try:
-            now = parse_type_id(fs.read(f"{directory}/nvidia/current_vgpu_type"))
+            # Two components: read the careful way (every link resolved inside the host root), not by the
+            # handle's single-name open.
+            now = parse_type_id(directory.fs.read(f"{directory.path}/nvidia/current_vgpu_type"))
         except ReadError as exc:
             return f"its nvidia/current_vgpu_type cannot be read: {exc}"
         if now == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from plugin.health import UsabilityRule
-from plugin.hostroot import HostRoot
+from plugin.hostroot import Directory
 from plugin.inventory import Device, Inventory
 from plugin.node_scan import NodeScan
 from plugin.source_mdev import MDEV_SOURCE
@@ -43,8 +43,9 @@ class DeviceSource(Protocol):
         """Walk the node's sysfs for this kind and file each device with ``node.add``."""
         ...
 
-    def recheck_driver(self, device: Device, fs: HostRoot, rule: UsabilityRule) -> str | None:
-        """The kind's own part of Allocate's re-check (e.g. still on a VFIO driver); None when fine."""
+    def recheck_driver(self, device: Device, directory: Directory, rule: UsabilityRule) -> str | None:
+        """The kind's own part of Allocate's re-check (e.g. still on a VFIO driver), read through ``directory``,
+        a handle on the device's sysfs directory; None when fine."""
         ...
 
 

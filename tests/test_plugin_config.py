@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from plugin.config import SCHEMA_PATH, PluginConfig, config_json_schema, load_config
 from schemas import InputError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_match_nvidia_plugin_behaviour() -> None:
@@ -137,4 +142,61 @@ def test_exported_json_schema_is_current() -> None:
     )
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == set(PluginConfig.model_fields)
+    assert set(schema["properties"]) == set(PluginConfig.FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"host_root": 5}, "host_root: expected a string, got int"),
+        ({"pci_ids": ["/a"]}, "pci_ids: expected a string or null, got list"),
+        ({"vfio_drivers": [1]}, "vfio_drivers.0: expected a string, got int"),
+        ({"name_overrides": ["10DE:2FFF"]}, "name_overrides: expected a mapping of strings, got list"),
+        ({"name_overrides": {"10DE:2FFF": 7}}, "name_overrides.10DE:2FFF: expected a string, got int"),
+        ({"pci_selectors": ["10DE:*"] * 1025}, "pci_selectors: 1025 entries, more than 1024"),
+        ({"host_root": "/x" * 2049}, "host_root: not a path: longer than 4096 characters"),
+        ({"pci_selector": [], "vfio_driver": []}, "pci_selector: unknown setting (known are host_root, pci_ids"),
+    ],
+)
+def test_types_and_bounds_are_checked(tmp_path: Path, settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PluginConfig.from_mapping(settings)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(settings), encoding="utf-8")
+    with pytest.raises(InputError, match=re.escape(f"config file {str(path)!r}: {message}")):
+        load_config(path, env={})
+
+
+def test_a_key_that_is_not_a_string_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name_overrides: {12: A}\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"name_overrides\.12: expected a string key, got int"):
+        load_config(path, env={})
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ValueError, match="frozen") as frozen:
+        PluginConfig().pci_ids = None  # type: ignore[misc]
+    assert "pci_ids" in str(frozen.value)
+    with pytest.raises(ValueError, match=r"pci_selectors\.1: selector 'x'.*; vfio_drivers\.0: driver name '/'"):
+        PluginConfig(pci_selectors=("10DE:*", "x"), vfio_drivers=("/",))
+
+
+def test_serve_path_imports_neither_pydantic_nor_yaml(tmp_path: Path) -> None:
+    """The plugin's memory (issue 12): its command, manager and a JSON config load without pydantic or YAML;
+    a YAML config file still works (and only then loads YAML)."""
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps({"vfio_drivers": ["vfio-pci"]}), encoding="utf-8")
+    yaml_path = tmp_path / "plugin.yaml"
+    yaml_path.write_text("vfio_drivers: [vfio-pci]\n", encoding="utf-8")
+    code = (
+        "import sys; import plugin.cli, plugin.manager; from plugin.config import load_config; "
+        f"assert load_config({str(path)!r}, env={{}}).vfio_drivers == ('vfio-pci',); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'pydantic_core', 'yaml'))); "
+        f"assert load_config({str(yaml_path)!r}, env={{}}).vfio_drivers == ('vfio-pci',); "
+        "print('yaml' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT
+    )
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout + result.stderr

@@ -216,3 +216,31 @@ def test_a_directory_handle_reads_as_host_root_does(tmp_path: Path) -> None:
         assert handle.readlink_name("vendor") is None
     with fs.directory("/sys/devices/nowhere") as gone:
         assert gone.read("vendor") is None
+
+
+@pytest.mark.parametrize("lister", ["getdents64", "os.listdir"])
+def test_listing_a_directory_gives_every_entry_once(
+    tmp_path: Path, resolver: str, lister: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HostRoot.listdir as os.listdir gives it, also past one getdents64 buffer (and without getdents64)."""
+    if lister == "os.listdir":
+        monkeypatch.setattr(HostRoot, "list_entries", None)
+    elif HostRoot.list_entries is None:
+        pytest.skip("getdents64 is not available here")
+    big = tmp_path / "root" / "sys" / "kernel" / "iommu_groups"
+    big.mkdir(parents=True)
+    names = {f"{number}-{'x' * (number % 200)}" for number in range(3000)}  # ~330 KB of records: many calls
+    for name in names:
+        (big / name).mkdir()
+    (big / "link").symlink_to("/etc")
+    (big / "caf\udce9").mkdir()  # not UTF-8: kept as os.listdir keeps it (surrogateescape)
+    with HostRoot(str(tmp_path / "root")) as fs:
+        listed = fs.listdir("/sys/kernel/iommu_groups")
+        assert sorted(listed) == sorted(os.listdir(big))
+        assert len(listed) == len(names) + 2
+        assert fs.listdir("/sys/kernel/iommu_groups/7-xxxxxxx") == []
+        with pytest.raises(FileNotFoundError):
+            fs.listdir("/sys/kernel/iommu_groups/missing")
+        (big / "file").write_text("")
+        with pytest.raises(NotADirectoryError):
+            fs.listdir("/sys/kernel/iommu_groups/file")

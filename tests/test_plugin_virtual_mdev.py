@@ -71,7 +71,7 @@ def _remove_mtty(root: Path) -> None:
 
 
 def _scan(root: Path, **settings: object) -> Inventory:
-    config = PluginConfig.model_validate({"host_root": str(root), **settings})
+    config = PluginConfig.from_mapping({"host_root": str(root), **settings})
     return scan(root, config, PciIds.load(root / "usr" / "share" / "misc" / "pci.ids"))
 
 
