@@ -35,11 +35,9 @@ BASE_DOMAIN = """<domain type="qemu">
 # costs ~30 s (mostly 9p reads and page faults on their .so files); anything not listed still comes from the
 # venv over 9p (it stays last on the guest's sys.path).
 RUNTIME_PACKAGES = (
-    "grpc", "grpcio-*.dist-info", "lxml", "lxml-*.dist-info", "pydantic", "pydantic-*.dist-info", "pydantic_core",
-    "pydantic_core-*.dist-info", "google", "protobuf-*.dist-info", "yaml", "_yaml", "click", "click-*.dist-info",
-    "prometheus_client", "prometheus_client-*.dist-info", "typing_extensions.py", "typing_extensions-*.dist-info",
-    "annotated_types", "annotated_types-*.dist-info", "typing_inspection", "typing_inspection-*.dist-info",
-    "kubevirt_gpu_passthrough-*.dist-info",
+    "grpc", "grpcio-*.dist-info", "lxml", "lxml-*.dist-info", "google", "protobuf-*.dist-info", "yaml", "_yaml",
+    "click", "click-*.dist-info", "prometheus_client", "prometheus_client-*.dist-info", "typing_extensions.py",
+    "typing_extensions-*.dist-info", "kubevirt_gpu_passthrough-*.dist-info",
 )  # fmt: skip
 def _project_packages() -> tuple[str, ...]:
     """The packages pyproject.toml installs (so a new one reaches the guest too), and the tests."""
@@ -149,9 +147,6 @@ def run_scenario(assets: Assets, name: str, results: Path, *, iommu: bool = True
     command = (
         'echo "realnode: cmd.sh at $(cut -d" " -f1 /proc/uptime) s of uptime" >&2\n'
         "mkdir -p /tmp/py && mount --bind /proc/1/root/py /tmp/py\n"
-        # PYDANTIC_DISABLE_PLUGINS: pydantic's plugin loader scans every distribution's entry points on sys.path
-        # (the venv over 9p): ~2 s per process under TCG, for plugins the project does not use.
-        "export PYDANTIC_DISABLE_PLUGINS=__all__\n"
         "export PYTHONDONTWRITEBYTECODE=1"
         f" PYTHONPATH=/tmp/py/stdlib:/tmp/py/stdlib/lib-dynload:/tmp/py/site:/tmp/py/repo:{site_packages()}\n"
         f"export PATH={REPO}/.venv/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
