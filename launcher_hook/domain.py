@@ -26,11 +26,10 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from lxml import etree
 
-from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, render_hostdev
+from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev, renderer_for
 from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
 from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
@@ -238,12 +237,9 @@ class HostdevsInDomain:
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
 
 
-class KubevirtForm(NamedTuple):
-    """A hostdev in virt-launcher's PCI form: its alias and where ``type="pci"`` sits on its source address."""
-
-    alias: str
-    source_type: tuple[int, int] | None
-    """Offsets of `` type="pci"`` in the domain's bytes (None: the source address has no type)."""
+KubevirtForm = tuple[str, tuple[int, int] | None]
+"""A hostdev in virt-launcher's PCI form: its alias and where `` type="pci"`` sits on its source address in the
+bytes (None: the address has no type)."""
 
 
 def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
@@ -313,7 +309,7 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
         alias = alias_bytes.decode()
         by_source[key] = [in_order[position]]
         alias_sources.setdefault(alias, key)
-        forms[key] = KubevirtForm(alias, found.span(2) if source_type else None)
+        forms[key] = (alias, found.span(2) if source_type else None)
     if len(forms) != count:
         return None
     return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, forms)
@@ -475,21 +471,22 @@ def merge_hostdevs(
     untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
     removals: list[tuple[int, int]] = []
     for spec in specs:
-        key = spec_source_key(spec)
-        found = by_source.get(key) if by_source else None
+        key = spec_source_key(spec) if by_source else None
+        found = by_source.get(key) if key is not None else None
         if not found:
             new.append(spec)
             final.append(spec)
             introduced[spec.alias] = None
             continue
-        form = forms.get(key) if forms else None
-        if form is not None and spec.driver is None and (not spec.force_alias or form.alias == spec.alias):
+        form = forms.get(key) if forms and key is not None else None
+        if form is not None and spec.driver is None and (not spec.force_alias or form[0] == spec.alias):
             # virt-launcher's form with nothing but type= to correct: _merge_into would only drop type=
             # (``_SOURCE_TYPE``), which the bytes say where to cut; the tree is corrected only if needed.
-            if form.source_type is not None:
-                removals.append(form.source_type)
+            form_alias, source_type = form
+            if source_type is not None:
+                removals.append(source_type)
                 untouched_in_tree.append((found[0], spec))
-            final.append(spec if form.alias == spec.alias else HostdevSpec._make((*spec[:2], form.alias, *spec[3:])))
+            final.append(spec if form_alias == spec.alias else HostdevSpec._make((*spec[:2], form_alias, *spec[3:])))
             continue
         hostdev, *extra = found
         for duplicate in extra:
@@ -707,8 +704,9 @@ def _insertion(
     if source[insert_at:end] != closing_bytes:
         return None
     layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
-    render = HostdevRenderer(layout)
-    return insert_at, insert_at, "".join(layout.indent + render(spec) for spec in specs).encode()
+    render = renderer_for(layout)
+    indent = layout.indent
+    return insert_at, insert_at, "".join([indent + render(spec) for spec in specs]).encode()
 
 
 def _splice_tree(

@@ -278,19 +278,20 @@ def match_vmi(
             used.add(device_id)
         gpu_options = request.gpu.virtual_gpu_options if request.gpu is not None else None
         is_gpu = request.list_name == "gpus"
+        info = kind_info(pool.kind)
         spec = HostdevSpec(  # positional: one is built per device on the OnDefineDomain path
             pool.kind,
             device_id,
             f"ua-gpu{request.position}" if is_gpu else f"ua-hostdev{request.position}",
             pool.variable,
             options.managed,
-            options.driver if kind_info(pool.kind).takes_driver_element else None,
+            options.driver if info.takes_driver_element else None,
             False,
             False,
             request.label,
             options.force_gpu_aliases and is_gpu,
         )
-        if kind_info(pool.kind).default_display and is_gpu:
+        if info.default_display and is_gpu:
             is_first_mdev = not first_mdev_seen
             first_mdev_seen = True
             want = _display_request(gpu_options, is_first_mdev and options.graphics and not any_display)
