@@ -7,9 +7,11 @@ or anything else) into validated address pools, refusing a malformed value with 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from schemas import DeviceId, InputError, ResourceKind
 from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
@@ -38,6 +40,12 @@ class EnvAllocation:
 
     def pool(self, variable: str) -> Pool | None:
         return self.pools.get(variable)
+
+    @functools.cached_property
+    def derived(self) -> dict[str, Any]:
+        """Views of this allocation its users compute once and keep here (the matcher's per-resource pools);
+        the allocation itself never changes, and the last one read is kept for the process's calls."""
+        return {}
 
 
 def usb_env_var_for(resource_name: str) -> str:

@@ -178,7 +178,10 @@ def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tup
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (HOSTDEV_MODELS[spec.kind].type_name, str(spec.source))
+    return (_TYPE_NAMES[spec.kind], str(spec.source))
+
+
+_TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
 
 
 def _newline_whitespace(text: str | None) -> str | None:
