@@ -7,7 +7,9 @@ comments, CDATA, element order, indentation and the empty-element style.
 
 virt-launcher has usually rendered the GPUs already: such a hostdev is kept and only corrected where libvirt
 would refuse or silently drop something (``_merge_into``; docs/kubevirt-hostdevs.md); the others are added.
-Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them.
+Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them: from the bytes when every
+one is in virt-launcher's exact PCI form (one regular expression; the text then says all the tree would), from
+the tree otherwise. Tests assert both reads agree.
 
 Two ways to write the result, one document:
 - fast: when nothing but elements and text is around and ``</devices>`` is unambiguous in the bytes (the
