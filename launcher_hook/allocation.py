@@ -7,8 +7,11 @@ or anything else) into validated address pools, refusing a malformed value with 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from schemas import DeviceId, InputError, ResourceKind
 from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
@@ -37,6 +40,12 @@ class EnvAllocation:
 
     def pool(self, variable: str) -> Pool | None:
         return self.pools.get(variable)
+
+    @functools.cached_property
+    def derived(self) -> dict[str, Any]:
+        """Views of this allocation its users compute once and keep here (the matcher's per-resource pools);
+        the allocation itself never changes, and the last one read is kept for the process's calls."""
+        return {}
 
 
 def usb_env_var_for(resource_name: str) -> str:
@@ -77,15 +86,34 @@ def parse_pool(variable: str, value: str) -> Pool:
 
 
 def allocation_from_env(env: Mapping[str, str]) -> EnvAllocation:
-    """Collect and validate every allocation variable in ``env``; other variables are ignored."""
+    """Collect and validate every allocation variable in ``env``; other variables are ignored.
+
+    The last allocation read is kept with the variables it was read from: the hook's env (or environ file) is
+    the same on every call for the pod's life, so a call whose variables are the same as the last one's takes
+    that result instead of parsing the IDs again. An env that fails is not kept: every call with it fails with
+    the same message.
+    """
+    relevant = tuple(sorted((name, env[name]) for name in env if name.startswith(_PREFIXES)))  # cheap for most
+    last = _last
+    if last is not None and last[0] == relevant:
+        return last[1]
+    allocation = _read_allocation(relevant)
+    globals()["_last"] = (relevant, allocation)  # one tuple replaced at once: safe from any thread
+    return allocation
+
+
+def _read_allocation(relevant: tuple[tuple[str, str], ...]) -> EnvAllocation:
     pools: dict[str, Pool] = {}
     usb: list[str] = []
-    for name in sorted(name for name in env if name.startswith(_PREFIXES)):  # one cheap test for most names
+    for name, value in relevant:
         if name.startswith(_USB):
             usb.append(name)
         else:
-            pools[name] = parse_pool(name, env[name])
-    return EnvAllocation(pools, frozenset(usb))
+            pools[name] = parse_pool(name, value)
+    return EnvAllocation(MappingProxyType(pools), frozenset(usb))
+
+
+_last: tuple[tuple[tuple[str, str], ...], EnvAllocation] | None = None
 
 
 _USB = f"{USB_ENV_PREFIX}_"

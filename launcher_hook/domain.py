@@ -7,7 +7,9 @@ comments, CDATA, element order, indentation and the empty-element style.
 
 virt-launcher has usually rendered the GPUs already: such a hostdev is kept and only corrected where libvirt
 would refuse or silently drop something (``_merge_into``; docs/kubevirt-hostdevs.md); the others are added.
-Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them.
+Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them: from the bytes when every
+one is in virt-launcher's exact PCI form (one regular expression; the text then says all the tree would), from
+the tree otherwise. Tests assert both reads agree.
 
 Two ways to write the result, one document:
 - fast: when nothing but elements and text is around and ``</devices>`` is unambiguous in the bytes (the
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, render_hostdev
+from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev, renderer_for
 from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
 from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
@@ -178,7 +180,10 @@ def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tup
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (HOSTDEV_MODELS[spec.kind].type_name, str(spec.source))
+    return (_TYPE_NAMES[spec.kind], str(spec.source))
+
+
+_TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
 
 
 def _newline_whitespace(text: str | None) -> str | None:
@@ -232,6 +237,14 @@ class HostdevsInDomain:
     view: DomainHostdevs
     in_order: list[etree._Element] | None = None
     """Every hostdev of every ``<devices>``, in document order."""
+    kubevirt_forms: dict[SourceKey, KubevirtForm] | None = None
+    """Set when every hostdev is in virt-launcher's own PCI form (read from the bytes, see
+    :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
+
+
+KubevirtForm = tuple[str, tuple[int, int] | None]
+"""A hostdev in virt-launcher's PCI form: its alias and where `` type="pci"`` sits on its source address in the
+bytes (None: the address has no type)."""
 
 
 def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
@@ -250,6 +263,65 @@ def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
     Each hostdev's first ``<source>``, its first ``<address>`` and its first ``<alias>`` count, as for libvirt's
     parser; three XPath queries find them for every hostdev of every ``<devices>`` at once.
     """
+    if b"<hostdev" not in parsed.source:
+        return HostdevsInDomain({}, NO_HOSTDEVS)
+    return _kubevirt_hostdevs(parsed) or hostdevs_from_tree(parsed)
+
+
+# virt-launcher's PCI hostdev (docs/kubevirt-hostdevs.md, "Shape"), exactly, with the children that do not
+# change what the merge does (a guest address, a boot order) allowed; the address numbers in the one form
+# whose text is already the kernel's (``0x`` and 4/2/2/1 lower-case hex digits, slot <= 0x1f).
+_WS = rb"[ \t\r\n]*"
+_HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
+    rb"<hostdev(?:"  # every <hostdev…; group 1 when it is the whole element in the form
+    + rb'( type="pci" managed="(?:no|yes)" mode="subsystem">'
+    + (_WS + rb"<source>" + _WS)
+    + rb'<address( type="pci")? domain="0x([0-9a-f]{4})" bus="0x([0-9a-f]{2})" slot="0x([01][0-9a-f])" '
+    + rb'function="0x([0-7])"(?:></address>|/>)'
+    + (_WS + rb"</source>" + _WS)
+    + (rb'(?:<boot order="[0-9]+"(?:></boot>|/>)' + _WS + rb")?")
+    + (rb'(?:<address(?: [a-z]+="[0-9a-z]*")*(?:></address>|/>)' + _WS + rb")?")
+    + rb'<alias name="(ua-[a-zA-Z0-9_-]+)"(?:></alias>|/>)'
+    + (_WS + rb"</hostdev>))?")
+)
+
+
+def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
+    """The hostdevs read from the bytes when every one is in virt-launcher's PCI form, else None.
+
+    Without comments, CDATA sections and PIs, every ``<hostdev`` in the bytes starts an element named hostdev
+    (or one named ``hostdev…``, which is not in the form). When each is the whole of an element in the form and
+    there are as many as ``devices/hostdev`` finds in the tree, they are those elements, in order. The form's
+    text then says all the tree would: the source (the same key as ``read_source``), the one alias, no
+    ``ramfb``, no ``<driver>``; it has no character references (no ``&`` is allowed in it). Two hostdevs for
+    one source are left to the tree read (one is removed)."""
+    source = parsed.source
+    if not parsed.has_only_elements_and_text:
+        return None
+    in_order: list[etree._Element] = parsed.root.findall("devices/hostdev")
+    count = len(in_order)
+    by_source: dict[SourceKey, list[etree._Element]] = {}
+    alias_sources: dict[str, SourceKey | None] = {}
+    forms: dict[SourceKey, KubevirtForm] = {}
+    first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
+    for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
+        form, source_type, domain, bus, slot, function, alias_bytes = found.groups()
+        if form is None or position >= count:
+            return None
+        key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
+        if key in by_source:
+            return None
+        alias = alias_bytes.decode()
+        by_source[key] = [in_order[position]]
+        alias_sources.setdefault(alias, key)
+        forms[key] = (alias, found.span(2) if source_type else None)
+    if len(forms) != count:
+        return None
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, forms)
+
+
+def hostdevs_from_tree(parsed: ParsedDomain) -> HostdevsInDomain:
+    """:func:`read_hostdevs` from the tree, for any domain."""
     if b"<hostdev" not in parsed.source:
         return HostdevsInDomain({}, NO_HOSTDEVS)
     root = parsed.root
@@ -400,12 +472,26 @@ def merge_hostdevs(
     doomed: list[etree._Element] = []
     introduced: dict[str, etree._Element | None] = {}
     by_source = existing.by_source
+    forms = existing.kubevirt_forms if allow_fast else None
+    untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
+    removals: list[tuple[int, int]] = []
     for spec in specs:
-        found = by_source.get(spec_source_key(spec)) if by_source else None
+        key = spec_source_key(spec) if by_source else None
+        found = by_source.get(key) if key is not None else None
         if not found:
             new.append(spec)
             final.append(spec)
             introduced[spec.alias] = None
+            continue
+        form = forms.get(key) if forms and key is not None else None
+        if form is not None and spec.driver is None and (not spec.force_alias or form[0] == spec.alias):
+            # virt-launcher's form with nothing but type= to correct: _merge_into would only drop type=
+            # (``_SOURCE_TYPE``), which the bytes say where to cut; the tree is corrected only if needed.
+            form_alias, source_type = form
+            if source_type is not None:
+                removals.append(source_type)
+                untouched_in_tree.append((found[0], spec))
+            final.append(spec if form_alias == spec.alias else HostdevSpec._make((*spec[:2], form_alias, *spec[3:])))
             continue
         hostdev, *extra = found
         for duplicate in extra:
@@ -421,13 +507,15 @@ def merge_hostdevs(
             touched.append((hostdev, changed))
         final.append(spec if alias == spec.alias else HostdevSpec._make((*spec[:2], alias, *spec[3:])))
     _check_aliases(parsed, introduced, doomed)
-    if not (new or touched or doomed):
+    if not (new or touched or doomed or removals):
         return Spliced(parsed.source, final, warnings)
     devices_elements = parsed.root.findall("devices")
     if allow_fast and not doomed and len(devices_elements) == 1 and parsed.has_only_elements_and_text:
-        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit, existing.in_order)
+        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit, existing.in_order, removals)
         if patched is not None:
             return Spliced(patched, final, warnings)
+    for hostdev, spec in untouched_in_tree:  # the general path writes the tree: correct these there too
+        _merge_into(hostdev, spec, unit, warnings)
     _splice_tree(parsed, devices_elements, new, doomed, unit)
     return Spliced(parsed.serialize(), final, warnings)
 
@@ -450,12 +538,13 @@ def _patch_bytes(
     new: Sequence[HostdevSpec],
     unit: str,
     in_order: list[etree._Element] | None,
+    removals: Sequence[tuple[int, int]] = (),
 ) -> bytes | None:
-    """The original bytes with each touched hostdev re-serialised in place and the new ones inserted before
-    ``</devices>``, when every position is unambiguous (the caller checked: no comment, CDATA section or
-    processing instruction, one ``<devices>``); None otherwise."""
+    """The original bytes with each touched hostdev re-serialised in place, the ``removals`` (spans of bytes)
+    cut out and the new ones inserted before ``</devices>``, when every position is unambiguous (the caller
+    checked: no comment, CDATA section or processing instruction, one ``<devices>``); None otherwise."""
     source = parsed.source
-    edits: list[tuple[int, int, bytes]] = []
+    edits: list[tuple[int, int, bytes]] = [(start, end, b"") for start, end in removals]
     if touched:
         spans = _hostdev_spans(parsed, touched, in_order)
         if spans is None:
@@ -620,8 +709,9 @@ def _insertion(
     if source[insert_at:end] != closing_bytes:
         return None
     layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
-    render = HostdevRenderer(layout)
-    return insert_at, insert_at, "".join(layout.indent + render(spec) for spec in specs).encode()
+    render = renderer_for(layout)
+    indent = layout.indent
+    return insert_at, insert_at, "".join([indent + render(spec) for spec in specs]).encode()
 
 
 def _splice_tree(

@@ -9,10 +9,12 @@ hostdev").
 
 from __future__ import annotations
 
+import functools
+
 from launcher_hook.hostdevs import HOSTDEV_MODELS
 from launcher_hook.hostdevs.base import HostdevSpec, Layout
 
-__all__ = ["HostdevRenderer", "HostdevSpec", "Layout", "render_hostdev"]
+__all__ = ["HostdevRenderer", "HostdevSpec", "Layout", "render_hostdev", "renderer_for"]
 
 COMPACT = Layout()
 """No indentation, ``<x/>`` empty elements."""
@@ -35,6 +37,12 @@ class HostdevRenderer:
         return render(template, driver, spec)
 
 
+@functools.lru_cache(maxsize=64)
+def renderer_for(layout: Layout) -> HostdevRenderer:
+    """The renderer of ``layout``, built once (a process sees a handful of layouts: its domains' indentation)."""
+    return HostdevRenderer(layout)
+
+
 def render_hostdev(spec: HostdevSpec, layout: Layout = COMPACT) -> str:
     """The ``<hostdev>`` element for ``spec`` as XML text, laid out like its surroundings."""
-    return HostdevRenderer(layout)(spec)
+    return renderer_for(layout)(spec)

@@ -103,6 +103,27 @@ def _pools_for(device_name: str, allocation: EnvAllocation) -> list[Pool]:
     return [pool for kind in VM_KINDS.values() if (pool := allocation.pool(kind.env_var(device_name))) is not None]
 
 
+class _Resource(NamedTuple):
+    """What the matcher needs of one resource's pools, computed once per allocation (``allocation.derived``)."""
+
+    pools: list[Pool]
+    distinct: int
+    """How many different IDs its pools list."""
+    offered: dict[SourceKey, tuple[Pool, DeviceId]]
+    """Each ID by the source key a hostdev passing it has (a later pool's ID wins)."""
+
+
+def _resource(device_name: str, allocation: EnvAllocation) -> _Resource:
+    cache: dict[str, _Resource] = allocation.derived
+    found = cache.get(device_name)
+    if found is None:
+        pools = _pools_for(device_name, allocation)
+        offered = {(str(pool.kind), str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids}
+        distinct = len({device_id for pool in pools for device_id in pool.ids})
+        found = cache[device_name] = _Resource(pools, distinct, offered)
+    return found
+
+
 def _left_to_virt_launcher(request: _Request, allocation: EnvAllocation, existing: DomainHostdevs) -> str | None:
     """Why an entry without a PCI/mdev variable is virt-launcher's alone (a warning), or None if it is not."""
     variables = ", ".join(kind.env_var(request.device_name) for kind in VM_KINDS.values())
@@ -120,11 +141,10 @@ def _left_to_virt_launcher(request: _Request, allocation: EnvAllocation, existin
     return None
 
 
-def _check_supply(requests: Sequence[_Request], pools_by_name: dict[str, list[Pool]]) -> None:
+def _check_supply(requests: Sequence[_Request], resources: dict[str, _Resource]) -> None:
     """Every served resource has enough IDs; otherwise say exactly what is missing."""
     for device_name, count in Counter(request.device_name for request in requests).items():
-        pools = pools_by_name[device_name]
-        found = len({device_id for pool in pools for device_id in pool.ids})
+        pools, found, _ = resources[device_name]
         if found < count:
             raise InputError(
                 f"too few devices for {device_name}: {' + '.join(pool.variable for pool in pools)} lists {found}, "
@@ -188,7 +208,7 @@ def _one_ramfb(
 
 def _claim_rendered(
     served: Sequence[_Request],
-    pools_by_name: Mapping[str, list[Pool]],
+    resources: Mapping[str, _Resource],
     existing: DomainHostdevs,
     used: set[DeviceId],
     warnings: list[str],
@@ -199,19 +219,14 @@ def _claim_rendered(
     kept: set[int] = set()
     if not existing.alias_sources:
         return claimed, kept
-    by_source: dict[str, dict[SourceKey | None, tuple[Pool, DeviceId]]] = {}
+    alias_sources = existing.alias_sources
     for index, request in enumerate(served):
-        alias = request.kubevirt_alias
-        if alias not in existing.alias_sources:
+        alias = KUBEVIRT_ALIAS_PREFIX[request.list_name] + request.name
+        if alias not in alias_sources:
             continue
-        key = existing.alias_sources[alias]
-        pools = pools_by_name[request.device_name]
-        offered = by_source.get(request.device_name)
-        if offered is None:
-            offered = by_source[request.device_name] = {
-                (str(pool.kind), str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids
-            }
-        match = offered.get(key)
+        key = alias_sources[alias]
+        pools, _, offered = resources[request.device_name]
+        match = offered.get(key) if key is not None else None
         if match is not None and match[1] in used:
             match = None
         if match is None:
@@ -235,25 +250,26 @@ def match_vmi(
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user."""
     warnings: list[str] = []
-    pools_by_name: dict[str, list[Pool]] = {}
+    resources: dict[str, _Resource] = {}
     served: list[_Request] = []
     for request in _requests(vmi):
-        pools = pools_by_name.get(request.device_name)
-        if pools is None:
-            pools = pools_by_name[request.device_name] = _pools_for(request.device_name, allocation)
-        if pools:
+        resource = resources.get(request.device_name)
+        if resource is None:
+            resource = resources[request.device_name] = _resource(request.device_name, allocation)
+        if resource.pools:
             served.append(request)
             continue
         reason = _left_to_virt_launcher(request, allocation, existing)
         if reason is None:
             raise _no_variable(request)
         warnings.append(reason)
-    _check_supply(served, pools_by_name)
+    _check_supply(served, resources)
     used: set[DeviceId] = set()
-    claimed, kept = _claim_rendered(served, pools_by_name, existing, used, warnings)
+    claimed, kept = _claim_rendered(served, resources, existing, used, warnings)
     # One cursor per resource over its IDs, PCI pool first: each request takes the next one not yet used.
     cursors: dict[str, Iterator[tuple[Pool, DeviceId]]] = {
-        name: ((pool, device_id) for pool in pools for device_id in pool.ids) for name, pools in pools_by_name.items()
+        name: ((pool, device_id) for pool in resource.pools for device_id in pool.ids)
+        for name, resource in resources.items()
     }
     any_display = any(
         gpu.virtual_gpu_options and gpu.virtual_gpu_options.display for gpu in vmi.spec.domain.devices.gpus
@@ -278,19 +294,20 @@ def match_vmi(
             used.add(device_id)
         gpu_options = request.gpu.virtual_gpu_options if request.gpu is not None else None
         is_gpu = request.list_name == "gpus"
+        info = kind_info(pool.kind)
         spec = HostdevSpec(  # positional: one is built per device on the OnDefineDomain path
             pool.kind,
             device_id,
             f"ua-gpu{request.position}" if is_gpu else f"ua-hostdev{request.position}",
             pool.variable,
             options.managed,
-            options.driver if kind_info(pool.kind).takes_driver_element else None,
+            options.driver if info.takes_driver_element else None,
             False,
             False,
             request.label,
             options.force_gpu_aliases and is_gpu,
         )
-        if kind_info(pool.kind).default_display and is_gpu:
+        if info.default_display and is_gpu:
             is_first_mdev = not first_mdev_seen
             first_mdev_seen = True
             want = _display_request(gpu_options, is_first_mdev and options.graphics and not any_display)

@@ -19,7 +19,7 @@ from launcher_hook.builder import BuildOptions, BuildResult, build_domain
 from launcher_hook.sources import AllocationSource, SourceUnavailable
 from runtime.logs import component_logger
 from schemas import InputError
-from schemas.logformat import event_extra, event_message
+from schemas.logformat import log_event_on
 
 COMPONENT = "launcher_hook"
 LOGGER = component_logger(COMPONENT)
@@ -66,7 +66,7 @@ def _cut(message: str) -> str:
 
 def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> None:
     """One event per line on the ``launcher_hook`` logger (JSON or text, see :func:`runtime.logs.configure_logging`)."""
-    LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
+    log_event_on(LOGGER, level, event, fields)
 
 
 class HookService:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from runtime.logs import component_logger
-from schemas.logformat import event_extra, event_message
+from schemas.logformat import log_event_on
 
 COMPONENT = "plugin"
 LOGGER = component_logger(COMPONENT)
@@ -36,5 +36,4 @@ LEVELS: dict[str, int] = {
 def log_event(event: str, **fields: object) -> None:
     """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level."""
     level = LEVELS.get(event, logging.INFO)
-    if LOGGER.isEnabledFor(level):
-        LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
+    log_event_on(LOGGER, level, event, fields)

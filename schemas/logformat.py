@@ -61,7 +61,7 @@ class EventMessage:
         self.fields = fields
 
     def __str__(self) -> str:
-        return json.dumps({"event": self.event, **self.fields}, separators=(",", ":"), default=str)
+        return _compact({"event": self.event, **self.fields})
 
 
 def event_message(event: str, fields: Mapping[str, object]) -> EventMessage:
@@ -69,15 +69,37 @@ def event_message(event: str, fields: Mapping[str, object]) -> EventMessage:
     return EventMessage(event, fields)
 
 
+def log_event_on(logger: logging.Logger, level: int, event: str, fields: Mapping[str, object]) -> None:
+    """Log ``event`` with ``fields`` on ``logger`` at ``level``: what ``logger.log(level, event_message(...),
+    extra=event_extra(...))`` does, without ``logging``'s walk up the stack for the caller's file and line
+    (no format here prints them; it was a good part of a log call's cost on the request paths)."""
+    if logger.isEnabledFor(level):
+        message, extra = EventMessage(event, fields), event_extra(event, fields)
+        record = logger.makeRecord(logger.name, level, _EVENT_SOURCE, 0, message, (), None, None, extra)
+        logger.handle(record)
+
+
+_EVENT_SOURCE = "(event)"
+"""The ``pathname`` of records logged by :func:`log_event_on` (they carry no caller's file and line)."""
+_stamps = threading.local()
+
+
 def rfc3339(created: float) -> str:
     """``created`` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
     seconds = int(created)
     millis = min(int((created - seconds) * 1000), 999)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    last: tuple[int, str] | None = getattr(_stamps, "last", None)  # one strftime per second and thread
+    if last is None or last[0] != seconds:
+        last = _stamps.last = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)))
+    return f"{last[1]}.{millis:03d}Z"
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+"""One encoder for every line (``json.dumps`` with these options builds a new one per call)."""
 
 
 def _compact(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), default=str)
+    return _ENCODER.encode(value)
 
 
 def text_value(value: object) -> str:

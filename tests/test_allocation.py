@@ -67,3 +67,18 @@ def test_environ_file_in_line_format() -> None:
 def test_bad_environ_file_is_refused(data: bytes, message: str) -> None:
     with pytest.raises(InputError, match=message):
         parse_environ(data)
+
+
+def test_the_last_allocation_is_reused_only_for_the_same_variables_and_a_bad_env_fails_every_time() -> None:
+    env = {PCI: "0000:86:00.0", "PATH": "/bin"}
+    first = allocation_from_env(env)
+    assert allocation_from_env({**env, "PATH": "/usr/bin"}) is first  # other variables do not matter
+    changed = allocation_from_env({PCI: "0000:af:00.0"})
+    assert changed is not first
+    assert changed.pools[PCI].ids == (PciAddress.parse("0000:af:00.0"),)
+    assert allocation_from_env({PCI: "0000:86:00.0", "USB_RESOURCE_X": "1:2"}).usb_variables == {"USB_RESOURCE_X"}
+    for _ in range(2):
+        with pytest.raises(InputError, match=f"{PCI}: malformed PCI address 'zz'"):
+            allocation_from_env({PCI: "zz"})
+    with pytest.raises(TypeError):
+        first.pools[PCI] = first.pools[PCI]  # type: ignore[index]  # shared between calls: read-only

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -587,3 +588,86 @@ def test_without_a_vmi_virt_launchers_hostdevs_are_merged_too() -> None:
     assert result.aliases == {"ua-gpu-desk": UUID_A, "ua-gpu-train0": "0000:86:00.0", "ua-gpu2": "0000:af:00.0"}
     assert displays(result.domain_xml)["ua-gpu-desk"] == ("on", "on")
     libvirt_verdict(result.domain_xml, result.aliases)
+
+
+def _plain_pci(name: str, bus: int) -> str:
+    """virt-launcher's PCI GPU without a driver (the form the hook reads from the bytes)."""
+    return kubevirt_pci(name, bus, driver="")
+
+
+READ_CASES: dict[str, bytes] = {
+    "sixteen as rendered": kubevirt_rendered_domain(),
+    "boot order and guest address": domain_with(
+        _plain_pci("g", 0x86).replace(
+            "</source>",
+            '</source><boot order="2"></boot><address type="pci" domain="0x0000" bus="0x02" slot="0x00"'
+            ' function="0x0"></address>',
+        ),
+        controllers=NUMA_CONTROLLERS,
+    ),
+    "no type on the source address": domain_with(_plain_pci("g", 0x86).replace(' type="pci" domain', " domain")),
+    "self-closed elements, managed": re.sub(
+        rb"<([\w:]+)([^<>]*)></\1>",
+        rb"<\1\2/>",
+        domain_with(_plain_pci("g", 0x86).replace('"no"', '"yes"')),
+    ),
+    # each of these leaves the reading to the tree
+    "a comment": domain_with("<!-- x -->" + _plain_pci("g", 0x86)),
+    "upper-case hex": domain_with(_plain_pci("g", 0x86).replace("0x86", "0x8A")),
+    "a character reference": domain_with(_plain_pci("g", 0x86).replace("0x86", "0x&#x38;6")),
+    "a driver": domain_with(kubevirt_pci("g", 0x86)),
+    "an attribute more": domain_with(_plain_pci("g", 0x86).replace('mode="subsystem"', 'mode="subsystem" x="1"')),
+    "twice the same source": domain_with(_plain_pci("g", 0x86) + _plain_pci("h", 0x86)),
+    "a hostdev outside <devices>": domain_with(_plain_pci("g", 0x86)).replace(
+        b"</domain>", _plain_pci("x", 0xAF).encode() + b"</domain>"
+    ),
+    "in another namespace": domain_with(_plain_pci("g", 0x86)).replace(b"<devices>", b'<devices xmlns="urn:x">'),
+    "a usb device too": domain_with(_plain_pci("g", 0x86) + kubevirt_usb("stick")),
+    "slot out of range": domain_with(_plain_pci("g", 0x86).replace('slot="0x00"', 'slot="0x20"')),
+}
+FROM_BYTES = {
+    "sixteen as rendered",
+    "boot order and guest address",
+    "no type on the source address",
+    "self-closed elements, managed",
+}
+
+
+@pytest.mark.parametrize("case", list(READ_CASES), ids=list(READ_CASES))
+def test_hostdevs_read_from_the_bytes_are_what_the_tree_says(case: str) -> None:
+    """virt-launcher's PCI form is read from the bytes (``kubevirt_forms``); it must say what the tree read
+    says, and anything else must be left to the tree read."""
+    from launcher_hook.domain import hostdevs_from_tree
+
+    parsed = parse_domain(READ_CASES[case], 1 << 20)
+    fast, tree = read_hostdevs(parsed), hostdevs_from_tree(parsed)
+    assert (fast.kubevirt_forms is not None) is (case in FROM_BYTES)
+    assert fast.view == tree.view
+    assert fast.by_source == tree.by_source
+    assert fast.in_order == tree.in_order
+
+
+@pytest.mark.parametrize("case", sorted(FROM_BYTES))
+@pytest.mark.parametrize(
+    "options", [HostdevOptions(), HostdevOptions(driver="vfio"), HostdevOptions(force_gpu_aliases=True)]
+)
+def test_a_merge_with_hostdevs_read_from_the_bytes_gives_the_general_paths_bytes(
+    case: str, options: HostdevOptions
+) -> None:
+    domain = READ_CASES[case]
+    names = [alias.decode()[len("ua-gpu-") :] for alias in re.findall(rb'alias name="(ua-gpu-[^"]+)"', domain)]
+    buses = [
+        int(bus, 16) for bus in re.findall(rb'<source>\s*<address(?: type="pci")? domain="0x0000" bus="0x(..)"', domain)
+    ]
+    gpus = [{"name": name, "deviceName": A100} for name in names] + [{"name": "added", "deviceName": A100}]
+    env = {A100_VAR: ",".join(f"0000:{bus:02x}:00.0" for bus in [*buses, 0xEE])}
+    outputs = []
+    for fast in (True, False):
+        parsed = parse_domain(domain, 1 << 20)
+        existing = read_hostdevs(parsed)
+        specs, warnings = match_vmi(parse_vmi(vmi_json(gpus)), allocation_from_env(env), options, existing.view)
+        spliced = merge_hostdevs(parsed, specs, existing, allow_fast=fast)
+        outputs.append((spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings))
+    assert outputs[0] == outputs[1]
+    assert b'<source><address type="pci"' not in outputs[0][0]
+    assert outputs[0][0].count(b"<hostdev ") == len(gpus)

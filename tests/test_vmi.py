@@ -75,3 +75,80 @@ def test_bad_vmi_json_is_refused_with_a_clear_error(data: bytes, message: str) -
 def test_oversized_vmi_is_refused_before_parsing() -> None:
     with pytest.raises(InputError, match="over the 100-byte limit"):
         parse_vmi(b'{"spec": {}}' + b" " * 100, max_bytes=100)
+
+
+_SHAPES: list[object] = [
+    {"spec": {}},
+    {"spec": {"domain": {}}},
+    {"spec": {"domain": {"devices": {}}}, "metadata": {}},
+    {"spec": {"domain": {"devices": {"gpus": [], "hostDevices": []}}}, "metadata": {"name": "n"}},
+    {
+        "metadata": {"name": "vm", "namespace": "ns", "labels": {"a": "b"}},
+        "spec": {
+            "domain": {
+                "devices": {
+                    "gpus": [
+                        {"name": "g0", "deviceName": "nvidia.com/X"},
+                        {"name": "g1"},
+                        {"name": "g2", "deviceName": None, "virtualGPUOptions": None},
+                        {"name": "g3", "deviceName": "d", "virtualGPUOptions": {}},
+                        {"name": "g4", "deviceName": "d", "virtualGPUOptions": {"display": None}},
+                        {"name": "g5", "deviceName": "d", "virtualGPUOptions": {"display": {}}},
+                        {"name": "g6", "virtualGPUOptions": {"display": {"enabled": False, "ramFB": None}}},
+                        {"name": "g7", "virtualGPUOptions": {"display": {"enabled": None, "ramFB": {}}}},
+                        {"name": "g8", "virtualGPUOptions": {"display": {"ramFB": {"enabled": True}}}},
+                    ],
+                    "hostDevices": [{"name": "h0", "deviceName": "intel.com/Y"}, {"name": "h1", "deviceName": None}],
+                    "disks": [{"name": "ignored"}],
+                }
+            }
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("shape", _SHAPES)
+def test_the_one_pass_reader_gives_what_the_checking_reader_gives(shape: object) -> None:
+    """The usual VMI is read in one pass (``_fast_vmi``); the reader that names every problem must agree."""
+    from schemas.vmi import _fast_vmi, _Reader
+
+    assert isinstance(shape, dict)
+    fast = _fast_vmi(shape)
+    reader = _Reader()
+    checked = reader.vmi(shape)
+    assert reader.problems == []
+    assert fast == checked
+
+
+_RAMFB_Y = {"ramFB": {"enabled": "y"}}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        {"spec": None},
+        {"spec": {"domain": None}},
+        {"spec": {"domain": {"devices": None}}},
+        {"spec": {"domain": {"devices": {"gpus": {}}}}},
+        {"spec": {"domain": {"devices": {"gpus": [1]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"deviceName": "d"}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": None}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "deviceName": 3}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": []}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": {"display": 1}}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": {"display": {"enabled": 1}}}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": {"display": {"ramFB": 1}}}]}}}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "virtualGPUOptions": {"display": _RAMFB_Y}}]}}}},
+        {"spec": {"domain": {"devices": {"hostDevices": [{"name": 1}]}}}},
+        {"spec": {}, "metadata": None},
+        {"spec": {}, "metadata": {"name": None}},
+        {"spec": {}, "metadata": {"namespace": 5}},
+    ],
+)
+def test_a_wrong_shape_leaves_the_one_pass_reader_for_the_checking_one(shape: dict[str, object]) -> None:
+    from schemas.vmi import _fast_vmi
+
+    assert _fast_vmi(shape) is None
+    with pytest.raises(InputError, match="does not have the expected shape"):
+        parse_vmi(json.dumps(shape).encode())
