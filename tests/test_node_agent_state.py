@@ -27,7 +27,7 @@ from simkit.kubelet_standin import KubeletStandIn
 from simkit.sysfs_fixture import Node, build
 from tests.discovery_support import discover
 from tests.node_agent_support import agent
-from tests.plugin_support import build_tree, manager_for, running, short_dir
+from tests.plugin_support import build_tree, manager_for, running, short_dir, wait_until
 from tests.test_node_agent_vgpu import L40S, sriov_sim, vf_types
 
 PF_A, VF_A0, VF_A1 = "0000:3b:00.0", "0000:3b:00.4", "0000:3b:00.5"
@@ -191,7 +191,7 @@ def test_the_plugin_names_vgpus_of_a_full_gpu_from_what_the_agent_wrote(tmp_path
 # -- the plugin rescans when the agent replaces the file -----------------------------------------------------
 
 
-def test_the_plugin_rescans_as_soon_as_the_agent_replaces_its_state(tmp_path: Path) -> None:
+def test_the_plugin_rescans_as_soon_as_the_agent_replaces_its_state() -> None:
     with short_dir() as base:
         root = build_tree(full_first_gpu(), base)
         (root / STATE_IN_ROOT).parent.mkdir(parents=True)
@@ -200,6 +200,24 @@ def test_the_plugin_rescans_as_soon_as_the_agent_replaces_its_state(tmp_path: Pa
         with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir, scan_interval=60)):
             kubelet.wait_for_devices("nvidia.com/NVIDIA_L40S-1B", lambda devices: len(devices) == 1)
             assert kubelet.registration_count(ONE_Q) == 0
+            write_state(root, agent_state({PF_A: {1147: "NVIDIA L40S-1Q"}}))
+            seen = kubelet.wait_for_devices(ONE_Q, lambda devices: len(devices) == 2, timeout=10)
+            assert seen == {VF_A0: "Healthy", VF_A1: "Healthy"}
+
+
+def test_a_state_directory_made_after_the_start_is_watched_from_the_next_rescan() -> None:
+    with short_dir() as base:
+        root = build_tree(full_first_gpu(), base)
+        kubelet_dir = base / "kubelet"
+        with (
+            KubeletStandIn(kubelet_dir) as kubelet,
+            running(manager_for(root, kubelet_dir, scan_interval=60)) as manager,
+        ):
+            kubelet.wait_for_devices("nvidia.com/NVIDIA_L40S-1B", lambda devices: len(devices) == 1)
+            (root / STATE_IN_ROOT).parent.mkdir(parents=True)  # the agent's first run makes it
+            scans = manager.scans
+            (root / "dev" / "vfio" / "33").unlink()  # any rescan (here: a free VF's group node going) opens the watch
+            wait_until(lambda: manager.scans > scans, what="a rescan after /dev/vfio changed")
             write_state(root, agent_state({PF_A: {1147: "NVIDIA L40S-1Q"}}))
             seen = kubelet.wait_for_devices(ONE_Q, lambda devices: len(devices) == 2, timeout=10)
             assert seen == {VF_A0: "Healthy", VF_A1: "Healthy"}
