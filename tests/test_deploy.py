@@ -415,7 +415,8 @@ def _as_mounted(built: list[Doc], node: Path, container_root: Path) -> Path:
         # A bind mount shows the tree itself at the target: copy it (links kept as they are). A symlink to the
         # node's tree would be an absolute link out of the host root, which discovery re-roots (issue 11).
         shutil.copytree(source, target, symlinks=True)
-    return container_root / main["args"][main["args"].index("--host-root") + 1].lstrip("/")
+    host_root: str = main["args"][main["args"].index("--host-root") + 1]
+    return container_root / host_root.lstrip("/")
 
 
 def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], tmp_path: Path) -> None:
