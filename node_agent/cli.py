@@ -31,6 +31,7 @@ from runtime.cli_options import log_format_option
 from runtime.files import read_regular_file
 from runtime.logs import component_logger, configure_logging
 from runtime.signals import stop_on_signals
+from schemas import node_agent_state as state_schema
 from schemas.clirun import run_cli
 from schemas.logformat import LogFormat
 
@@ -145,7 +146,7 @@ def bind(
     kernel = _kernel(click.get_current_context())
     selected = _selected(fs, addresses, all_gpus, selectors)
     report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
-    write_section(state_dir, "bind", {"selected": selected, **report.as_dict()})
+    write_section(state_dir, state_schema.SECTION_BIND, {"selected": selected, **report.as_dict()})
     _emit(report.as_dict())
     for address in report.changed:
         log.info("bound %s to %s", address, report.drivers.get(address))
@@ -167,7 +168,7 @@ def unbind(
     kernel = _kernel(click.get_current_context())
     selected = _selected(fs, addresses, all_gpus, selectors)
     report = unbind_groups(fs, kernel, selected)
-    write_section(state_dir, "unbind", {"selected": selected, **report.as_dict()})
+    write_section(state_dir, state_schema.SECTION_UNBIND, {"selected": selected, **report.as_dict()})
     set_ready(state_dir, False, {})
     _emit(report.as_dict())
     if report.refused:
@@ -289,7 +290,7 @@ def prepare(
     if workload == "vm-passthrough":
         selected = _selected(fs, *selection)
         report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
-        write_section(state_dir, "bind", {"selected": selected, **report.as_dict()})
+        write_section(state_dir, state_schema.SECTION_BIND, {"selected": selected, **report.as_dict()})
         done = report.as_dict()
         if report.refused:
             set_ready(state_dir, False, {})
@@ -314,14 +315,7 @@ def _specs(config_file: Path | None, config_name: str | None) -> tuple[VgpuSpec,
 
 def _remembered(state_dir: Path) -> dict[str, dict[int, str]]:
     """SR-IOV type names learnt by earlier runs (a VF with a type lists none)."""
-    names = read_state(state_dir).get("vgpu", {}).get("type_names", {})
-    if not isinstance(names, dict):
-        return {}
-    return {
-        str(parent): {int(number): str(name) for number, name in table.items() if str(number).isdigit()}
-        for parent, table in names.items()
-        if isinstance(table, dict)
-    }
+    return state_schema.type_names(read_state(state_dir))
 
 
 def _apply(
@@ -337,11 +331,12 @@ def _apply(
     try:
         report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
     except AgentError as exc:
-        earlier = read_state(state_dir).get("vgpu", {})
-        write_section(state_dir, "vgpu", {**earlier, "config": config_name, "status": "failed", "error": str(exc)})
+        earlier = state_schema.section(read_state(state_dir), state_schema.SECTION_VGPU)
+        failed = {**earlier, "config": config_name, "status": "failed", "error": str(exc)}
+        write_section(state_dir, state_schema.SECTION_VGPU, failed)
         raise
     section = {"config": config_name, "file": str(config_file), "status": "success", **report.as_dict()}
-    write_section(state_dir, "vgpu", section)
+    write_section(state_dir, state_schema.SECTION_VGPU, section)
     for change in report.changes:
         log.info("%s %s on %s", change["action"], change.get("id", ""), change["parent"])
     return report.as_dict()

@@ -17,13 +17,11 @@ from typing import Any
 
 from node_agent.kernel import AgentError
 from runtime.files import read_regular_file
+from schemas import node_agent_state as schema
 from schemas.errors import InputError
+from schemas.node_agent_state import MAX_STATE_BYTES, READY_FILE, STATE_FILE
 
-DEFAULT_STATE_DIR = Path("/run/kubevirt-gpu-passthrough/node-agent")
-STATE_FILE = "state.json"
-READY_FILE = "ready"
-MAX_STATE_BYTES = 4 * 1024 * 1024
-STATE_VERSION = 1
+DEFAULT_STATE_DIR = Path(schema.DEFAULT_STATE_DIR)
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -40,24 +38,22 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def read_state(directory: Path) -> dict[str, Any]:
-    """The state file's object; empty when there is none yet. A damaged one is an error naming it."""
+    """The state file's object (:func:`schemas.node_agent_state.parse_state`); empty when there is none yet. A
+    damaged one is an error naming it."""
     path = directory / STATE_FILE
     if not path.exists():
         return {}
     try:
-        data = json.loads(read_regular_file(path, MAX_STATE_BYTES, "agent state file"))
-    except (InputError, ValueError) as exc:
-        raise AgentError(f"agent state file {path} cannot be used: {exc}") from None
-    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-        raise AgentError(f"agent state file {path} is not a version-{STATE_VERSION} state object")
-    return data
+        return schema.parse_state(read_regular_file(path, MAX_STATE_BYTES, "agent state file"), str(path))
+    except InputError as exc:
+        raise AgentError(str(exc)) from None  # it names the file
 
 
 def write_section(directory: Path, section: str, content: dict[str, Any]) -> None:
     """Replace ``section`` of the state file with ``content`` (stamped with the time), atomically."""
-    state = read_state(directory) or {"version": STATE_VERSION}
-    state[section] = {**content, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _atomic_write(directory / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+    state = read_state(directory) or schema.new_state()
+    state[section] = {**content, schema.UPDATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _atomic_write(directory / STATE_FILE, schema.encode_state(state))
 
 
 def set_ready(directory: Path, ready: bool, detail: dict[str, Any]) -> None:

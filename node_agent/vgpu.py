@@ -34,6 +34,7 @@ from node_agent.bind import group_holders
 from node_agent.kernel import AgentError, Kernel
 from node_agent.sysfs import NVIDIA_VENDOR, Sysfs, all_addresses, read_function
 from node_agent.vgpu_config import VgpuSpec
+from schemas.node_agent_state import TYPE_NAMES, encode_type_names
 
 MAX_VFS = 4096
 
@@ -343,7 +344,7 @@ class ApplyReport:
     writes: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return {"changes": self.changes, "vgpus": self.vgpus, "type_names": self.type_names, "writes": self.writes}
+        return {"changes": self.changes, "vgpus": self.vgpus, TYPE_NAMES: self.type_names, "writes": self.writes}
 
 
 def _held(fs: Sysfs, kernel: Kernel, parent: Parent) -> dict[str, list[str]]:
@@ -418,7 +419,7 @@ def apply(
         report.vgpus[parent.name] = parent.vgpus()
         if parent.kind == "sriov":
             known = {**planned.get(parent.name, {}), **known_sriov_types(parent, memory.get(parent.name, {}))}
-            report.type_names[parent.name] = {str(number): name for number, name in sorted(known.items())}
+            report.type_names.update(encode_type_names({parent.name: known}))
     report.writes = kernel.writes - start
     return report
 

@@ -31,6 +31,7 @@ from runtime.files import read_regular_file
 from runtime.node import VFIO_DRIVER_NAMES
 from schemas.errors import InputError
 from schemas.naming import validate_resource_name
+from schemas.node_agent_state import DEFAULT_STATE_PATH
 
 CONFIG_FILE_ENV = "GPU_PLUGIN_CONFIG"
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -38,7 +39,7 @@ MAX_CONFIG_BYTES = 1024 * 1024
 MAX_ITEMS = 1024
 """Most entries of one list or of ``name_overrides`` (a real node needs a handful)."""
 MAX_PATH_CHARS = 4096
-"""Longest ``host_root`` or ``pci_ids`` (the kernel's PATH_MAX)."""
+"""Longest ``host_root``, ``pci_ids`` or ``node_agent_state`` (the kernel's PATH_MAX)."""
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plugin-config.schema.json"
 TITLE = "kubevirt-gpu-passthrough device plugin"
 
@@ -60,6 +61,14 @@ class ConfigError(ValueError):
 def _path(value: str) -> str:
     if len(value) > MAX_PATH_CHARS or "\0" in value:
         raise ValueError(f"not a path: longer than {MAX_PATH_CHARS} characters or holding a NUL")
+    return value
+
+
+def _in_root_file(value: str) -> str:
+    """An absolute path inside the host root naming a file, or empty (off)."""
+    _path(value)
+    if value and (not value.startswith("/") or value.endswith("/") or "/../" in f"{value}/"):
+        raise ValueError(f"{value!r} is not an absolute path of a file without '..' (or empty: off)")
     return value
 
 
@@ -270,6 +279,14 @@ SETTINGS: dict[str, Setting] = {
         key_check=_device_id,
         key_pattern=_DEVICE_ID,
     ),
+    "node_agent_state": Setting(
+        "str",
+        _in_root_file,
+        "The node agent's state file as a path on the node, read under host_root (mount the agent's state "
+        "directory there, read-only). Its vgpu.type_names names SR-IOV vGPU types no creatable_vgpu_types "
+        "lists any more (every VF of the GPU in use), and the plugin rescans when the agent replaces it. "
+        "Empty: not read. A missing file is normal (no agent, or it has not run); a broken one is a warning.",
+    ),
 }
 """Every setting, in the order of :class:`PluginConfig`'s fields."""
 
@@ -285,6 +302,7 @@ class _Fields:
     mdev_parent_selectors: tuple[str, ...] = ()
     mdev_type_selectors: tuple[str, ...] = ()
     name_overrides: dict[str, str] = field(default_factory=dict)
+    node_agent_state: str = DEFAULT_STATE_PATH
 
     def __post_init__(self) -> None:
         problems: list[str] = []

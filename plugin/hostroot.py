@@ -208,9 +208,10 @@ class HostRoot:
             return None
         return resolved.rstrip("/"), name
 
-    def read(self, path: str) -> str | None:
-        """A small regular file's text; None if it does not exist. Raises :class:`ReadError` with the reason
-        when it exists but must not be used (FIFO, device, directory, too large, a link loop, unreadable)."""
+    def read(self, path: str, limit: int = MAX_ATTRIBUTE_BYTES) -> str | None:
+        """A small regular file's text (at most ``limit`` bytes); None if it does not exist. Raises
+        :class:`ReadError` with the reason when it exists but must not be used (FIFO, device, directory, larger
+        than ``limit``, a link loop, unreadable)."""
         openat2 = HostRoot.openat2
         if openat2 is not None and self._root_fd is not None:
             # The common case in one call, no layers: a scan reads every PCI function's vendor this way.
@@ -224,7 +225,7 @@ class HostRoot:
                 if exc.errno not in (errno.ENOSYS, errno.EPERM):
                     raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from None
             else:
-                return _read_bounded(opened, path)
+                return _read_bounded(opened, path, limit)
         try:
             descriptor = self._open(path, _READ_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
@@ -235,7 +236,7 @@ class HostRoot:
             raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from None
         if descriptor is None:
             return None
-        return _read_bounded(descriptor, path)
+        return _read_bounded(descriptor, path, limit)
 
     def directory(self, path: str) -> Directory:
         """A handle on the directory ``path`` (resolved inside the root once) to read several of its files.
@@ -441,8 +442,8 @@ def _last_component(target: str) -> str:
     return name
 
 
-def _read_bounded(descriptor: int, path: str) -> str:
-    """The text of the regular file open at ``descriptor`` (closed here), at most :data:`MAX_ATTRIBUTE_BYTES`."""
+def _read_bounded(descriptor: int, path: str, limit: int = MAX_ATTRIBUTE_BYTES) -> str:
+    """The text of the regular file open at ``descriptor`` (closed here), at most ``limit`` bytes."""
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
@@ -454,8 +455,8 @@ def _read_bounded(descriptor: int, path: str) -> str:
         size = len(chunk)
         while chunk := os.read(descriptor, _READ_CHUNK):
             size += len(chunk)
-            if size > MAX_ATTRIBUTE_BYTES:
-                raise ReadError(f"{path}: larger than {MAX_ATTRIBUTE_BYTES} bytes")
+            if size > limit:
+                raise ReadError(f"{path}: larger than {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
     except OSError as exc:

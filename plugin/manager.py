@@ -105,7 +105,9 @@ class PluginManager:
         self._finished = False
         self._served: dict[str, Registration] = {}
         self._stop = threading.Event()
-        self._watcher = NodeWatcher(self.vfio_dir, self.kubelet_dir)
+        state = config.node_agent_state
+        self.agent_state_file = self.host_root / state.lstrip("/") if state else None
+        self._watcher = NodeWatcher(self.vfio_dir, self.kubelet_dir, self.agent_state_file)
         self._registrar = Registrar(self.kubelet_socket, self._watcher.wake, self.metrics)
         self._next_scan = 0.0
         self._last_problem: str | None = None

@@ -11,8 +11,10 @@ Its resource is named after its vGPU type's name, as NVIDIA's plugin names mdev 
 ``nvidia.com/NVIDIA_L40S-1Q``). The driver shows names only in ``creatable_vgpu_types`` (``ID : name`` lines),
 and a VF that has a type lists none; the name is read from the other VFs of the same GPU (and the PF's own
 list when the driver writes one), else from another GPU of the same PCI device ID (type IDs are the driver's
-per GPU model). A VF whose type no list names is not offered, with that reason (every VF of every such GPU is
-in use, or the GPU is full). Health: its IOMMU group and ``/dev/vfio`` as for any VFIO device; Allocate's
+per GPU model), and last from the node agent's state file (``vgpu.type_names``, the names the agent saw for
+that GPU when it made the vGPUs: :mod:`schemas.node_agent_state`; read only when a list falls short). A VF whose
+type no list names is not offered, with that reason (every VF of every such GPU is in use, or the GPU is full,
+and no agent state names it). Health: its IOMMU group and ``/dev/vfio`` as for any VFIO device; Allocate's
 re-check adds that it is still on ``nvidia`` with the same type.
 """
 
@@ -27,6 +29,7 @@ from plugin.naming import mdev_resource_name
 from plugin.node_scan import NodeScan
 from schemas.errors import InputError
 from schemas.kinds import SRIOV_VGPU, DeviceKind
+from schemas.node_agent_state import MAX_STATE_BYTES, parse_state, type_names
 from schemas.pci import PciAddress
 
 VF_DRIVER = "nvidia"
@@ -121,11 +124,15 @@ class SriovVgpuSource:
                 parse_creatable_types(node.read_text(f"{node.pci_dir}/{pf}/nvidia/creatable_vgpu_types") or ""),
             )
             self._explain_pf(node, pf)
+        from_agent: dict[str, dict[int, str]] | None = None
         for vf in vfs:
-            names = by_pf.get(vf.pf or "", {})
-            self._scan_vf(
-                node, vf, names.get(vf.type_id) or by_model.get(vf.function.vendor_device, {}).get(vf.type_id)
-            )
+            same_model = by_model.get(vf.function.vendor_device, {})
+            name = by_pf.get(vf.pf or "", {}).get(vf.type_id) or same_model.get(vf.type_id)
+            if name is None and vf.pf is not None:
+                if from_agent is None:
+                    from_agent = agent_type_names(node)
+                name = from_agent.get(vf.pf, {}).get(vf.type_id)
+            self._scan_vf(node, vf, name)
 
     @staticmethod
     def _explain_pf(node: NodeScan, pf: str) -> None:
@@ -159,9 +166,14 @@ class SriovVgpuSource:
             )
             return
         if type_name is None:
+            agent = (
+                f" nor by the node agent's {node.shown(node.config.node_agent_state)}"
+                if node.config.node_agent_state
+                else ""
+            )
             reason = (
                 f"its vGPU type {vf.type_id} is named by no creatable_vgpu_types of its GPU {vf.pf} or of a GPU "
-                "like it (each VF has a type, or the GPU is full): its resource cannot be named"
+                f"like it (each VF has a type, or the GPU is full){agent}: its resource cannot be named"
             )
             node.ignored.append(Ignored(vf.name, function.vendor_device, function.driver, reason))
             return
@@ -213,6 +225,27 @@ class SriovVgpuSource:
         if now is None or str(now) != device.mdev_type:
             return f"its vGPU type is now {now if now is not None else 'unreadable'} (was {device.mdev_type})"
         return None
+
+
+def agent_type_names(node: NodeScan) -> dict[str, dict[int, str]]:
+    """The SR-IOV vGPU type names the node agent recorded (``{GPU address: {type ID: name}}``), read from the
+    configured ``node_agent_state`` under the host root: bounded, a FIFO or device never opened for long, links
+    resolved inside the root. Empty when not configured or absent (no agent, or it has not run yet); a file
+    that cannot be used is a warning naming it, and the scan goes on without it."""
+    path = node.config.node_agent_state
+    if not path:
+        return {}
+    try:
+        text = node.fs.read(path, MAX_STATE_BYTES)
+        if text is None:
+            return {}
+        return type_names(parse_state(text, node.shown(path)))
+    except ReadError as exc:
+        problem = f"{node.root.rstrip('/')}{exc}"
+    except InputError as exc:
+        problem = str(exc)
+    node.warnings.append(f"ignoring the node agent's state file (SR-IOV vGPU type names): {problem}")
+    return {}
 
 
 def _pci_address(name: str | None) -> str | None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,10 +28,12 @@ import pytest
 import yaml
 
 from plugin.cli import serve
+from plugin.config import PluginConfig
 from plugin.manager import DEFAULT_SCAN_INTERVAL, liveness_bound
 from plugin.sources import permitted_host_devices
+from schemas.node_agent_state import DEFAULT_STATE_DIR as AGENT_STATE_DIR
 from schemas.vmi import parse_vmi
-from simkit.fixture_nodes import NODE01, VGPU_NODE
+from simkit.fixture_nodes import NODE01, SRIOV_VGPU_NODE, VGPU_NODE
 from tests.discovery_support import build_node, discover
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -381,12 +384,15 @@ def test_daemonset_args_are_the_plugins_and_match_the_mounts(built: list[Doc]) -
         mount["mountPath"]: (volumes[mount["name"]]["hostPath"], mount.get("readOnly", False), mount)
         for mount in main["volumeMounts"]
     }
-    # Exactly three host paths: the kubelet dir read-write, sysfs and /dev/vfio read-only under --host-root.
+    # Exactly four host paths: the kubelet dir read-write; sysfs, /dev/vfio and the node agent's state directory
+    # read-only under --host-root (the plugin's node_agent_state default is read there).
     assert {path: (host["path"], host["type"], ro) for path, (host, ro, _) in mounts.items()} == {
         KUBELET_DIR: (KUBELET_DIR, "Directory", False),
         "/host/sys": ("/sys", "Directory", True),
         "/host/dev/vfio": ("/dev/vfio", "Directory", True),
+        "/host" + AGENT_STATE_DIR: (AGENT_STATE_DIR, "DirectoryOrCreate", True),
     }
+    assert PluginConfig().node_agent_state == f"{AGENT_STATE_DIR}/state.json"
     assert mounts["/host/sys"][2]["recursiveReadOnly"] == "Enabled"
     assert all("mountPropagation" not in mount for _, _, mount in mounts.values())
     init_mounts = [
@@ -396,10 +402,8 @@ def test_daemonset_args_are_the_plugins_and_match_the_mounts(built: list[Doc]) -
     assert all(mount.get("readOnly") for mount in init_mounts)  # the wait reads the agent's state only
 
 
-def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], tmp_path: Path) -> None:
-    """Lay node01's sysfs and /dev/vfio out where the DaemonSet mounts them, and discover from --host-root."""
-    node = build_node(NODE01, tmp_path / "node")
-    container_root = tmp_path / "container"
+def _as_mounted(built: list[Doc], node: Path, container_root: Path) -> Path:
+    """Lay ``node``'s host paths out where the plugin's DaemonSet mounts them; return the --host-root."""
     main = container(one(built, "DaemonSet", "gpu-device-plugin"))
     daemonset_volumes = one(built, "DaemonSet", "gpu-device-plugin")["spec"]["template"]["spec"]["volumes"]
     volumes = {volume["name"]: volume["hostPath"]["path"] for volume in daemonset_volumes}
@@ -411,10 +415,31 @@ def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], t
         # A bind mount shows the tree itself at the target: copy it (links kept as they are). A symlink to the
         # node's tree would be an absolute link out of the host root, which discovery re-roots (issue 11).
         shutil.copytree(source, target, symlinks=True)
-    host_root = container_root / main["args"][main["args"].index("--host-root") + 1].lstrip("/")
+    host_root: str = main["args"][main["args"].index("--host-root") + 1]
+    return container_root / host_root.lstrip("/")
+
+
+def test_plugin_finds_the_gpus_through_the_daemonsets_mounts(built: list[Doc], tmp_path: Path) -> None:
+    """Lay node01's sysfs and /dev/vfio out where the DaemonSet mounts them, and discover from --host-root."""
+    node = build_node(NODE01, tmp_path / "node")
+    host_root = _as_mounted(built, node, tmp_path / "container")
     inventory = discover(host_root, pci_ids=str(node / "usr" / "share" / "misc" / "pci.ids"))
     resource = next(resource for resource in inventory.resources if resource.name == TU106)
     assert len(resource.devices) == 4 and all(device.healthy for device in resource.devices)
+
+
+def test_plugin_reads_the_agents_state_through_the_daemonsets_mounts(built: list[Doc], tmp_path: Path) -> None:
+    """A full SR-IOV GPU (no VF lists a creatable type): its vGPU type is named from the agent's state file,
+    found through the DaemonSet's mount with the plugin's default node_agent_state."""
+    first, second = SRIOV_VGPU_NODE.sriov_vgpus
+    full = dataclasses.replace(SRIOV_VGPU_NODE, sriov_vgpus=(dataclasses.replace(first, full=True), second))
+    node = build_node(full, tmp_path / "node")
+    state = node / AGENT_STATE_DIR.lstrip("/") / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"version": 1, "vgpu": {"type_names": {first.pf: {"1147": "NVIDIA L40S-1Q"}}}}))
+    assert "nvidia.com/NVIDIA_L40S-1Q" not in discover(node, node_agent_state="").resource_names
+    inventory = discover(_as_mounted(built, node, tmp_path / "container"))
+    assert len(inventory.resource("nvidia.com/NVIDIA_L40S-1Q").devices) == 2
 
 
 def test_daemonset_is_not_privileged(built: list[Doc]) -> None:
