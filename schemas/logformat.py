@@ -133,6 +133,11 @@ LOG_QUEUE_LINES = 1_000
 must not grow the process: it took the hook ~60 MB per 5,000 failing calls)."""
 LOG_FLUSH_SECONDS = 2.0
 """Longest the flush at exit waits for the writer, so SIGTERM ends the process even if stderr is a full pipe."""
+LOG_LINGER_SECONDS = 0.05
+"""How long the background writer, woken by a line, waits for more before writing them all in one go: in a
+burst of calls (Allocates back to back) it takes the interpreter lock once per burst slice rather than once per
+line, so it does not hold up the calls (it cost the plugin's Allocate ~0.2 ms of its ~1.3 ms round trip on two
+busy cores). Each line keeps the time it was logged at; the flush at exit does not wait for it."""
 _POLL_SECONDS = 0.1
 _PIPE_BUF = 4096  # writes of at most this many bytes to a pipe that poll() calls writable never block
 DROPPED_EVENT = "log_lines_dropped"
@@ -248,12 +253,29 @@ class _Writer:
         self._thread.start()
 
     def _write(self, record: logging.LogRecord) -> None:
-        try:
-            line = self._out.format(record)
-        except Exception:
-            self._out.handleError(record)
-            return
-        self._out.sink.write(line, self._deadline)
+        self._write_all([record])
+
+    def _write_all(self, records: list[logging.LogRecord]) -> None:
+        """Format ``records`` and write their lines in one go (a record that cannot be formatted is reported
+        by the handler and left out)."""
+        lines: list[str] = []
+        for record in records:
+            try:
+                lines.append(self._out.format(record))
+            except Exception:
+                self._out.handleError(record)
+        if lines:
+            self._out.sink.write("\n".join(lines), self._deadline)
+
+    def _take_waiting(self, first: logging.LogRecord) -> list[logging.LogRecord]:
+        """``first`` and the records queued behind it (at most a queue's worth, so a writer never starves)."""
+        records = [first]
+        while len(records) < LOG_QUEUE_LINES:
+            try:
+                records.append(self._records.get_nowait())
+            except queue.Empty:
+                break
+        return records
 
     def _report_drops(self) -> None:
         dropped = self._handover.take_dropped()
@@ -280,7 +302,9 @@ class _Writer:
                 if self._stop.is_set():
                     return
                 continue
-            self._write(record)
+            if not self._stop.is_set():
+                self._stop.wait(LOG_LINGER_SECONDS)  # let a burst's lines gather; a flush at exit ends the wait
+            self._write_all(self._take_waiting(record))
             self._report_drops()
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 return  # out of time at exit: the rest is left unwritten
