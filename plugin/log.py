@@ -31,10 +31,19 @@ LEVELS: dict[str, int] = {
     "metrics_failed": logging.ERROR,
 }
 """Events above INFO; every other event is INFO."""
+_SOURCE = __file__
 
 
 def log_event(event: str, **fields: object) -> None:
-    """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level."""
+    """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level.
+
+    The record is made and handed to the logger's handlers directly: ``Logger.log`` would first walk the
+    stack for the caller's file and line, which no line format here writes (a sixth of the cost on
+    Allocate's path).
+    """
     level = LEVELS.get(event, logging.INFO)
     if LOGGER.isEnabledFor(level):
-        LOGGER.log(level, event_message(event, fields), extra=event_extra(event, fields))
+        record = LOGGER.makeRecord(
+            LOGGER.name, level, _SOURCE, 0, event_message(event, fields), (), None, extra=event_extra(event, fields)
+        )
+        LOGGER.handle(record)
