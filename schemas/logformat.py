@@ -141,6 +141,9 @@ spell is written at once. In a burst of calls (Allocates back to back) the write
 once per slice rather than once per line, and does not hold up the calls (it cost the plugin's Allocate ~0.2 ms
 of its ~1.3 ms round trip on two busy cores). Each line keeps the time it was logged at; the flush at exit does
 not wait."""
+LOG_BATCH_LINES = 64
+"""Most lines the writer takes off the queue for one write: beyond the queue's bound, at most this many more
+lines wait in memory for a full stderr."""
 _POLL_SECONDS = 0.1
 _PIPE_BUF = 4096  # writes of at most this many bytes to a pipe that poll() calls writable never block
 DROPPED_EVENT = "log_lines_dropped"
@@ -272,9 +275,10 @@ class _Writer:
             self._out.sink.write("\n".join(lines), self._deadline)
 
     def _take_waiting(self, first: logging.LogRecord) -> list[logging.LogRecord]:
-        """``first`` and the records queued behind it (at most a queue's worth, so a writer never starves)."""
+        """``first`` and the records queued behind it, at most :data:`LOG_BATCH_LINES` in all: what the writer
+        holds while stderr is full counts against the bound on waiting lines too."""
         records = [first]
-        while len(records) < LOG_QUEUE_LINES:
+        while len(records) < LOG_BATCH_LINES:
             try:
                 records.append(self._records.get_nowait())
             except queue.Empty:
