@@ -34,6 +34,11 @@ LEVELS: dict[str, int] = {
 
 
 def log_event(event: str, **fields: object) -> None:
-    """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level."""
+    """Log ``event`` with ``fields`` (non-JSON values are written via ``str``) at the event's level.
+
+    ``log_event_on`` makes the record and hands it to the logger's handlers directly: ``Logger.log`` would
+    first walk the stack for the caller's file and line, which no line format here writes (a sixth of the
+    cost on Allocate's path).
+    """
     level = LEVELS.get(event, logging.INFO)
     log_event_on(LOGGER, level, event, fields)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -155,6 +156,16 @@ LOG_QUEUE_LINES = 1_000
 must not grow the process: it took the hook ~60 MB per 5,000 failing calls)."""
 LOG_FLUSH_SECONDS = 2.0
 """Longest the flush at exit waits for the writer, so SIGTERM ends the process even if stderr is a full pipe."""
+LOG_LINGER_SECONDS = 0.05
+"""Least time between two writes of the background writer: a line that comes within it of the last write
+waits for the rest of it, and the lines that gathered meanwhile are written in one go; a line after a quiet
+spell is written at once. In a burst of calls (Allocates back to back) the writer so takes the interpreter lock
+once per slice rather than once per line, and does not hold up the calls (it cost the plugin's Allocate ~0.2 ms
+of its ~1.3 ms round trip on two busy cores). Each line keeps the time it was logged at; the flush at exit does
+not wait."""
+LOG_BATCH_LINES = 64
+"""Most lines the writer takes off the queue for one write: beyond the queue's bound, at most this many more
+lines wait in memory for a full stderr."""
 _POLL_SECONDS = 0.1
 _PIPE_BUF = 4096  # writes of at most this many bytes to a pipe that poll() calls writable never block
 DROPPED_EVENT = "log_lines_dropped"
@@ -264,18 +275,37 @@ class _Writer:
         self._out = out
         self._stop = threading.Event()
         self._deadline: float | None = None
+        self._last_write = -math.inf
         self._thread = threading.Thread(target=self._run, name=f"log-writer-{logger.name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def _write(self, record: logging.LogRecord) -> None:
-        try:
-            line = self._out.format(record)
-        except Exception:
-            self._out.handleError(record)
-            return
-        self._out.sink.write(line, self._deadline)
+        self._write_all([record])
+
+    def _write_all(self, records: list[logging.LogRecord]) -> None:
+        """Format ``records`` and write their lines in one go (a record that cannot be formatted is reported
+        by the handler and left out)."""
+        lines: list[str] = []
+        for record in records:
+            try:
+                lines.append(self._out.format(record))
+            except Exception:
+                self._out.handleError(record)
+        if lines:
+            self._out.sink.write("\n".join(lines), self._deadline)
+
+    def _take_waiting(self, first: logging.LogRecord) -> list[logging.LogRecord]:
+        """``first`` and the records queued behind it, at most :data:`LOG_BATCH_LINES` in all: what the writer
+        holds while stderr is full counts against the bound on waiting lines too."""
+        records = [first]
+        while len(records) < LOG_BATCH_LINES:
+            try:
+                records.append(self._records.get_nowait())
+            except queue.Empty:
+                break
+        return records
 
     def _report_drops(self) -> None:
         dropped = self._handover.take_dropped()
@@ -302,7 +332,11 @@ class _Writer:
                 if self._stop.is_set():
                     return
                 continue
-            self._write(record)
+            pause = self._last_write + LOG_LINGER_SECONDS - time.monotonic()
+            if pause > 0 and not self._stop.is_set():
+                self._stop.wait(pause)  # in a burst: let its lines gather; a flush at exit ends the wait
+            self._write_all(self._take_waiting(record))
+            self._last_write = time.monotonic()
             self._report_drops()
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 return  # out of time at exit: the rest is left unwritten

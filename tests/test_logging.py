@@ -415,3 +415,24 @@ def test_background_logging_formats_off_the_callers_thread_and_loses_nothing_at_
     assert threading.current_thread().name not in formatted_on
     logger.info(event_message("after", {}), extra=event_extra("after", {}))  # after flush: written at once
     assert json.loads(stream.getvalue().splitlines()[-1])["event"] == "after"
+
+
+def test_background_writer_writes_a_burst_of_lines_together() -> None:
+    """A burst is written in few writes (the writer lingers, then takes what waits), all lines in order."""
+    from schemas.logformat import configure, event_extra, event_message
+
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, text: str) -> int:
+            Counting.writes += 1
+            return super().write(text)
+
+    logger = logging.getLogger("kgp-burst-test")
+    stream = Counting()
+    flush = configure(logger, "test", "json", stream, background=True)
+    for number in range(50):
+        logger.info(event_message("tick", {"n": number}), extra=event_extra("tick", {"n": number}))
+    flush()
+    assert [json.loads(line)["n"] for line in stream.getvalue().splitlines()] == list(range(50))
+    assert Counting.writes <= 10

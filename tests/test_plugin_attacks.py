@@ -465,11 +465,16 @@ def test_serve_with_500_idle_metrics_connections_stays_healthy_and_stops_on_sigt
         serve_process(root, kubelet_dir, "--metrics-address", "127.0.0.1:0", log=log) as process,
     ):
         kubelet.wait_for_registration(TU106, timeout=15)
-        port = next(
-            int(event["port"])
-            for event in (json.loads(line) for line in log.read_text().splitlines() if line.startswith("{"))
-            if event.get("event") == "metrics_serving"
-        )
+
+        def announced() -> list[int]:  # the line is written by the log thread, maybe a moment after registering
+            return [
+                int(event["port"])
+                for event in (json.loads(line) for line in log.read_text().splitlines() if line.startswith("{"))
+                if event.get("event") == "metrics_serving"
+            ]
+
+        wait_until(lambda: bool(announced()), timeout=15, what="the metrics_serving event")
+        port = announced()[0]
         threads = _threads(process.pid)
         idle = _connect_idle(port, IDLE_CONNECTIONS)
         try:
