@@ -72,8 +72,19 @@ def event_message(event: str, fields: Mapping[str, object]) -> EventMessage:
 def log_event_on(logger: logging.Logger, level: int, event: str, fields: Mapping[str, object]) -> None:
     """Log ``event`` with ``fields`` on ``logger`` at ``level``: what ``logger.log(level, event_message(...),
     extra=event_extra(...))`` does, without ``logging``'s walk up the stack for the caller's file and line
-    (no format here prints them; it was a good part of a log call's cost on the request paths)."""
+    (no format here prints them; it was a good part of a log call's cost on the request paths).
+
+    When the logger's one handler is the background hand-over (:func:`configure` with ``background``) and
+    nothing else would see a record (no filter, no propagation), no ``LogRecord`` is built: the time, level,
+    event and ``fields`` go on the queue as a tuple and the writer thread formats the same line from them.
+    ``fields`` is then kept as it is (the callers pass a fresh ``**fields`` dict)."""
     if logger.isEnabledFor(level):
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.propagate and not logger.filters:
+            handler = handlers[0]
+            if type(handler) is _BoundedHandOver and not handler.filters and level >= handler.level:
+                handler.hand_over((time.time(), level, event, fields))
+                return
         message, extra = EventMessage(event, fields), event_extra(event, fields)
         record = logger.makeRecord(logger.name, level, _EVENT_SOURCE, 0, message, (), None, None, extra)
         logger.handle(record)
@@ -134,14 +145,19 @@ class EventFormatter(logging.Formatter):
             event, fields = "message", {"message": record.getMessage()}
         if record.exc_info:
             fields["exception"] = self.formatException(record.exc_info)
-        stamp = rfc3339(record.created)
+        return self.format_event(record.created, record.levelname, event, fields)
+
+    def format_event(self, created: float, level_name: str, event: str, fields: Mapping[str, object]) -> str:
+        """The line for ``event`` with ``fields`` logged at ``created`` (seconds since the epoch), level
+        ``level_name`` (``INFO``): what :meth:`format` writes for a record carrying them."""
+        stamp = rfc3339(created)
         if self.log_format == "text":
-            words = [stamp, record.levelname, self.component, event]
+            words = [stamp, level_name, self.component, event]
             words.extend(f"{key}={text_value(value)}" for key, value in fields.items())
             return " ".join(words)
         line: dict[str, object] = {
             "time": stamp,
-            "level": record.levelname.lower(),
+            "level": level_name.lower(),
             "component": self.component,
             "event": event,
         }
@@ -207,19 +223,27 @@ class _LineSink:
         return True
 
 
-class _BoundedHandOver(logging.Handler):
-    """Puts the record on a bounded queue as it is (formatting happens on the writer thread); counts what a
-    full queue drops."""
+_Event = tuple[float, int, str, Mapping[str, object]]
+"""An event handed to the writer thread without a ``LogRecord``: (time.time(), level, event, fields)."""
+_Queued = logging.LogRecord | _Event
 
-    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+
+class _BoundedHandOver(logging.Handler):
+    """Puts the record (or a bare :data:`_Event`) on a bounded queue as it is (formatting happens on the writer
+    thread); counts what a full queue drops."""
+
+    def __init__(self, records: queue.Queue[_Queued]) -> None:
         super().__init__()
         self._records = records
         self._lock_dropped = threading.Lock()
         self._dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.hand_over(record)
+
+    def hand_over(self, item: _Queued) -> None:
         try:
-            self._records.put_nowait(record)
+            self._records.put_nowait(item)
         except queue.Full:
             with self._lock_dropped:
                 self._dropped += 1
@@ -255,13 +279,15 @@ class _Writer:
         self,
         logger: logging.Logger,
         handover: _BoundedHandOver,
-        records: queue.Queue[logging.LogRecord],
+        records: queue.Queue[_Queued],
         out: _SinkHandler,
+        formatter: EventFormatter,
     ) -> None:
         self._logger = logger
         self._handover = handover
         self._records = records
         self._out = out
+        self._formatter = formatter
         self._stop = threading.Event()
         self._deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"log-writer-{logger.name}", daemon=True)
@@ -269,11 +295,28 @@ class _Writer:
     def start(self) -> None:
         self._thread.start()
 
-    def _write(self, record: logging.LogRecord) -> None:
+    def _write(self, item: _Queued) -> None:
         try:
-            line = self._out.format(record)
+            if isinstance(item, tuple):
+                created, level, event, fields = item
+                line = self._formatter.format_event(created, logging.getLevelName(level), event, fields)
+            else:
+                line = self._out.format(item)
         except Exception:
-            self._out.handleError(record)
+            if isinstance(item, tuple):  # the record it would have been, for logging's error report
+                created, level, event, fields = item
+                item = self._logger.makeRecord(
+                    self._logger.name,
+                    level,
+                    _EVENT_SOURCE,
+                    0,
+                    EventMessage(event, fields),
+                    (),
+                    None,
+                    None,
+                    event_extra(event, fields),
+                )
+            self._out.handleError(item)
             return
         self._out.sink.write(line, self._deadline)
 
@@ -296,13 +339,13 @@ class _Writer:
     def _run(self) -> None:
         while True:
             try:
-                record = self._records.get(timeout=_POLL_SECONDS)
+                item = self._records.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 self._report_drops()
                 if self._stop.is_set():
                     return
                 continue
-            self._write(record)
+            self._write(item)
             self._report_drops()
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 return  # out of time at exit: the rest is left unwritten
@@ -335,9 +378,9 @@ def configure(
         logger.handlers[:] = [handler]
         return lambda: None
     sink = _LineSink(stream)
-    records: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=LOG_QUEUE_LINES)
+    records: queue.Queue[_Queued] = queue.Queue(maxsize=LOG_QUEUE_LINES)
     handover = _BoundedHandOver(records)
-    writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None))
+    writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None), formatter)
     writer.start()
     logger.handlers[:] = [handover]
 
