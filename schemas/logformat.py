@@ -232,24 +232,27 @@ class _BoundedHandOver(logging.Handler):
     """Puts the record (or a bare :data:`_Event`) on a bounded queue as it is (formatting happens on the writer
     thread); counts what a full queue drops."""
 
-    def __init__(self, records: queue.Queue[_Queued]) -> None:
+    def __init__(self, records: queue.SimpleQueue[_Queued], limit: int) -> None:
         super().__init__()
         self._records = records
-        self._lock_dropped = threading.Lock()
+        self.limit = limit
+        self._lock = threading.Lock()
         self._dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         self.hand_over(record)
 
     def hand_over(self, item: _Queued) -> None:
-        try:
-            self._records.put_nowait(item)
-        except queue.Full:
-            with self._lock_dropped:
+        # A SimpleQueue (its put and get are C, where Queue's are Python with a Condition) bounded under one
+        # lock, so the bound is exact.
+        with self._lock:
+            if self._records.qsize() < self.limit:
+                self._records.put(item)
+            else:
                 self._dropped += 1
 
     def take_dropped(self) -> int:
-        with self._lock_dropped:
+        with self._lock:
             dropped, self._dropped = self._dropped, 0
         return dropped
 
@@ -279,7 +282,7 @@ class _Writer:
         self,
         logger: logging.Logger,
         handover: _BoundedHandOver,
-        records: queue.Queue[_Queued],
+        records: queue.SimpleQueue[_Queued],
         out: _SinkHandler,
         formatter: EventFormatter,
     ) -> None:
@@ -323,7 +326,7 @@ class _Writer:
     def _report_drops(self) -> None:
         dropped = self._handover.take_dropped()
         if dropped:
-            fields = {"dropped": dropped, "reason": f"more than {self._records.maxsize} lines waiting to be written"}
+            fields = {"dropped": dropped, "reason": f"more than {self._handover.limit} lines waiting to be written"}
             record = self._logger.makeRecord(
                 self._logger.name,
                 logging.WARNING,
@@ -378,8 +381,8 @@ def configure(
         logger.handlers[:] = [handler]
         return lambda: None
     sink = _LineSink(stream)
-    records: queue.Queue[_Queued] = queue.Queue(maxsize=LOG_QUEUE_LINES)
-    handover = _BoundedHandOver(records)
+    records: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
+    handover = _BoundedHandOver(records, LOG_QUEUE_LINES)
     writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None), formatter)
     writer.start()
     logger.handlers[:] = [handover]
