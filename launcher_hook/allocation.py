@@ -42,7 +42,7 @@ class EnvAllocation:
         return self.pools.get(variable)
 
     @functools.cached_property
-    def derived(self) -> dict[str, Any]:
+    def derived(self) -> dict[object, Any]:
         """Views of this allocation its users compute once and keep here (the matcher's per-resource pools);
         the allocation itself never changes, and the last one read is kept for the process's calls."""
         return {}
