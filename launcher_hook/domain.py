@@ -143,7 +143,8 @@ def _root_start_tag_end(data: bytes) -> int:
 
 def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:
     """Parse ``data`` with no DTD, no entities and no network; any refusal names ``what`` and the reason."""
-    check_utf8(data, what, max_bytes)
+    if len(data) > max_bytes or not data.isascii():  # ASCII is UTF-8: no decoded copy to check it
+        check_utf8(data, what, max_bytes)
     declared = _DECLARED_ENCODING.match(data)
     if declared and declared.group(1).decode().lower() not in _UTF8_NAMES:
         raise InputError(f"{what} declares encoding {declared.group(1).decode()!r}; only UTF-8 is accepted")
@@ -698,20 +699,18 @@ def _insertion(
     once.
     """
     source = parsed.source
-    if not len(devices) or source.count(b"</devices>") != 1:
+    end = source.find(b"</devices>")
+    if not len(devices) or end < 0 or source.find(b"</devices>", end + 10) >= 0:
         return None
     before, closing = _child_slots(devices, unit)
     if (before is None) != (closing is None):
         return None
-    end = source.index(b"</devices>")
     closing_bytes = (closing or "").encode()
     insert_at = end - len(closing_bytes)
     if source[insert_at:end] != closing_bytes:
         return None
     layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
-    render = renderer_for(layout)
-    indent = layout.indent
-    return insert_at, insert_at, "".join([indent + render(spec) for spec in specs]).encode()
+    return insert_at, insert_at, renderer_for(layout).run(specs).encode()
 
 
 def _splice_tree(
