@@ -181,7 +181,7 @@ def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tup
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (_TYPE_NAMES[spec.kind], str(spec.source))
+    return (_TYPE_NAMES[spec.kind], spec.source_text)
 
 
 _TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
@@ -434,7 +434,7 @@ def _check_aliases(
     """Each alias the hook writes (on a new hostdev, None, or on the hostdev given) is held by nothing else."""
     if not introduced:
         return
-    prefixes = {alias.rstrip("0123456789").encode() for alias in introduced}
+    prefixes = [prefix.encode() for prefix in {alias.rstrip("0123456789") for alias in introduced}]
     if b"&" not in parsed.source and not any(prefix in parsed.source for prefix in prefixes):
         return  # no alias of ours can be in the document (a character reference could hide one)
     skipped = {id(element) for element in doomed}
