@@ -36,6 +36,7 @@ from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
 from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
 from launcher_hook.hostdevs.base import CHANGED_SWITCHES as _SWITCHES
+from launcher_hook.hostdevs.base import device_text
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, SourceKey
 from schemas import InputError
 from schemas.limits import check_utf8
@@ -181,7 +182,7 @@ def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tup
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (_TYPE_NAMES[spec.kind], spec.source_text)
+    return (_TYPE_NAMES[spec.kind], device_text(spec.source))
 
 
 _TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
@@ -476,8 +477,9 @@ def merge_hostdevs(
     forms = existing.kubevirt_forms if allow_fast else None
     untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
     removals: list[tuple[int, int]] = []
+    type_names = _TYPE_NAMES
     for spec in specs:
-        key = spec_source_key(spec) if by_source else None
+        key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
         found = by_source.get(key) if key is not None else None
         if not found:
             new.append(spec)
@@ -492,7 +494,7 @@ def merge_hostdevs(
             if source_type is not None:
                 removals.append(source_type)
                 untouched_in_tree.append((found[0], spec))
-            final.append(spec if form_alias == spec.alias else HostdevSpec._make((*spec[:2], form_alias, *spec[3:])))
+            final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
         hostdev, *extra = found
         for duplicate in extra:
@@ -506,7 +508,7 @@ def merge_hostdevs(
             introduced[alias] = hostdev
         if changed:
             touched.append((hostdev, changed))
-        final.append(spec if alias == spec.alias else HostdevSpec._make((*spec[:2], alias, *spec[3:])))
+        final.append(spec if alias == spec.alias else _with_alias(spec, alias))
     _check_aliases(parsed, introduced, doomed)
     if not (new or touched or doomed or removals):
         return Spliced(parsed.source, final, warnings)
@@ -519,6 +521,11 @@ def merge_hostdevs(
         _merge_into(hostdev, spec, unit, warnings)
     _splice_tree(parsed, devices_elements, new, doomed, unit)
     return Spliced(parsed.serialize(), final, warnings)
+
+
+def _with_alias(spec: HostdevSpec, alias: str) -> HostdevSpec:
+    """``spec._replace(alias=alias)``, without its keyword handling (one per GPU on the merge path)."""
+    return tuple.__new__(HostdevSpec, (*spec[:2], alias, *spec[3:]))
 
 
 def splice_hostdevs(parsed: ParsedDomain, specs: Sequence[HostdevSpec], *, allow_fast: bool = True) -> bytes:

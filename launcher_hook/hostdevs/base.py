@@ -46,10 +46,10 @@ class HostdevSpec(NamedTuple):
 
     @property
     def source_text(self) -> str:
-        return _source_text(self.source)
+        return device_text(self.source)
 
 
-_source_text = functools.lru_cache(maxsize=4096, typed=True)(str)
+device_text = functools.lru_cache(maxsize=4096, typed=True)(str)
 """``str`` of a device ID, kept (a pod's hook names the same few IDs on every call: splice keys, the log line)."""
 
 
