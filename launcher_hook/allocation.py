@@ -42,7 +42,7 @@ class EnvAllocation:
         return self.pools.get(variable)
 
     @functools.cached_property
-    def derived(self) -> dict[str, Any]:
+    def derived(self) -> dict[object, Any]:
         """Views of this allocation its users compute once and keep here (the matcher's per-resource pools);
         the allocation itself never changes, and the last one read is kept for the process's calls."""
         return {}
@@ -93,13 +93,18 @@ def allocation_from_env(env: Mapping[str, str]) -> EnvAllocation:
     that result instead of parsing the IDs again. An env that fails is not kept: every call with it fails with
     the same message.
     """
-    relevant = tuple(sorted((name, env[name]) for name in env if name.startswith(_PREFIXES)))  # cheap for most
+    relevant = tuple(sorted(allocation_variables(env).items()))
     last = _last
     if last is not None and last[0] == relevant:
         return last[1]
     allocation = _read_allocation(relevant)
     globals()["_last"] = (relevant, allocation)  # one tuple replaced at once: safe from any thread
     return allocation
+
+
+def allocation_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that :func:`allocation_from_env` reads (allocation and ``USB_RESOURCE_*``)."""
+    return {name: env[name] for name in env if name.startswith(_PREFIXES)}
 
 
 def _read_allocation(relevant: tuple[tuple[str, str], ...]) -> EnvAllocation:

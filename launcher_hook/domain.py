@@ -36,6 +36,7 @@ from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
 from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
 from launcher_hook.hostdevs.base import CHANGED_SWITCHES as _SWITCHES
+from launcher_hook.hostdevs.base import device_text
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, SourceKey
 from schemas import InputError
 from schemas.limits import check_utf8
@@ -143,7 +144,8 @@ def _root_start_tag_end(data: bytes) -> int:
 
 def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:
     """Parse ``data`` with no DTD, no entities and no network; any refusal names ``what`` and the reason."""
-    check_utf8(data, what, max_bytes)
+    if len(data) > max_bytes or not data.isascii():  # ASCII is UTF-8: no decoded copy to check it
+        check_utf8(data, what, max_bytes)
     declared = _DECLARED_ENCODING.match(data)
     if declared and declared.group(1).decode().lower() not in _UTF8_NAMES:
         raise InputError(f"{what} declares encoding {declared.group(1).decode()!r}; only UTF-8 is accepted")
@@ -180,7 +182,7 @@ def _source_key(hostdev_type: str | None, address: etree._Element | None) -> tup
 
 
 def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
-    return (_TYPE_NAMES[spec.kind], str(spec.source))
+    return (_TYPE_NAMES[spec.kind], device_text(spec.source))
 
 
 _TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
@@ -433,7 +435,7 @@ def _check_aliases(
     """Each alias the hook writes (on a new hostdev, None, or on the hostdev given) is held by nothing else."""
     if not introduced:
         return
-    prefixes = {alias.rstrip("0123456789").encode() for alias in introduced}
+    prefixes = [prefix.encode() for prefix in {alias.rstrip("0123456789") for alias in introduced}]
     if b"&" not in parsed.source and not any(prefix in parsed.source for prefix in prefixes):
         return  # no alias of ours can be in the document (a character reference could hide one)
     skipped = {id(element) for element in doomed}
@@ -475,8 +477,9 @@ def merge_hostdevs(
     forms = existing.kubevirt_forms if allow_fast else None
     untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
     removals: list[tuple[int, int]] = []
+    type_names = _TYPE_NAMES
     for spec in specs:
-        key = spec_source_key(spec) if by_source else None
+        key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
         found = by_source.get(key) if key is not None else None
         if not found:
             new.append(spec)
@@ -491,7 +494,7 @@ def merge_hostdevs(
             if source_type is not None:
                 removals.append(source_type)
                 untouched_in_tree.append((found[0], spec))
-            final.append(spec if form_alias == spec.alias else HostdevSpec._make((*spec[:2], form_alias, *spec[3:])))
+            final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
         hostdev, *extra = found
         for duplicate in extra:
@@ -505,7 +508,7 @@ def merge_hostdevs(
             introduced[alias] = hostdev
         if changed:
             touched.append((hostdev, changed))
-        final.append(spec if alias == spec.alias else HostdevSpec._make((*spec[:2], alias, *spec[3:])))
+        final.append(spec if alias == spec.alias else _with_alias(spec, alias))
     _check_aliases(parsed, introduced, doomed)
     if not (new or touched or doomed or removals):
         return Spliced(parsed.source, final, warnings)
@@ -518,6 +521,11 @@ def merge_hostdevs(
         _merge_into(hostdev, spec, unit, warnings)
     _splice_tree(parsed, devices_elements, new, doomed, unit)
     return Spliced(parsed.serialize(), final, warnings)
+
+
+def _with_alias(spec: HostdevSpec, alias: str) -> HostdevSpec:
+    """``spec._replace(alias=alias)``, without its keyword handling (one per GPU on the merge path)."""
+    return tuple.__new__(HostdevSpec, (*spec[:2], alias, *spec[3:]))
 
 
 def splice_hostdevs(parsed: ParsedDomain, specs: Sequence[HostdevSpec], *, allow_fast: bool = True) -> bytes:
@@ -698,20 +706,18 @@ def _insertion(
     once.
     """
     source = parsed.source
-    if not len(devices) or source.count(b"</devices>") != 1:
+    end = source.find(b"</devices>")
+    if not len(devices) or end < 0 or source.find(b"</devices>", end + 10) >= 0:
         return None
     before, closing = _child_slots(devices, unit)
     if (before is None) != (closing is None):
         return None
-    end = source.index(b"</devices>")
     closing_bytes = (closing or "").encode()
     insert_at = end - len(closing_bytes)
     if source[insert_at:end] != closing_bytes:
         return None
     layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
-    render = renderer_for(layout)
-    indent = layout.indent
-    return insert_at, insert_at, "".join([indent + render(spec) for spec in specs]).encode()
+    return insert_at, insert_at, renderer_for(layout).run(specs).encode()
 
 
 def _splice_tree(

@@ -10,6 +10,7 @@ hostdev").
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from launcher_hook.hostdevs import HOSTDEV_MODELS
 from launcher_hook.hostdevs.base import HostdevSpec, Layout
@@ -30,11 +31,35 @@ class HostdevRenderer:
     def __init__(self, layout: Layout = COMPACT) -> None:
         driver = layout.driver()
         self._fill = {kind: (model.render, model.template(layout), driver) for kind, model in HOSTDEV_MODELS.items()}
+        self._indent = layout.indent
+        self._runs: dict[tuple[HostdevSpec, ...], str] = {}
 
     def __call__(self, spec: HostdevSpec) -> str:
         """The ``<hostdev>`` element for ``spec`` as XML text."""
         render, template, driver = self._fill[spec.kind]
         return render(template, driver, spec)
+
+    def run(self, specs: Sequence[HostdevSpec]) -> str:
+        """The elements for ``specs`` one after the other, each after the layout's indentation: the text the
+        splicer inserts. The text of the last ``RUNS_KEPT`` lists is kept (the hook writes the same GPUs on
+        every call of a pod), keyed by the specs themselves."""
+        key = tuple(specs)
+        text = self._runs.get(key)
+        if text is None:
+            indent, fill = self._indent, self._fill
+            parts = []
+            for spec in key:
+                render, template, driver = fill[spec.kind]
+                parts.append(indent + render(template, driver, spec))
+            text = "".join(parts)
+            if len(self._runs) >= RUNS_KEPT:
+                self._runs.clear()
+            self._runs[key] = text
+        return text
+
+
+RUNS_KEPT = 16
+"""Rendered lists of hostdevs each renderer keeps (see :meth:`HostdevRenderer.run`)."""
 
 
 @functools.lru_cache(maxsize=64)

@@ -114,8 +114,8 @@ class _Resource(NamedTuple):
 
 
 def _resource(device_name: str, allocation: EnvAllocation) -> _Resource:
-    cache: dict[str, _Resource] = allocation.derived
-    found = cache.get(device_name)
+    cache = allocation.derived
+    found: _Resource | None = cache.get(device_name)
     if found is None:
         pools = _pools_for(device_name, allocation)
         offered = {(str(pool.kind), str(device_id)): (pool, device_id) for pool in pools for device_id in pool.ids}
@@ -242,13 +242,52 @@ def _claim_rendered(
     return claimed, kept
 
 
+MATCHES_KEPT = 64
+"""Most results :func:`match_vmi` keeps per allocation (a pod's hook sees one VMI shape, a test a few)."""
+_MATCHES = object()
+"""Where in ``allocation.derived`` those results are (no resource name equals it)."""
+
+
 def match_vmi(
     vmi: VirtualMachineInstance,
     allocation: EnvAllocation,
     options: HostdevOptions,
     existing: DomainHostdevs = NO_HOSTDEVS,
 ) -> tuple[list[HostdevSpec], list[str]]:
-    """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user."""
+    """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user.
+
+    A pure function of what it reads: the VMI's ``gpus`` and ``hostDevices`` (every field of each entry), the
+    allocation, the options and the domain's hostdevs. The hook's allocation is the same on every call and
+    virt-launcher sends the same VMI each time, so a result is kept with the allocation
+    (``allocation.derived``), keyed by all of those, and handed out as fresh lists; a call that raises keeps
+    nothing.
+    """
+    devices = vmi.spec.domain.devices
+    key = (
+        tuple(devices.gpus),
+        tuple(devices.host_devices),
+        options,
+        tuple(existing.alias_sources.items()),
+        tuple(existing.ramfb_on.items()),
+    )
+    kept: dict[object, tuple[list[HostdevSpec], list[str]]] | None = allocation.derived.get(_MATCHES)
+    if kept is None:
+        kept = allocation.derived[_MATCHES] = {}
+    found = kept.get(key)
+    if found is None:
+        found = _match_vmi(vmi, allocation, options, existing)
+        if len(kept) >= MATCHES_KEPT:
+            kept.clear()
+        kept[key] = found
+    return list(found[0]), list(found[1])
+
+
+def _match_vmi(
+    vmi: VirtualMachineInstance,
+    allocation: EnvAllocation,
+    options: HostdevOptions,
+    existing: DomainHostdevs,
+) -> tuple[list[HostdevSpec], list[str]]:
     warnings: list[str] = []
     resources: dict[str, _Resource] = {}
     served: list[_Request] = []

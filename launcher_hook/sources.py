@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from launcher_hook.allocation import parse_environ
+from launcher_hook.allocation import allocation_variables, parse_environ
 from runtime.files import read_regular_file
 from schemas import InputError
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
@@ -76,10 +76,11 @@ class AllocationSource(Protocol):
 
 
 class ProcessEnvSource:
-    """The hook's own env (given at construction, so the caller decides what that is)."""
+    """The hook's own env (given at construction, so the caller decides what that is); only the variables the
+    builder reads are kept (``allocation_variables``), so a call does not go through the rest each time."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self._env = dict(env)
+        self._env = allocation_variables(env)
 
     def describe(self) -> str:
         return "process env"

@@ -37,6 +37,7 @@ LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DEFAULT_LOG_FORMAT: LogFormat = "json"
 RESERVED = ("time", "level", "component", "event")
 """Keys every JSON line starts with; a field of the same name is written as ``<name>_``."""
+_RESERVED_SET = frozenset(RESERVED)
 
 _EVENT = "kgp_event"
 _FIELDS = "kgp_fields"
@@ -73,8 +74,19 @@ def event_message(event: str, fields: Mapping[str, object]) -> EventMessage:
 def log_event_on(logger: logging.Logger, level: int, event: str, fields: Mapping[str, object]) -> None:
     """Log ``event`` with ``fields`` on ``logger`` at ``level``: what ``logger.log(level, event_message(...),
     extra=event_extra(...))`` does, without ``logging``'s walk up the stack for the caller's file and line
-    (no format here prints them; it was a good part of a log call's cost on the request paths)."""
+    (no format here prints them; it was a good part of a log call's cost on the request paths).
+
+    When the logger's one handler is the background hand-over (:func:`configure` with ``background``) and
+    nothing else would see a record (no filter, no propagation), no ``LogRecord`` is built: the time, level,
+    event and ``fields`` go on the queue as a tuple and the writer thread formats the same line from them.
+    ``fields`` is then kept as it is (the callers pass a fresh ``**fields`` dict)."""
     if logger.isEnabledFor(level):
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.propagate and not logger.filters:
+            handler = handlers[0]
+            if type(handler) is _BoundedHandOver and not handler.filters and level >= handler.level:
+                handler.hand_over((time.time(), level, event, fields))
+                return
         message, extra = EventMessage(event, fields), event_extra(event, fields)
         record = logger.makeRecord(logger.name, level, _EVENT_SOURCE, 0, message, (), None, None, extra)
         logger.handle(record)
@@ -125,6 +137,7 @@ class EventFormatter(logging.Formatter):
             raise ValueError(f"log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
         self.component = component
         self.log_format: LogFormat = log_format
+        self._component = _compact(component)
 
     def format(self, record: logging.LogRecord) -> str:
         event = getattr(record, _EVENT, None)
@@ -135,14 +148,24 @@ class EventFormatter(logging.Formatter):
             event, fields = "message", {"message": record.getMessage()}
         if record.exc_info:
             fields["exception"] = self.formatException(record.exc_info)
-        stamp = rfc3339(record.created)
+        return self.format_event(record.created, record.levelname, event, fields)
+
+    def format_event(self, created: float, level_name: str, event: str, fields: Mapping[str, object]) -> str:
+        """The line for ``event`` with ``fields`` logged at ``created`` (seconds since the epoch), level
+        ``level_name`` (``INFO``): what :meth:`format` writes for a record carrying them."""
+        stamp = rfc3339(created)
         if self.log_format == "text":
-            words = [stamp, record.levelname, self.component, event]
+            words = [stamp, level_name, self.component, event]
             words.extend(f"{key}={text_value(value)}" for key, value in fields.items())
             return " ".join(words)
+        if type(fields) is dict and not _RESERVED_SET.intersection(fields):
+            # The same text as the dict below, without building it: the four keys, then the fields' object.
+            head = f'{{"time":"{stamp}","level":{_compact(level_name.lower())},"component":{self._component},"event":'
+            body = _compact(fields)
+            return f"{head}{_compact(event)}{',' if len(body) > 2 else ''}{body[1:]}"
         line: dict[str, object] = {
             "time": stamp,
-            "level": record.levelname.lower(),
+            "level": level_name.lower(),
             "component": self.component,
             "event": event,
         }
@@ -218,25 +241,36 @@ class _LineSink:
         return True
 
 
-class _BoundedHandOver(logging.Handler):
-    """Puts the record on a bounded queue as it is (formatting happens on the writer thread); counts what a
-    full queue drops."""
+_Event = tuple[float, int, str, Mapping[str, object]]
+"""An event handed to the writer thread without a ``LogRecord``: (time.time(), level, event, fields)."""
+_Queued = logging.LogRecord | _Event
 
-    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+
+class _BoundedHandOver(logging.Handler):
+    """Puts the record (or a bare :data:`_Event`) on a bounded queue as it is (formatting happens on the writer
+    thread); counts what a full queue drops."""
+
+    def __init__(self, records: queue.SimpleQueue[_Queued], limit: int) -> None:
         super().__init__()
         self._records = records
-        self._lock_dropped = threading.Lock()
+        self.limit = limit
+        self._lock = threading.Lock()
         self._dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._records.put_nowait(record)
-        except queue.Full:
-            with self._lock_dropped:
+        self.hand_over(record)
+
+    def hand_over(self, item: _Queued) -> None:
+        # A SimpleQueue (its put and get are C, where Queue's are Python with a Condition) bounded under one
+        # lock, so the bound is exact.
+        with self._lock:
+            if self._records.qsize() < self.limit:
+                self._records.put(item)
+            else:
                 self._dropped += 1
 
     def take_dropped(self) -> int:
-        with self._lock_dropped:
+        with self._lock:
             dropped, self._dropped = self._dropped, 0
         return dropped
 
@@ -266,13 +300,15 @@ class _Writer:
         self,
         logger: logging.Logger,
         handover: _BoundedHandOver,
-        records: queue.Queue[logging.LogRecord],
+        records: queue.SimpleQueue[_Queued],
         out: _SinkHandler,
+        formatter: EventFormatter,
     ) -> None:
         self._logger = logger
         self._handover = handover
         self._records = records
         self._out = out
+        self._formatter = formatter
         self._stop = threading.Event()
         self._deadline: float | None = None
         self._last_write = -math.inf
@@ -281,36 +317,55 @@ class _Writer:
     def start(self) -> None:
         self._thread.start()
 
-    def _write(self, record: logging.LogRecord) -> None:
-        self._write_all([record])
+    def _write(self, item: _Queued) -> None:
+        self._write_all([item])
 
-    def _write_all(self, records: list[logging.LogRecord]) -> None:
-        """Format ``records`` and write their lines in one go (a record that cannot be formatted is reported
-        by the handler and left out)."""
-        lines: list[str] = []
-        for record in records:
-            try:
-                lines.append(self._out.format(record))
-            except Exception:
-                self._out.handleError(record)
+    def _line(self, item: _Queued) -> str | None:
+        """The line of a queued item (an event tuple from the fast path, or a record); None when it cannot be
+        formatted (logging's handler reports it, as it would the record's)."""
+        try:
+            if isinstance(item, tuple):
+                created, level, event, fields = item
+                return self._formatter.format_event(created, logging.getLevelName(level), event, fields)
+            return self._out.format(item)
+        except Exception:
+            if isinstance(item, tuple):  # the record it would have been, for logging's error report
+                created, level, event, fields = item
+                item = self._logger.makeRecord(
+                    self._logger.name,
+                    level,
+                    _EVENT_SOURCE,
+                    0,
+                    EventMessage(event, fields),
+                    (),
+                    None,
+                    None,
+                    event_extra(event, fields),
+                )
+            self._out.handleError(item)
+            return None
+
+    def _write_all(self, items: list[_Queued]) -> None:
+        """Format ``items`` and write their lines in one go (one that cannot be formatted is left out)."""
+        lines = [line for line in map(self._line, items) if line is not None]
         if lines:
             self._out.sink.write("\n".join(lines), self._deadline)
 
-    def _take_waiting(self, first: logging.LogRecord) -> list[logging.LogRecord]:
-        """``first`` and the records queued behind it, at most :data:`LOG_BATCH_LINES` in all: what the writer
+    def _take_waiting(self, first: _Queued) -> list[_Queued]:
+        """``first`` and the items queued behind it, at most :data:`LOG_BATCH_LINES` in all: what the writer
         holds while stderr is full counts against the bound on waiting lines too."""
-        records = [first]
-        while len(records) < LOG_BATCH_LINES:
+        items = [first]
+        while len(items) < LOG_BATCH_LINES:
             try:
-                records.append(self._records.get_nowait())
+                items.append(self._records.get_nowait())
             except queue.Empty:
                 break
-        return records
+        return items
 
     def _report_drops(self) -> None:
         dropped = self._handover.take_dropped()
         if dropped:
-            fields = {"dropped": dropped, "reason": f"more than {self._records.maxsize} lines waiting to be written"}
+            fields = {"dropped": dropped, "reason": f"more than {self._handover.limit} lines waiting to be written"}
             record = self._logger.makeRecord(
                 self._logger.name,
                 logging.WARNING,
@@ -326,7 +381,7 @@ class _Writer:
     def _run(self) -> None:
         while True:
             try:
-                record = self._records.get(timeout=_POLL_SECONDS)
+                item = self._records.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 self._report_drops()
                 if self._stop.is_set():
@@ -335,7 +390,7 @@ class _Writer:
             pause = self._last_write + LOG_LINGER_SECONDS - time.monotonic()
             if pause > 0 and not self._stop.is_set():
                 self._stop.wait(pause)  # in a burst: let its lines gather; a flush at exit ends the wait
-            self._write_all(self._take_waiting(record))
+            self._write_all(self._take_waiting(item))
             self._last_write = time.monotonic()
             self._report_drops()
             if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -369,9 +424,9 @@ def configure(
         logger.handlers[:] = [handler]
         return lambda: None
     sink = _LineSink(stream)
-    records: queue.Queue[logging.LogRecord] = queue.Queue(maxsize=LOG_QUEUE_LINES)
-    handover = _BoundedHandOver(records)
-    writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None))
+    records: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
+    handover = _BoundedHandOver(records, LOG_QUEUE_LINES)
+    writer = _Writer(logger, handover, records, _SinkHandler(sink, formatter, None), formatter)
     writer.start()
     logger.handlers[:] = [handover]
 

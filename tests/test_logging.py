@@ -27,7 +27,7 @@ from launcher_hook import service
 from plugin import log as plugin_log
 from runtime.logs import configure_logging
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
-from schemas.logformat import EventFormatter, event_extra, text_value
+from schemas.logformat import EventFormatter, LogFormat, configure, event_extra, event_message, log_event_on, text_value
 from simkit.fixture_nodes import NODE01
 from simkit.kubelet_standin import KubeletStandIn
 from tests.hook_support import seed_case, short_dir, unix_channel
@@ -436,3 +436,33 @@ def test_background_writer_writes_a_burst_of_lines_together() -> None:
     flush()
     assert [json.loads(line)["n"] for line in stream.getvalue().splitlines()] == list(range(50))
     assert Counting.writes <= 10
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_background_event_without_a_record_writes_the_records_line(log_format: LogFormat) -> None:
+    """``log_event_on`` hands a bare tuple to the background writer (no LogRecord on the request thread); the
+    line is the one a record with the same time, level, event and fields formats to, off the caller's thread."""
+    import threading
+
+    formatted_on: list[str] = []
+
+    class Where:
+        def __str__(self) -> str:
+            formatted_on.append(threading.current_thread().name)
+            return "with space"
+
+    logger = logging.getLogger(f"kgp-bare-event-{log_format}")
+    stream = io.StringIO()
+    flush = configure(logger, "test", log_format, stream, background=True)
+    fields: dict[str, object] = {"vmi": "ml/big", "gpus": {"ua-gpu0": "0000:10:00.0"}, "time": 1, "w": Where()}
+    log_event_on(logger, logging.WARNING, "OnDefineDomain", fields)
+    flush()
+    line = stream.getvalue().splitlines()[0]
+    assert formatted_on and threading.current_thread().name not in formatted_on
+    stamp = line[9:33] if log_format == "json" else line[:24]
+    created = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+    record = logging.LogRecord(logger.name, logging.WARNING, "x", 0, event_message("OnDefineDomain", fields), (), None)
+    record.__dict__.update(event_extra("OnDefineDomain", fields))
+    record.created = created + 0.0004  # the millisecond the line shows, away from a rounding edge
+    assert line == EventFormatter("test", log_format).format(record)
+    assert (json.loads(line)["level"] if log_format == "json" else line.split(" ")[1]) in ("warning", "WARNING")

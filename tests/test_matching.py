@@ -159,3 +159,34 @@ def test_managed_and_driver_options_apply_to_pci_hostdevs_only() -> None:
 def test_unknown_driver_option_is_refused() -> None:
     with pytest.raises(ValueError, match="unsupported hostdev driver 'kvm'"):
         plan(None, {}, driver="kvm")
+
+
+def test_a_kept_match_is_only_reused_for_the_same_inputs_and_comes_back_as_fresh_lists() -> None:
+    """``match_vmi`` keeps its result with the allocation; a VMI, option or domain that differs in anything the
+    match reads gets its own answer, and what a caller does to the lists it got does not reach the next call."""
+    from launcher_hook.allocation import allocation_from_env
+    from launcher_hook.matching import DomainHostdevs, HostdevOptions, match_vmi
+
+    env = {PCI_TU106: "0000:af:00.0,0000:86:00.0", MDEV_T4: UUID_A}
+    allocation = allocation_from_env(env)
+    two = vmi([{"name": "a", "deviceName": TU106}, {"name": "b", "deviceName": TU106}])
+    first, warnings = match_vmi(two, allocation, HostdevOptions())
+    first.clear()
+    warnings.append("mine")
+    again, warnings_again = match_vmi(
+        vmi([{"name": "a", "deviceName": TU106}, {"name": "b", "deviceName": TU106}]), allocation, HostdevOptions()
+    )
+    assert summary(again) == [("ua-gpu0", "0000:af:00.0"), ("ua-gpu1", "0000:86:00.0")] and warnings_again == []
+    renamed = match_vmi(
+        vmi([{"name": "z", "deviceName": TU106}, {"name": "b", "deviceName": TU106}]), allocation, HostdevOptions()
+    )[0]
+    assert renamed[0].label.startswith("gpus[0] 'z'")
+    assert [spec.managed for spec in match_vmi(two, allocation, HostdevOptions(managed=True))[0]] == [True, True]
+    rendered = DomainHostdevs({"ua-gpu-b": ("pci", "0000:af:00.0")})
+    claimed = match_vmi(two, allocation, HostdevOptions(), rendered)[0]
+    assert summary(claimed) == [("ua-gpu0", "0000:86:00.0"), ("ua-gpu1", "0000:af:00.0")]
+    vgpu = vmi([{"name": "v", "deviceName": T4_1Q, "virtualGPUOptions": {"display": {"enabled": False}}}])
+    assert [spec.display for spec in match_vmi(vgpu, allocation, HostdevOptions())[0]] == [False]
+    vgpu_on = vmi([{"name": "v", "deviceName": T4_1Q}])
+    assert [spec.display for spec in match_vmi(vgpu_on, allocation, HostdevOptions())[0]] == [True]
+    assert [spec.display for spec in match_vmi(vgpu_on, allocation, HostdevOptions(graphics=False))[0]] == [False]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +46,11 @@ class HostdevSpec(NamedTuple):
 
     @property
     def source_text(self) -> str:
-        return str(self.source)
+        return device_text(self.source)
+
+
+device_text = functools.lru_cache(maxsize=4096, typed=True)(str)
+"""``str`` of a device ID, kept (a pod's hook names the same few IDs on every call: splice keys, the log line)."""
 
 
 @dataclass(frozen=True)
