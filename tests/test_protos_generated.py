@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf import descriptor
+from google.protobuf import descriptor, descriptor_pb2
 
 from schemas import genproto
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as dp
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
 from schemas.generated.kubevirt.hooks import info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2
+from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -39,6 +40,7 @@ def test_every_proto_is_generated() -> None:
         "kubelet/deviceplugin/v1beta1/api.proto",
         "kubelet/podresources/v1/api.proto",
         "kubevirt/hooks/info.proto",
+        "kubevirt/hooks/plugins/v1alpha1/api.proto",
         "kubevirt/hooks/v1alpha1.proto",
         "kubevirt/hooks/v1alpha2.proto",
         "kubevirt/hooks/v1alpha3.proto",
@@ -98,6 +100,45 @@ def test_hook_services_match_facts() -> None:
             "cloudInitNoCloudSource": (1, BY, False),
             "cloudInitData": (3, BY, False),
         }
+
+
+PLUGIN_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
+    "NodeContext": {"node_name": (1, S, False)},
+    "ExecuteNodeHookRequest": {"hookPoint": (1, S, False), "vmi": (2, BY, False), "node_context": (3, M, False)},
+    "ExecuteNodeHookResponse": {},
+    "SidecarContext": {"invocation_context": (1, S, False)},
+    "MutateDomainRequest": {
+        "domain_type": (1, S, False),
+        "domain": (2, BY, False),
+        "vmi": (3, BY, False),
+        "sidecar_context": (4, M, False),
+    },
+    "MutateDomainResponse": {"domain": (1, BY, False)},
+}
+
+
+def test_plugin_api_matches_kubevirt() -> None:
+    """KubeVirt's pkg/hooks/plugins/v1alpha1/api.proto (docs/protocols.md, "KubeVirt plugin API")."""
+    package = "kubevirt.hooks.plugins.v1alpha1"
+    assert plugins.DESCRIPTOR.package == package
+    domain = plugins.DESCRIPTOR.services_by_name["DomainHookService"]
+    assert domain.full_name == f"{package}.DomainHookService"
+    assert _methods(domain) == {
+        "MutateDomain": (f"{package}.MutateDomainRequest", f"{package}.MutateDomainResponse", False)
+    }
+    node = plugins.DESCRIPTOR.services_by_name["NodeHookService"]
+    assert _methods(node) == {
+        "ExecuteNodeHook": (f"{package}.ExecuteNodeHookRequest", f"{package}.ExecuteNodeHookResponse", False)
+    }
+    for name, fields in PLUGIN_FIELDS.items():
+        assert _fields(plugins.DESCRIPTOR.message_types_by_name[name]) == fields, name
+    assert set(plugins.DESCRIPTOR.message_types_by_name) == set(PLUGIN_FIELDS)
+    file = descriptor_pb2.FileDescriptorProto.FromString(plugins.DESCRIPTOR.serialized_pb)
+    (sidecar_context,) = [message for message in file.message_type if message.name == "SidecarContext"]
+    assert [(r.start, r.end) for r in sidecar_context.reserved_range] == [(2, 3)]  # field 2 reserved, as KubeVirt's
+    assert plugins.MutateDomainRequest.DESCRIPTOR.fields_by_name["sidecar_context"].message_type is (
+        plugins.SidecarContext.DESCRIPTOR
+    )
 
 
 def test_pod_resources_matches_facts() -> None:
@@ -188,6 +229,6 @@ def test_device_plugin_api_matches_facts() -> None:
     assert set(dp.DESCRIPTOR.message_types_by_name) == set(DEVICE_PLUGIN_FIELDS)
 
 
-@pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, pr, dp])
+@pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, plugins, pr, dp])
 def test_generated_modules_import_as_a_package(module: object) -> None:
     assert getattr(module, "__name__", "").startswith("schemas.generated.")
