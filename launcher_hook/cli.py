@@ -1,5 +1,8 @@
 """``launcher-hook serve``: run the KubeVirt hook sidecar until Shutdown, SIGTERM or SIGINT.
 
+``--api`` chooses how virt-launcher reaches it: the hook sidecar API (``hooks``, the default), KubeVirt's plugin
+API (``plugins``, VEP 190) or both; each has its own socket option and default (docs/protocols.md).
+
 The command only wires things together (options → allocation source → ``HookService`` → ``HookServer``) and
 owns the process-level edges: logging to stderr, signal handlers and the exit code. The allocation options
 and ``--log-format`` are shared with the ``onDefineDomain`` shim, which reads them from ``LAUNCHER_HOOK_*``
@@ -16,7 +19,14 @@ from typing import Any, TypeVar
 import click
 
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
-from launcher_hook.server import DEFAULT_SOCKET, DEFAULT_SOCKET_MODE, HookServer
+from launcher_hook.server import (
+    DEFAULT_PLUGIN_SOCKET,
+    DEFAULT_SOCKET,
+    DEFAULT_SOCKET_MODE,
+    HOOK_APIS,
+    HookApi,
+    HookServer,
+)
 from launcher_hook.service import COMPONENT, HookService, log_call
 from launcher_hook.sources import (
     DEFAULT_CONTAINER,
@@ -116,12 +126,32 @@ def cli() -> None:
 
 @cli.command()
 @click.option(
+    "--api",
+    type=click.Choice(HOOK_APIS),
+    default="hooks",
+    show_default=True,
+    envvar=hook_env("api"),
+    help="How virt-launcher calls: hooks = hook sidecar API (Info, OnDefineDomain v1alpha1-3, on --socket); "
+    "plugins = KubeVirt plugin API (DomainHookService.MutateDomain, Plugins feature gate, on --plugin-socket); "
+    "both = all of them on both sockets. Services not chosen answer UNIMPLEMENTED.",
+)
+@click.option(
     "--socket",
     "socket_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=DEFAULT_SOCKET,
     show_default=True,
-    help="Unix socket to serve; its directory is created, a stale socket replaced, a live one refused.",
+    help="Hook sidecar socket (--api hooks/both); its directory is created, a stale socket replaced, a live one "
+    "refused.",
+)
+@click.option(
+    "--plugin-socket",
+    "plugin_socket_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_PLUGIN_SOCKET,
+    show_default=True,
+    help="Plugin API socket (--api plugins/both): the Plugin CR's domainHooks[].sidecar.socketPath, under "
+    "/var/run/kubevirt-plugin/<plugin name>/.",
 )
 @click.option(
     "--socket-mode",
@@ -134,7 +164,9 @@ def cli() -> None:
 @allocation_options
 @log_format_option
 def serve(
+    api: HookApi,
     socket_path: Path,
+    plugin_socket_path: Path,
     socket_mode: int,
     pod_resources_socket: Path | None,
     environ_file: Path | None,
@@ -143,17 +175,20 @@ def serve(
     log_format: LogFormat,
     force_gpu_aliases: bool,
 ) -> None:
-    """Serve Info and OnDefineDomain (hooks v1alpha1-v1alpha3) until Shutdown, SIGTERM or SIGINT."""
+    """Serve OnDefineDomain (hooks v1alpha1-v1alpha3) and/or MutateDomain (plugins v1alpha1) until Shutdown,
+    SIGTERM or SIGINT."""
     flush_logs = configure_logging(COMPONENT, log_format, background=True)
     try:
         options = BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)
-        _serve(socket_path, socket_mode, pod_resources_socket, environ_file, container, options)
+        sockets = {"hooks": (socket_path,), "plugins": (plugin_socket_path,), "both": (socket_path, plugin_socket_path)}
+        _serve(api, sockets[api], socket_mode, pod_resources_socket, environ_file, container, options)
     finally:
         flush_logs()
 
 
 def _serve(
-    socket_path: Path,
+    api: HookApi,
+    socket_paths: tuple[Path, ...],
     socket_mode: int,
     pod_resources_socket: Path | None,
     environ_file: Path | None,
@@ -162,7 +197,9 @@ def _serve(
 ) -> None:
     mode = socket_mode
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
-    server = HookServer(socket_path, HookService(source, options), socket_mode=mode)
+    server = HookServer(
+        socket_paths[0], HookService(source, options), api=api, also_listen=socket_paths[1:], socket_mode=mode
+    )
 
     # Handlers first: a signal that arrives as soon as the socket appears must still end us cleanly.
     with stop_on_signals(server.request_stop) as received:
@@ -175,14 +212,15 @@ def _run(server: HookServer, source: AllocationSource, mode: int, received: list
             server.start()
         except (SocketInUse, OSError) as exc:
             raise click.ClickException(str(exc)) from None
+        sockets = ",".join(str(path) for path in server.socket_paths)
         log_call(
-            "serving", socket=str(server.socket_path), mode=f"{mode:04o}", source=source.describe(), pid=os.getpid()
+            "serving", api=server.api, socket=sockets, mode=f"{mode:04o}", source=source.describe(), pid=os.getpid()
         )
         server.wait()
         if received:
             log_call("signal", signal=received[0])
         server.stop()
-        log_call("stopped", socket=str(server.socket_path))
+        log_call("stopped", socket=sockets)
     finally:
         server.stop(grace=0)  # idempotent; removes the socket if anything above failed
         source.close()

@@ -1,10 +1,17 @@
-"""The KubeVirt hook sidecar's gRPC server: ``Info`` and ``Callbacks`` v1alpha1-v1alpha3 on one unix socket.
+"""The KubeVirt hook sidecar's gRPC server: the hook sidecar API, KubeVirt's plugin API, or both.
 
-virt-launcher finds the socket in ``/var/run/kubevirt-hooks/``, calls ``Info``, picks the newest version both
-sides know and calls that version's ``OnDefineDomain`` (docs/protocols.md, "KubeVirt hooks"). The servicers
-here are thin adapters: they hand the bytes to ``HookService`` and turn its ``HookFault`` into the gRPC
-status. ``Shutdown`` (and
-SIGTERM/SIGINT, handled by the CLI) stops the server and removes the socket.
+Two ways in, one builder (docs/protocols.md, "KubeVirt hooks" and "KubeVirt plugin API"):
+
+- ``hooks``: ``Info`` and ``Callbacks`` v1alpha1-v1alpha3. virt-launcher finds the socket in
+  ``/var/run/kubevirt-hooks/``, calls ``Info``, picks the newest version both sides know and calls that
+  version's ``OnDefineDomain``.
+- ``plugins``: ``kubevirt.hooks.plugins.v1alpha1.DomainHookService/MutateDomain`` (VEP 190), which
+  virt-launcher calls on the socket a ``Plugin`` CR names; there is no ``Info`` and no ``Shutdown``.
+
+The servicers here are thin adapters: both hand the bytes to the same ``HookService`` under the same memory
+budget and turn its ``HookFault`` into the same gRPC status, so a domain gets the same answer either way.
+Services that were not selected are not registered (a call to them is ``UNIMPLEMENTED``). ``Shutdown`` (and
+SIGTERM/SIGINT, handled by the CLI) stops the server and removes its sockets.
 
 The socket is created with mode 0666 (``DEFAULT_SOCKET_MODE``): virt-launcher and the sidecar are different
 containers that may run as different users, and the directory is the pod's own ``emptyDir`` shared only by
@@ -21,7 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import grpc
 
@@ -30,11 +37,26 @@ from runtime.hook_api import HOOK_API_VERSIONS, VERSIONS
 from runtime.sockets import SocketInUse, prepare_socket_path
 from runtime.status import status_message
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
+from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins_pb2
+from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2_grpc as plugins_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 
 HOOK_NAME = "kubevirt-gpu-passthrough"
 HOOK_POINTS = ("OnDefineDomain", "Shutdown")
 DEFAULT_SOCKET = Path("/var/run/kubevirt-hooks/gpu-hostdev.sock")
+HookApi = Literal["hooks", "plugins", "both"]
+HOOK_APIS: tuple[HookApi, ...] = get_args(HookApi)
+"""``hooks``: Info + Callbacks v1alpha1-3 (hook sidecars); ``plugins``: DomainHookService (KubeVirt's Plugin CR)."""
+PLUGIN_NAME = "kubevirt-gpu-passthrough"
+"""The ``Plugin`` CR's name in deploy/plugin-api: KubeVirt only accepts a socket under its directory."""
+PLUGIN_SOCKET_DIR = Path("/var/run/kubevirt-plugin")
+"""virt-launcher's plugin socket directory (KubeVirt's ``pluginSocketBaseDir``), one sub-directory per plugin."""
+DEFAULT_PLUGIN_SOCKET = PLUGIN_SOCKET_DIR / PLUGIN_NAME / "hook.sock"
+PLUGINS_VERSION = "plugins.v1alpha1"
+PLUGIN_DOMAIN_TYPES = ("libvirt",)
+"""``MutateDomainRequest.domain_type`` values we can answer (an empty one counts as ``libvirt``)."""
+MAX_INVOCATION_CONTEXT = 64
+"""Longest ``invocation_context`` a log line repeats (KubeVirt's values are ``Boot``, ``MigrationTarget`` ...)."""
 DEFAULT_SOCKET_MODE = 0o666
 MAX_MESSAGE_BYTES = 2 * DEFAULT_MAX_INPUT_BYTES + 64 * 1024
 """Largest gRPC message either way (16 MiB + 64 KiB): the builder's largest domain and VMI (8 MiB each,
@@ -121,6 +143,37 @@ class ByteBudget:
             self._changed.notify_all()
 
 
+class _Definer:
+    """One domain through ``HookService`` under the shared memory budget: what every servicer's call does."""
+
+    def __init__(self, service: HookService, budget: ByteBudget, budget_wait: float) -> None:
+        self._service = service
+        self._budget = budget
+        self._budget_wait = budget_wait
+
+    def define(self, domain_xml: bytes, vmi: bytes, context: grpc.ServicerContext, *, event: str, via: str) -> bytes:
+        size = len(domain_xml) + len(vmi)
+        share = self._budget.acquire(size, self._budget_wait)
+        if share is None:
+            message = (
+                f"the GPU hook is busy: {size} bytes of domain and VMI do not fit in its {self._budget.limit}-byte "
+                f"memory budget within {self._budget_wait:g} s (other calls hold it); retry"
+            )
+            log_call(event, level=logging.WARNING, via=via, status="RESOURCE_EXHAUSTED", error=message)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, status_message(message))
+        # Held until the answer has been sent (or the call ended otherwise), not just until we return.
+        if not context.add_callback(lambda: self._budget.release(share)):
+            self._budget.release(share)
+        try:
+            return self._service.define_domain(domain_xml, vmi, via=via, event=event).domain_xml
+        except HookFault as fault:
+            _abort(context, fault)
+            raise  # unreachable: abort raises
+        finally:
+            if size >= TRIM_AFTER_BYTES:
+                _release_free_memory()
+
+
 class InfoServicer:
     """``kubevirt.hooks.info.Info``: who we are and what we hook."""
 
@@ -150,41 +203,14 @@ class Callbacks:
     ) -> None:
         self.version = version
         self._messages: Any = HOOK_API_VERSIONS[version][0]
-        self._service = service
+        self._definer = _Definer(service, budget, budget_wait)
         self._on_shutdown = on_shutdown
-        self._budget = budget
-        self._budget_wait = budget_wait
-
-    def _define(self, domain_xml: bytes, vmi: bytes, context: grpc.ServicerContext) -> bytes:
-        size = len(domain_xml) + len(vmi)
-        share = self._budget.acquire(size, self._budget_wait)
-        if share is None:
-            message = (
-                f"the GPU hook is busy: {size} bytes of domain and VMI do not fit in its {self._budget.limit}-byte "
-                f"memory budget within {self._budget_wait:g} s (other calls hold it); retry"
-            )
-            log_call(
-                "OnDefineDomain",
-                level=logging.WARNING,
-                via=f"grpc {self.version}",
-                status="RESOURCE_EXHAUSTED",
-                error=message,
-            )
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, status_message(message))
-        # Held until the answer has been sent (or the call ended otherwise), not just until we return.
-        if not context.add_callback(lambda: self._budget.release(share)):
-            self._budget.release(share)
-        try:
-            return self._service.define_domain(domain_xml, vmi, via=f"grpc {self.version}").domain_xml
-        except HookFault as fault:
-            _abort(context, fault)
-            raise  # unreachable: abort raises
-        finally:
-            if size >= TRIM_AFTER_BYTES:
-                _release_free_memory()
 
     def OnDefineDomain(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._messages.OnDefineDomainResult(domainXML=self._define(request.domainXML, request.vmi, context))
+        domain = self._definer.define(
+            request.domainXML, request.vmi, context, event="OnDefineDomain", via=f"grpc {self.version}"
+        )
+        return self._messages.OnDefineDomainResult(domainXML=domain)
 
     def PreCloudInitIso(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self._messages.PreCloudInitIsoResult(
@@ -196,24 +222,62 @@ class Callbacks:
         return self._messages.ShutdownResult()
 
 
+class DomainHooks:
+    """``kubevirt.hooks.plugins.v1alpha1.DomainHookService``: MutateDomain is OnDefineDomain by another name.
+
+    virt-launcher sends ``domain_type`` ``libvirt``, the domain XML, the VMI JSON and why it calls
+    (``sidecar_context.invocation_context``: ``Boot``, or ``MigrationTarget`` when a migration target is
+    prepared); the answer is the whole new domain. Another ``domain_type`` is refused: the builder writes libvirt
+    XML only.
+    """
+
+    def __init__(self, service: HookService, budget: ByteBudget, budget_wait: float = BUDGET_WAIT_SECONDS) -> None:
+        self._definer = _Definer(service, budget, budget_wait)
+
+    def MutateDomain(
+        self, request: plugins_pb2.MutateDomainRequest, context: grpc.ServicerContext
+    ) -> plugins_pb2.MutateDomainResponse:
+        invoked = request.sidecar_context.invocation_context[:MAX_INVOCATION_CONTEXT] or "-"
+        via = f"grpc {PLUGINS_VERSION} {invoked}"
+        if request.domain_type not in ("", *PLUGIN_DOMAIN_TYPES):
+            message = (
+                f"MutateDomain domain_type {request.domain_type[:MAX_INVOCATION_CONTEXT]!r} is not supported: the GPU "
+                f"hook writes libvirt domains only ({', '.join(PLUGIN_DOMAIN_TYPES)})"
+            )
+            log_call("MutateDomain", level=logging.WARNING, via=via, status="INVALID_ARGUMENT", error=message)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(message))
+        domain = self._definer.define(request.domain, request.vmi, context, event="MutateDomain", via=via)
+        return plugins_pb2.MutateDomainResponse(domain=domain)
+
+
 class HookServer:
-    """The gRPC server on one unix socket, and its lifecycle: start, wait for a stop request, stop."""
+    """The gRPC server on its unix socket(s), and its lifecycle: start, wait for a stop request, stop.
+
+    ``api`` chooses the services registered (every socket serves all of them); ``also_listen`` adds sockets,
+    for ``both`` in one pod (the hooks socket and the plugin socket are in different directories).
+    """
 
     def __init__(
         self,
         socket_path: Path,
         service: HookService,
         *,
+        api: HookApi = "hooks",
+        also_listen: tuple[Path, ...] = (),
         socket_mode: int = DEFAULT_SOCKET_MODE,
         max_workers: int = MAX_WORKERS,
         max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
         memory_budget: int = MEMORY_BUDGET_BYTES,
         budget_wait: float = BUDGET_WAIT_SECONDS,
     ) -> None:
+        if api not in HOOK_APIS:
+            raise ValueError(f"api {api!r} is not one of {', '.join(HOOK_APIS)}")
+        self.api = api
         self.socket_path = socket_path.absolute()
+        self.socket_paths = tuple(dict.fromkeys([self.socket_path, *(path.absolute() for path in also_listen)]))
         self.socket_mode = socket_mode
         self._stop_requested = threading.Event()
-        self._inode: int | None = None
+        self._inodes: dict[Path, int] = {}
         self.budget = ByteBudget(memory_budget)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hook"),
@@ -225,25 +289,31 @@ class HookServer:
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
-        info_pb2_grpc.add_InfoServicer_to_server(InfoServicer(), self._server)
-        for version, (_, grpc_module) in HOOK_API_VERSIONS.items():
-            grpc_module.add_CallbacksServicer_to_server(
-                Callbacks(version, service, self.request_stop, self.budget, budget_wait), self._server
+        if api in ("hooks", "both"):
+            info_pb2_grpc.add_InfoServicer_to_server(InfoServicer(), self._server)
+            for version, (_, grpc_module) in HOOK_API_VERSIONS.items():
+                grpc_module.add_CallbacksServicer_to_server(
+                    Callbacks(version, service, self.request_stop, self.budget, budget_wait), self._server
+                )
+        if api in ("plugins", "both"):
+            plugins_pb2_grpc.add_DomainHookServiceServicer_to_server(
+                DomainHooks(service, self.budget, budget_wait), self._server
             )
 
     def start(self) -> None:
-        """Bind (replacing a stale socket), set the socket's mode, and serve."""
-        prepare_socket_path(self.socket_path, create_parent=True)
-        # The umask decides the mode bind() gives the socket, so no client ever sees it with another mode.
-        previous = os.umask(0o777 & ~self.socket_mode)
-        try:
-            bound = self._server.add_insecure_port(f"unix:{self.socket_path}")
-        finally:
-            os.umask(previous)
-        if not bound:
-            raise SocketInUse(f"could not listen on {self.socket_path}")
-        os.chmod(self.socket_path, self.socket_mode)
-        self._inode = self.socket_path.lstat().st_ino
+        """Bind every socket (replacing a stale one), set their mode, and serve."""
+        for path in self.socket_paths:
+            prepare_socket_path(path, create_parent=True)
+            # The umask decides the mode bind() gives the socket, so no client ever sees it with another mode.
+            previous = os.umask(0o777 & ~self.socket_mode)
+            try:
+                bound = self._server.add_insecure_port(f"unix:{path}")
+            finally:
+                os.umask(previous)
+            if not bound:
+                raise SocketInUse(f"could not listen on {path}")
+            os.chmod(path, self.socket_mode)
+            self._inodes[path] = path.lstat().st_ino
         self._server.start()
 
     def request_stop(self) -> None:
@@ -260,11 +330,12 @@ class HookServer:
             pass
 
     def stop(self, grace: float = 2.0) -> None:
-        """Finish in-flight calls (up to ``grace`` seconds), stop, and remove our socket (not a newer one)."""
+        """Finish in-flight calls (up to ``grace`` seconds), stop, and remove our sockets (not newer ones)."""
         self._stop_requested.set()
         self._server.stop(grace).wait()
-        try:
-            if self._inode is not None and self.socket_path.lstat().st_ino == self._inode:
-                self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        for path, inode in self._inodes.items():
+            try:
+                if path.lstat().st_ino == inode:
+                    path.unlink()
+            except FileNotFoundError:
+                pass

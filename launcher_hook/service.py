@@ -76,8 +76,10 @@ class HookService:
         self.source = source
         self.options = options or BuildOptions()
 
-    def define_domain(self, domain_xml: bytes, vmi_json: bytes, *, via: str) -> DefineOutcome:
-        """The new domain for ``domain_xml``, or ``HookFault``; logs one line either way."""
+    def define_domain(
+        self, domain_xml: bytes, vmi_json: bytes, *, via: str, event: str = "OnDefineDomain"
+    ) -> DefineOutcome:
+        """The new domain for ``domain_xml``, or ``HookFault``; logs one line (``event``: the RPC's name) either way."""
         started = time.perf_counter()
         source = self.source.describe()
         details: dict[str, object] = {}
@@ -94,7 +96,7 @@ class HookService:
             fault = HookFault("INTERNAL", f"internal error in the GPU hook: {type(exc).__name__}: {exc}")
         else:
             log_call(
-                "OnDefineDomain",
+                event,
                 via=via,
                 vmi=result.vmi.display_name if result.vmi else _vmi_label(vmi_json),
                 gpus=result.aliases,
@@ -105,7 +107,7 @@ class HookService:
             )
             return DefineOutcome(result.domain_xml, result, source)
         log_call(
-            "OnDefineDomain",
+            event,
             level=logging.ERROR if fault.code == "INTERNAL" else logging.WARNING,
             via=via,
             vmi=_vmi_label(vmi_json),
