@@ -1,9 +1,11 @@
 """The deploy/ examples stay in step with the code: the annotation parses, its command line is one the CLI
-accepts, and the VM asks for the GPUs the README says."""
+accepts, and the VM asks for the GPUs the README says; the plugin-API way (deploy/plugin-api) injects a
+sidecar whose command line the CLI accepts and that listens where the Plugin CR sends virt-launcher."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,9 @@ import pytest
 import yaml
 
 from launcher_hook.cli import cli, serve
+from launcher_hook.server import DEFAULT_PLUGIN_SOCKET, PLUGIN_NAME
 from schemas.vmi import parse_vmi
+from tests.test_deploy import kustomize_build
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "hook-sidecar"
 
@@ -97,3 +101,160 @@ def test_the_pod_resources_volume_is_the_directory_and_claimed_read_only() -> No
     volume, claim = documents("pod-resources-volume.yaml")
     assert volume["spec"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
     assert volume["spec"]["accessModes"] == claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+# -- the plugin-API way (deploy/plugin-api) ------------------------------------------------------------------
+
+PLUGIN_DEPLOY = DEPLOY.parent / "plugin-api"
+KUBEVIRT_PLUGIN_API = "plugin.kubevirt.io/v1alpha1"
+KUBEVIRT_PLUGIN_SOCKETS_VOLUME = "kubevirt-plugin-sockets"  # virt-controller's emptyDir, mounted by compute
+MAX_PLUGIN_SOCKET_PATH = 108  # KubeVirt's admission policy on Plugin socket paths
+
+
+def plugin_documents(name: str) -> list[dict[str, Any]]:
+    return [document for document in yaml.safe_load_all((PLUGIN_DEPLOY / name).read_text()) if document]
+
+
+_CEL_TYPE = re.compile(r"\b(?:JSONPatch|Object(?:\.\w+)*)\s*\{")
+_CEL_KEY = re.compile(r"([A-Za-z_]\w*)\s*:")
+
+
+def cel_literal(expression: str) -> Any:
+    """The value of a CEL expression made only of typed object literals, lists, strings and booleans (what a
+    MutatingAdmissionPolicy's JSONPatch expression here is), as plain JSON: ``Object.spec.x{a: "b"}`` →
+    ``{"a": "b"}``. Anything else in it fails to parse, so the test cannot pass on an expression it misread."""
+    parts = re.split(r'("(?:[^"\\]|\\.)*")', expression)  # odd parts are string literals, left as they are
+    for index in range(0, len(parts), 2):
+        parts[index] = _CEL_KEY.sub(r'"\1":', _CEL_TYPE.sub("{", parts[index]))
+    return json.loads("".join(parts))
+
+
+def injected(policy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The volume and the container the injector's JSON patches add."""
+    ((mutation,),) = [policy["spec"]["mutations"]]
+    assert mutation["patchType"] == "JSONPatch"
+    patches = cel_literal(mutation["jsonPatch"]["expression"])
+    assert [(patch["op"], patch["path"]) for patch in patches] == [
+        ("add", "/spec/volumes/-"),
+        ("add", "/spec/containers/-"),
+    ]
+    return patches[0]["value"], patches[1]["value"]
+
+
+def test_cel_literal_reads_typed_objects_and_refuses_anything_else() -> None:
+    assert cel_literal('[Object.spec.a{b: "c: d", e: [true]}]') == [{"b": "c: d", "e": [True]}]
+    with pytest.raises(json.JSONDecodeError):
+        cel_literal("[Object.spec.a{b: object.metadata.name}]")
+
+
+def test_the_plugin_cr_points_virt_launcher_at_the_hooks_default_plugin_socket() -> None:
+    (plugin,) = plugin_documents("plugin.yaml")
+    assert (plugin["apiVersion"], plugin["kind"]) == (KUBEVIRT_PLUGIN_API, "Plugin")
+    name = plugin["metadata"]["name"]
+    assert name == PLUGIN_NAME
+    spec = plugin["spec"]
+    assert set(spec) <= {"condition", "failureStrategy", "domainHooks", "nodeHooks", "mutatingAdmissionPolicies"}
+    assert spec["failureStrategy"] == "Fail"
+    (hook,) = spec["domainHooks"]
+    assert set(hook) <= {"sidecar", "cel", "condition", "failureStrategy", "timeout"}
+    socket_path = hook["sidecar"]["socketPath"]
+    # KubeVirt's rules for a sidecar socket path, and the path `serve --api plugins` listens on by default.
+    assert socket_path.startswith(f"/var/run/kubevirt-plugin/{name}/") and socket_path.endswith(".sock")
+    assert len(socket_path) <= MAX_PLUGIN_SOCKET_PATH
+    assert socket_path == str(DEFAULT_PLUGIN_SOCKET)
+    assert re.fullmatch(r"\d+s", hook["timeout"])
+    (vm,) = documents("vm-two-gpus.yaml")
+    # The condition picks the VMIs the injector serves: the VM's namespace and its GPUs' vendor domain.
+    assert f'vmi.Namespace == "{vm["metadata"]["namespace"]}"' in spec["condition"]
+    vendors = {gpu["deviceName"].split("/")[0] for gpu in vm["spec"]["template"]["spec"]["domain"]["devices"]["gpus"]}
+    assert vendors == {"nvidia.com"}
+    assert 'g.DeviceName.startsWith("nvidia.com/")' in spec["condition"]
+    policy, _ = plugin_documents("sidecar-injector.yaml")
+    assert spec["mutatingAdmissionPolicies"] == [{"name": policy["metadata"]["name"]}]
+
+
+def test_the_injected_sidecar_serves_the_plugin_api_where_the_plugin_cr_says() -> None:
+    policy, binding = plugin_documents("sidecar-injector.yaml")
+    assert (policy["kind"], binding["kind"]) == ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert policy["spec"]["reinvocationPolicy"] == "Never" and policy["spec"]["failurePolicy"] == "Fail"
+    volume, container = injected(policy)
+    (plugin,) = plugin_documents("plugin.yaml")
+    (hook,) = plugin["spec"]["domainHooks"]
+
+    assert container["command"] == ["launcher-hook"]
+    subcommand, *args = container["args"]
+    assert cli.get_command(click.Context(cli), subcommand) is serve
+    params = serve.make_context("serve", args).params
+    assert params["api"] == "plugins"
+    assert str(params["plugin_socket_path"]) == hook["sidecar"]["socketPath"]
+
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    sockets = mounts[KUBEVIRT_PLUGIN_SOCKETS_VOLUME]
+    # Only the plugin's own sub-directory, mounted where the socket path puts it (KubeVirt refuses no subPath).
+    assert sockets["subPath"] == plugin["metadata"]["name"]
+    assert Path(sockets["mountPath"]) == Path(hook["sidecar"]["socketPath"]).parent
+    pod_resources = mounts[volume["name"]]
+    assert pod_resources["readOnly"] is True and volume["persistentVolumeClaim"]["readOnly"] is True
+    assert str(params["pod_resources_socket"]).startswith(pod_resources["mountPath"] + "/")
+    claims = {
+        d["metadata"]["name"] for d in documents("pod-resources-volume.yaml") if d["kind"] == "PersistentVolumeClaim"
+    }
+    assert volume["persistentVolumeClaim"]["claimName"] in claims
+    env = {item["name"]: item["valueFrom"]["fieldRef"]["fieldPath"] for item in container["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["runAsNonRoot"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+
+    # It goes only into the VM's namespace, the one with the claim; the conditions name the pieces above.
+    (vm,) = documents("vm-two-gpus.yaml")
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": vm["metadata"]["namespace"]
+    }
+    conditions = " ".join(condition["expression"] for condition in policy["spec"]["matchConditions"])
+    assert f'v.name == "{KUBEVIRT_PLUGIN_SOCKETS_VOLUME}"' in conditions
+    assert f'!object.spec.containers.exists(c, c.name == "{container["name"]}")' in conditions
+    assert 'r.startsWith("nvidia.com/")' in conditions
+
+
+def test_the_pod_resources_policy_admits_the_injected_sidecar_as_written() -> None:
+    policy, _ = documents("pod-resources-policy.yaml")
+    _, container = injected(plugin_documents("sidecar-injector.yaml")[0])
+    expressions = " ".join(validation["expression"] for validation in policy["spec"]["validations"])
+    assert f"c.name == '{container['name']}'" in expressions
+    variables = {variable["name"]: variable["expression"] for variable in policy["spec"]["variables"]}
+    assert container["image"].startswith(variables["imagePrefix"].strip("\"'"))
+    assert "a.startsWith('--plugin-socket')" in expressions
+    assert not any(arg.startswith(("--socket", "--plugin-socket")) for arg in container["args"])
+
+
+def test_the_plugin_overlay_is_the_same_vm_without_the_sidecar_annotation() -> None:
+    kustomization = plugin_documents("kustomization.yaml")[0]
+    assert kustomization["resources"] == ["../hook-sidecar", "plugin.yaml", "sidecar-injector.yaml"]
+    (patch,) = kustomization["patches"]
+    assert patch["target"]["name"] == documents("vm-two-gpus.yaml")[0]["metadata"]["name"]
+    assert yaml.safe_load(patch["patch"]) == [{"op": "remove", "path": "/spec/template/metadata/annotations"}]
+    (vm,) = documents("vm-two-gpus.yaml")
+    assert list(vm["spec"]["template"]["metadata"]["annotations"]) == ["hooks.kubevirt.io/hookSidecars"]
+    ((gate,),) = plugin_documents("kubevirt-patch.yaml")
+    assert gate == {
+        "op": "add",
+        "path": "/spec/configuration/developerConfiguration/featureGates/-",
+        "value": "Plugins",
+    }
+
+
+def test_the_plugin_overlay_builds_the_plugin_way_only() -> None:
+    built = kustomize_build(PLUGIN_DEPLOY)
+    kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in built}
+    hook_sidecar = {(doc["kind"], doc["metadata"]["name"]) for doc in kustomize_build(DEPLOY)}
+    assert kinds - hook_sidecar == {
+        ("Plugin", PLUGIN_NAME),
+        ("MutatingAdmissionPolicy", "kubevirt-gpu-passthrough-sidecar"),
+        ("MutatingAdmissionPolicyBinding", "kubevirt-gpu-passthrough-sidecar"),
+    }
+    assert hook_sidecar <= kinds
+    (vm,) = [doc for doc in built if doc["kind"] == "VirtualMachine"]
+    assert "hooks.kubevirt.io/hookSidecars" not in vm["spec"]["template"]["metadata"].get("annotations", {})
+    assert parse_vmi(json.dumps(vm).encode()).spec.domain.devices.gpus
