@@ -298,3 +298,16 @@ def test_serve_api_plugins_answers_mutate_domain_only_and_stops_on_sigterm(direc
     assert [line["event"] for line in lines] == ["serving", "MutateDomain", "signal", "stopped"]
     assert lines[0]["api"] == "plugins"
     assert lines[0]["socket"] == str(plugin_socket)
+
+
+def test_simulate_with_the_plugin_api_tells_it_and_writes_the_same_domain() -> None:
+    from tests.test_xmlgen_simulate import simulate
+
+    by_hooks, by_plugins = simulate(), simulate("--hook-api", "plugins")
+    assert by_hooks.returncode == by_plugins.returncode == 0, by_plugins.stderr
+    assert by_plugins.stdout == by_hooks.stdout
+    assert set(hostdevs(by_plugins.stdout.encode())) == {"ua-gpu0", "ua-gpu1"}
+    assert "4. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar" in by_plugins.stderr
+    assert "invocation context Boot" in by_plugins.stderr and "Info:" not in by_plugins.stderr
+    assert "hostdevs written (plugins.v1alpha1)" in by_plugins.stderr
+    assert "4. hook sidecar: OnDefineDomain" in by_hooks.stderr and "MutateDomain" not in by_hooks.stderr

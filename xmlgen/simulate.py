@@ -5,7 +5,8 @@ device plugin serves a node tree (a bundled fixture node or a directory) to the 
 sockets (first, when the node needs it, what the node agent would change: :mod:`xmlgen.node_prep`); the
 stand-in asks for the VMI's GPUs as the kubelet does (preferred allocation, then Allocate);
 the real hook server gets the Allocate env and is called like virt-launcher (``Info``, then the newest
-``OnDefineDomain``). Every step is told on the ``log`` callback; the result is the final domain XML.
+``OnDefineDomain``; or, with ``hook_api="plugins"``, KubeVirt's plugin API ``MutateDomain``). Every step is
+told on the ``log`` callback; the result is the final domain XML.
 
 This is the one module that runs the plugin and the hook together, which is why it lives in ``xmlgen``.
 """
@@ -21,11 +22,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import grpc
 
 from launcher_hook.domain import hostdev_source_key, parse_domain
-from launcher_hook.server import HookServer
+from launcher_hook.server import PLUGINS_VERSION, HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import ProcessEnvSource
 from plugin.config import PluginConfig
@@ -35,6 +37,8 @@ from plugin.sysfs import discover_node
 from runtime.hook_api import HOOK_API_VERSIONS
 from schemas import InputError
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
+from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins_pb2
+from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2_grpc as plugins_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE
@@ -191,10 +195,34 @@ def _call_hook(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[
     return bytes(result.domainXML), version
 
 
+def _call_plugin(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
+    """As virt-launcher calls a Plugin CR's sidecar: no Info, one MutateDomain (domain type libvirt, Boot)."""
+    request = plugins_pb2.MutateDomainRequest(
+        domain_type="libvirt",
+        domain=domain_xml,
+        vmi=vmi_json,
+        sidecar_context=plugins_pb2.SidecarContext(invocation_context="Boot"),
+    )
+    log(f"  MutateDomain ({PLUGINS_VERSION}): domain type libvirt, invocation context Boot")
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        try:
+            result = plugins_pb2_grpc.DomainHookServiceStub(channel).MutateDomain(request, timeout=30)
+        except grpc.RpcError as exc:
+            raise SimulationError(f"MutateDomain failed with {exc.code().name}: {exc.details()}") from None
+    return bytes(result.domain), PLUGINS_VERSION
+
+
 def simulate(
-    node: str, vmi_json: bytes, domain_xml: bytes, log: Callable[[str], None], *, scan_interval: float = 5.0
+    node: str,
+    vmi_json: bytes,
+    domain_xml: bytes,
+    log: Callable[[str], None],
+    *,
+    scan_interval: float = 5.0,
+    hook_api: Literal["hooks", "plugins"] = "hooks",
 ) -> SimulationResult:
-    """Run the whole path for ``node`` (a bundled node name or a host root) and return the final domain."""
+    """Run the whole path for ``node`` (a bundled node name or a host root) and return the final domain;
+    ``hook_api`` is how the hook is called: the hook sidecar API or KubeVirt's plugin API."""
     vmi = parse_vmi(vmi_json)
     with _host_root(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xs", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
@@ -232,11 +260,15 @@ def simulate(
         allocations = _allocate(standin, inventory, vmi, log)
         env = {name: value for allocation in allocations for name, value in allocation.envs.items()}
 
-        log("4. hook sidecar: OnDefineDomain as virt-launcher calls it")
-        hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource(env)))
+        if hook_api == "plugins":
+            log("4. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar (KubeVirt plugin API)")
+        else:
+            log("4. hook sidecar: OnDefineDomain as virt-launcher calls it")
+        hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource(env)), api=hook_api)
         hook.start()
         stack.callback(hook.stop)
-        domain, version = _call_hook(work / "hook.sock", domain_xml, vmi_json, log)
+        call = _call_plugin if hook_api == "plugins" else _call_hook
+        domain, version = call(work / "hook.sock", domain_xml, vmi_json, log)
         log(f"  hostdevs written ({version}):")
         for hostdev in parse_domain(domain, DEFAULT_MAX_INPUT_BYTES).root.iterfind("devices/hostdev"):
             alias = hostdev.find("alias")

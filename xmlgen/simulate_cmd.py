@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import click
 
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
@@ -39,8 +41,18 @@ def _log(line: str) -> None:
 @click.option(
     "--check", is_flag=True, help="Check the result with libvirt; print QEMU's vfio -device lines where libvirtd runs."
 )
+@click.option(
+    "--hook-api",
+    type=click.Choice(["hooks", "plugins"]),
+    default="hooks",
+    show_default=True,
+    help="Call the hook as virt-launcher does for a hook sidecar (Info, OnDefineDomain) or for a KubeVirt "
+    "Plugin's sidecar (MutateDomain, plugin API v1alpha1).",
+)
 @user_errors
-def simulate_command(node: str, vmi_path: str | None, domain_path: str | None, check: bool) -> None:
+def simulate_command(
+    node: str, vmi_path: str | None, domain_path: str | None, check: bool, hook_api: Literal["hooks", "plugins"]
+) -> None:
     """Run the device plugin on a node against a kubelet stand-in, allocate the VMI's GPUs as the kubelet
     would, and call the hook like virt-launcher. The final domain XML goes to stdout, the account of each
     step to stderr."""
@@ -50,7 +62,7 @@ def simulate_command(node: str, vmi_path: str | None, domain_path: str | None, c
         if domain_path
         else example("seed-node01", "domain.xml")
     )
-    result = simulate(node, vmi, domain, _log)
+    result = simulate(node, vmi, domain, _log, hook_api=hook_api)
     if check:
         try:
             report = check_domain(result.domain_xml, qemu_optional=True)
