@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,8 @@ import click
 import grpc
 import pytest
 
+from launcher_hook.allocation import parse_environ
+from launcher_hook.builder import BuildOptions
 from launcher_hook.cli import serve
 from launcher_hook.server import (
     DEFAULT_PLUGIN_SOCKET,
@@ -311,3 +314,26 @@ def test_simulate_with_the_plugin_api_tells_it_and_writes_the_same_domain() -> N
     assert "invocation context Boot" in by_plugins.stderr and "Info:" not in by_plugins.stderr
     assert "hostdevs written (plugins.v1alpha1)" in by_plugins.stderr
     assert "4. hook sidecar: OnDefineDomain" in by_hooks.stderr and "MutateDomain" not in by_hooks.stderr
+
+
+def test_a_domain_in_libvirtxmls_shape_merges_with_kubevirts_hostdevs_as_before() -> None:
+    """virt-launcher hands a plugin its domain re-marshalled by libvirtxml, which writes a hostdev's source
+    address without KubeVirt's ``type='pci'``: the hook still recognises KubeVirt's own hostdevs and adds
+    only what is missing (the golden merge case), the same both ways."""
+    case = Path(__file__).resolve().parent / "fixtures" / "golden" / "kubevirt-merge-numa"
+    domain = (case / "domain.xml").read_bytes()
+    reshaped = re.sub(rb'(<source><address) type="pci"', rb"\1", domain)
+    assert reshaped.count(b"<source><address domain=") == 2 and reshaped != domain
+    vmi = (case / "vmi.json").read_bytes()
+    env = parse_environ((case / "env").read_bytes())
+    options = BuildOptions(**json.loads((case / "options.json").read_text()))
+    with short_dir() as directory:
+        socket_path = directory / "hook.sock"
+        server = HookServer(socket_path, HookService(ProcessEnvSource(env), options), api="both")
+        server.start()
+        try:
+            mutated = mutate(socket_path, reshaped, vmi)
+            assert mutated == define(socket_path, reshaped, vmi)
+        finally:
+            server.stop(grace=0.5)
+    assert hostdevs(mutated) == hostdevs((case / "expected.xml").read_bytes())
