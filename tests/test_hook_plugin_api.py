@@ -41,7 +41,7 @@ from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_p
 from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins_pb2
 from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2_grpc as plugins_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
-from tests.hook_support import SEED_PCI, seed_case, short_dir, unix_channel
+from tests.hook_support import SEED_PCI, seed_case, short_dir, unix_channel, wait_for_socket
 from tests.test_hook_cli import finish, start_serve
 from tests.test_hook_server import BILLION_LAUGHS, XXE, hostdevs
 
@@ -337,3 +337,23 @@ def test_a_domain_in_libvirtxmls_shape_merges_with_kubevirts_hostdevs_as_before(
         finally:
             server.stop(grace=0.5)
     assert hostdevs(mutated) == hostdevs((case / "expected.xml").read_bytes())
+
+
+def test_serve_api_both_listens_on_both_sockets_and_shutdown_removes_both(directory: Path) -> None:
+    hooks_socket = directory / "kubevirt-hooks" / "gpu-hostdev.sock"
+    plugin_socket = directory / "kubevirt-plugin" / PLUGIN_NAME / "hook.sock"
+    process = start_serve(hooks_socket, "--api", "both", "--plugin-socket", str(plugin_socket))
+    domain, vmi, _ = seed_case()
+    try:
+        wait_for_socket(plugin_socket)
+        assert mutate(plugin_socket, domain, vmi) == define(hooks_socket, domain, vmi)
+        with unix_channel(hooks_socket) as channel:
+            v1alpha3_pb2_grpc.CallbacksStub(channel).Shutdown(v1alpha3_pb2.ShutdownParams(), timeout=10)
+    except BaseException:
+        process.kill()
+        raise
+    code, lines = finish(process)
+    assert code == 0
+    assert not hooks_socket.exists() and not plugin_socket.exists()
+    assert lines[0]["api"] == "both"
+    assert lines[0]["socket"] == f"{hooks_socket},{plugin_socket}"
