@@ -218,6 +218,7 @@ class _Edits:
         source = self.parsed.source
         starts = _hostdev_starts(source)
         elements = list(self.parsed.root.iter("{*}hostdev"))
+        self._elements = elements  # lxml keeps one proxy per node while it is referenced: the ids stay valid
         if len(starts) != len(elements):
             return None
         spans: dict[int, tuple[int, int]] = {}
