@@ -494,8 +494,14 @@ def slot_account(domain_xml: bytes, max_bytes: int) -> list[str]:
         slots.setdefault(numbers[:3], {})[numbers[3]] = f"{key[0]} {key[1]}"
         if guest is not None and guest.get("multifunction") == "on":
             multifunction.add(numbers[:3])
+    buses = {
+        c_number(controller.get("index"), 10): controller.get("model")
+        for controller in parsed.root.iterfind("devices/controller")
+        if controller.get("type") == "pci"
+    }
     lines = []
     for slot in sorted(multifunction):
         functions = ", ".join(f"{function}: {source}" for function, source in sorted(slots[slot].items()))
-        lines.append(f"guest slot {slot[0]:04x}:{slot[1]:02x}:{slot[2]:02x} (multifunction): {functions}")
+        bus = f", bus {slot[1]} is a {buses[slot[1]]}" if slot[0] == 0 and buses.get(slot[1]) else ""
+        lines.append(f"guest slot {slot[0]:04x}:{slot[1]:02x}:{slot[2]:02x} (multifunction{bus}): {functions}")
     return lines

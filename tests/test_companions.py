@@ -250,7 +250,7 @@ def test_the_cached_allocation_follows_the_companion_variable() -> None:
 def test_slot_account_lists_each_multifunction_slot() -> None:
     result = build_domain(_seed_domain(), _vmi(), ENV)
     assert slot_account(result.domain_xml, DEFAULT_MAX_INPUT_BYTES) == [
-        "guest slot 0000:01:00 (multifunction): 0: pci 0000:86:00.0, 1: pci 0000:86:00.1, 2: pci 0000:86:00.2, "
-        "3: pci 0000:86:00.3",
-        "guest slot 0000:02:00 (multifunction): 0: pci 0000:af:00.0, 1: pci 0000:af:00.1",
+        "guest slot 0000:01:00 (multifunction, bus 1 is a pcie-root-port): 0: pci 0000:86:00.0, 1: pci 0000:86:00.1, "
+        "2: pci 0000:86:00.2, 3: pci 0000:86:00.3",
+        "guest slot 0000:02:00 (multifunction, bus 2 is a pcie-root-port): 0: pci 0000:af:00.0, 1: pci 0000:af:00.1",
     ]
