@@ -69,6 +69,8 @@ def render(
     result = build_domain(domain, vmi, env, options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
+    for placement in result.placements:
+        click.echo(f"companions: {placement.describe()}", err=True)
     if not result.hostdevs:
         click.echo("warning: no PCI_RESOURCE_*/MDEV_PCI_RESOURCE_* variable requested any device", err=True)
     write_stdout(result.domain_xml)
