@@ -354,6 +354,13 @@ def place_companions(
         if not found:
             continue  # (the merge wrote one for every spec)
         hostdev = found[0]
+        placeable = [c for c in functions if c.function != 0 and ("pci", str(c)) not in by_source]
+        if not placeable and next(hostdev.iterchildren("address"), None) is None:
+            # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
+            for companion in functions:
+                problem = _companion_problem(companion, (-1, -1, -1), domain, by_source)
+                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+            continue
         where = _slot_for(spec, hostdev, domain, edits, warnings)
         if where is None:
             continue

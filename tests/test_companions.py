@@ -254,3 +254,16 @@ def test_slot_account_lists_each_multifunction_slot() -> None:
         "2: pci 0000:86:00.2, 3: pci 0000:86:00.3",
         "guest slot 0000:02:00 (multifunction, bus 2 is a pcie-root-port): 0: pci 0000:af:00.0, 1: pci 0000:af:00.1",
     ]
+
+
+def test_a_gpu_none_of_whose_companions_can_join_is_left_as_it_was() -> None:
+    elsewhere = (
+        '<hostdev type="pci" managed="no" mode="subsystem"><source><address type="pci" domain="0x0000" bus="0xaf" '
+        'slot="0x00" function="0x1"></address></source><alias name="ua-hostdevice-audio"></alias></hostdev>'
+    )
+    result = build_domain(_with_hostdev(elsewhere), _vmi(), ENV)
+    assert any("0000:af:00.1 is not placed" in warning for warning in result.warnings)
+    root = parse_domain(result.domain_xml, DEFAULT_MAX_INPUT_BYTES).root
+    ports = [c.get("index") for c in root.iterfind("devices/controller") if c.get("model") == "pcie-root-port"]
+    assert ports == ["1"]  # the first GPU's only: the second keeps KubeVirt's placement (none)
+    assert [placement.gpu for placement in result.placements] == ["0000:86:00.0"]
