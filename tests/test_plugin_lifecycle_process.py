@@ -79,7 +79,9 @@ def test_process_lifecycle_late_kubelet_health_restart_socket_sigterm(base: Path
             wait_until(lambda: kubelet.stream_open(TU106), what="a new ListAndWatch stream")
             response = kubelet.allocate(TU106, ["0000:af:00.0", "0000:86:00.0"])
             assert dict(response.container_responses[0].envs) == {
-                "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A": "0000:af:00.0,0000:86:00.0"
+                "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A": "0000:af:00.0,0000:86:00.0",
+                "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A": "0000:af:00.0=0000:af:00.1+0000:af:00.2"
+                "+0000:af:00.3,0000:86:00.0=0000:86:00.1+0000:86:00.2+0000:86:00.3",
             }
             process.send_signal(signal.SIGTERM)
             assert process.wait(5) == 0

@@ -56,6 +56,24 @@ def test_environ_file_replaces_the_process_allocation_variables(tmp_path: Path) 
     assert 'bus="0xaf"' in out and "0x86" not in out
 
 
+def test_environ_file_replaces_the_process_companion_variables_too(tmp_path: Path) -> None:
+    companions = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+    environ = tmp_path / "environ"
+    environ.write_bytes(f"{PCI}=0000:af:00.0\n".encode())
+    stale = {companions: "0000:86:00.0=0000:86:00.1"}
+    code, out, err = run("render", "--domain", str(SEED / "domain.xml"), "--environ-file", str(environ), env=stale)
+    assert (code, err) == (0, "")
+    assert "multifunction" not in out
+    environ.write_bytes(f"{PCI}=0000:af:00.0\n{companions}=0000:af:00.0=0000:af:00.1\n".encode())
+    code, out, err = run("render", "--domain", str(SEED / "domain.xml"), "--environ-file", str(environ), env=stale)
+    assert code == 0
+    assert 'multifunction="on"' in out and '<alias name="ua-gpu0-fn1"' in out
+    assert err == (
+        "companions: ua-gpu0: guest slot 0000:01:00 behind the new pcie-root-port index 1, function 0 0000:af:00.0 "
+        "(multifunction), companions at 1 (0000:af:00.1)\n"
+    )
+
+
 def test_render_without_domain_prints_devices_with_options() -> None:
     code, out, _ = run("render", "--managed", "yes", "--driver", "vfio", env={PCI: "0000:86:00.0"})
     assert code == 0
