@@ -2,7 +2,9 @@
 
 The kubelet puts the plugin's ``PCI_RESOURCE_<NAME>`` / ``MDEV_PCI_RESOURCE_<NAME>`` variables into the
 ``compute`` container. This module turns an env mapping (the process env, a copy of ``/proc/<pid>/environ``
-or anything else) into validated address pools, refusing a malformed value with the variable's name.
+or anything else) into validated address pools, refusing a malformed value with the variable's name. The
+plugin's ``PCI_COMPANIONS_<NAME>`` variables (each GPU's companion functions, :mod:`schemas.companions`) are
+read with them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from schemas import DeviceId, InputError, ResourceKind
+from schemas import DeviceId, InputError, PciAddress, ResourceKind
+from schemas.companions import COMPANIONS_ENV_PREFIX, parse_companions
 from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
 
 USB_ENV_PREFIX = "USB_RESOURCE"
@@ -37,6 +40,8 @@ class EnvAllocation:
     pools: Mapping[str, Pool] = field(default_factory=dict)
     usb_variables: frozenset[str] = frozenset()
     """The ``USB_RESOURCE_*`` names in the env (their values are virt-launcher's business, not parsed here)."""
+    companions: Mapping[str, Mapping[PciAddress, tuple[PciAddress, ...]]] = field(default_factory=dict)
+    """Each ``PCI_COMPANIONS_*`` variable, parsed: GPU → its companion functions."""
 
     def pool(self, variable: str) -> Pool | None:
         return self.pools.get(variable)
@@ -103,26 +108,31 @@ def allocation_from_env(env: Mapping[str, str]) -> EnvAllocation:
 
 
 def allocation_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that :func:`allocation_from_env` reads (allocation and ``USB_RESOURCE_*``)."""
+    """The variables of ``env`` that :func:`allocation_from_env` reads (allocation, ``PCI_COMPANIONS_*`` and
+    ``USB_RESOURCE_*``)."""
     return {name: env[name] for name in env if name.startswith(_PREFIXES)}
 
 
 def _read_allocation(relevant: tuple[tuple[str, str], ...]) -> EnvAllocation:
     pools: dict[str, Pool] = {}
     usb: list[str] = []
+    companions: dict[str, Mapping[PciAddress, tuple[PciAddress, ...]]] = {}
     for name, value in relevant:
         if name.startswith(_USB):
             usb.append(name)
+        elif name.startswith(_COMPANIONS):
+            companions[name] = MappingProxyType(parse_companions(name, value))
         else:
             pools[name] = parse_pool(name, value)
-    return EnvAllocation(MappingProxyType(pools), frozenset(usb))
+    return EnvAllocation(MappingProxyType(pools), frozenset(usb), MappingProxyType(companions))
 
 
 _last: tuple[tuple[tuple[str, str], ...], EnvAllocation] | None = None
 
 
 _USB = f"{USB_ENV_PREFIX}_"
-_PREFIXES = (*ENV_PREFIXES, _USB)
+_COMPANIONS = f"{COMPANIONS_ENV_PREFIX}_"
+_PREFIXES = (*ENV_PREFIXES, _USB, _COMPANIONS)
 
 
 def parse_environ(data: bytes) -> dict[str, str]:

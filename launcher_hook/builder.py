@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher_hook.allocation import allocation_from_env
+from launcher_hook.companions import Placement, place_companions, wanted_companions
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
@@ -39,6 +40,8 @@ class BuildResult:
     """The hostdevs the hook owns in the output, with the aliases they have there."""
     warnings: list[str] = field(default_factory=list)
     vmi: VirtualMachineInstance | None = None
+    placements: list[Placement] = field(default_factory=list)
+    """Where each GPU with companions went (its guest slot and functions; docs/kubevirt-hostdevs.md)."""
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -75,12 +78,24 @@ def build_domain(
     options = options or BuildOptions()
     vmi = parse_vmi(vmi_json, max_bytes=options.max_input_bytes) if vmi_json is not None else None
     parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
+    companions = vmi is None or vmi.metadata.companions  # on unless the VMI's annotation turns it off
     if parsed is None:
         specs, warnings = plan_hostdevs(vmi, env, options)
+        if companions and wanted_companions(specs, allocation_from_env(env), warnings):
+            warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
     # libvirt reads the devices of every <devices> element; so does the hook (graphics and hostdevs).
     graphics = parsed.root.find("devices/graphics") is not None
     existing = read_hostdevs(parsed)
     specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics, existing=existing.view)
     spliced = merge_hostdevs(parsed, specs, existing)
-    return BuildResult(spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings, vmi)
+    if not companions:
+        return BuildResult(spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings, vmi)
+    placed = place_companions(spliced.domain_xml, spliced.hostdevs, allocation_from_env(env), options.max_input_bytes)
+    return BuildResult(
+        placed.domain_xml,
+        spliced.hostdevs + placed.hostdevs,
+        warnings + spliced.warnings + placed.warnings,
+        vmi,
+        placed.placements,
+    )

@@ -4,6 +4,9 @@ This is policy, kept apart from gRPC so that it can be tested on fixture trees a
 
 - the env var (``PCI_RESOURCE_…`` / ``MDEV_PCI_RESOURCE_…``, docs/protocols.md, "KubeVirt env naming") holds exactly
   the requested IDs, in request order, comma-separated: virt-launcher hands them to the VM's GPUs in that order;
+- for a passthrough GPU resource, ``PCI_COMPANIONS_…`` (:mod:`schemas.companions`) lists each GPU's companions:
+  the other functions of its IOMMU group that are on a VFIO driver now (as the re-check reads them) and on the
+  GPU's bus and slot, which the hook puts in the GPU's guest slot; left out when no GPU has one;
 - DeviceSpecs: ``/dev/vfio/vfio`` (the legacy container) and each needed ``/dev/vfio/<group>`` once; when the
   host has iommufd (``/dev/iommu``), also ``/dev/iommu`` and each device's ``/dev/vfio/devices/vfioN`` cdev
   (a kernel with iommufd but without VFIO device cdevs has no ``vfio-dev`` entry: the group node is enough
@@ -32,7 +35,9 @@ from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import HostRoot
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sources import source_for
+from schemas.companions import companions_env_var, format_companions, same_slot
 from schemas.kinds import ResourceKind
+from schemas.pci import PciAddress
 
 IOMMU_DEVICE = "/dev/iommu"
 VFIO_CDEV_DIR = "/dev/vfio/devices"
@@ -107,8 +112,16 @@ def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = 
         return _recheck(device, root, fs, rule, fs.exists(VFIO_CONTAINER))
 
 
-def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule, container: bool) -> str | None:
+def _recheck(
+    device: Device,
+    root: str,
+    fs: HostRoot,
+    rule: UsabilityRule,
+    container: bool,
+    drivers: dict[str, str | None] | None = None,
+) -> str | None:
     """:func:`recheck_device` through an open ``fs`` (one per Allocate); ``container``: /dev/vfio/vfio exists.
+    ``drivers``, when given, gets each companion's driver as read now (by address).
 
     The device's own links are read through one handle on its sysfs directory (one path resolution for both).
     """
@@ -152,6 +165,8 @@ def _recheck(device: Device, root: str, fs: HostRoot, rule: UsabilityRule, conta
         )
         for name, companion in companions
     ]
+    if drivers is not None:
+        drivers.update((function.name, function.driver) for function in others)
     problems = rule.group_problems(group, others) if others else []
     problems += rule.vfio_problems(group, fs.exists(f"{VFIO_DEV_DIR}/{group}"), container)
     return "; ".join(problems) or None
@@ -214,10 +229,11 @@ def allocate(
                 f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
                 device.id,
             )
+    drivers: dict[str, str | None] | None = {} if resource.kind is ResourceKind.PCI else None
     with HostRoot(root) as fs:  # one root for the whole request: every device re-checked through it
         container = fs.exists(VFIO_CONTAINER)
         for device in chosen:
-            problem = _recheck(device, root, fs, rule, container)
+            problem = _recheck(device, root, fs, rule, container, drivers)
             if problem is not None:
                 raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
         iommu = fs.exists(IOMMU_DEVICE)
@@ -237,4 +253,34 @@ def allocate(
                     cdevs.add(cdev)
                     specs.append(DeviceSpec.node(cdev))
     ids = tuple(device_ids)
-    return Allocation(envs={resource.env: ",".join(ids)}, device_specs=tuple(specs), device_ids=ids)
+    envs = {resource.env: ",".join(ids)}
+    if drivers is not None:
+        companions = _companions(chosen, drivers, rule)
+        if companions is not None:
+            envs[companions_env_var(resource.name)] = companions
+    return Allocation(envs=envs, device_specs=tuple(specs), device_ids=ids)
+
+
+def _companions(chosen: Sequence[Device], drivers: Mapping[str, str | None], rule: UsabilityRule) -> str | None:
+    """The companion variable's value for the chosen passthrough GPUs, or None when none has a companion.
+
+    A companion counts when it is on a VFIO driver as the re-check read it (``drivers``; a function with no
+    driver or on an allowed host driver keeps the group viable but cannot be passed) and on the GPU's bus and
+    slot (a bridge or another slot of the group cannot keep its function number in the GPU's guest slot). A
+    function that is itself one of the chosen GPUs is the VM's GPU, not a companion.
+    """
+    ids = {device.id for device in chosen}
+    pairs: list[tuple[PciAddress, list[PciAddress]]] = []
+    for device in chosen:
+        if not device.companions:
+            continue
+        gpu = PciAddress.parse(device.id)
+        functions = [
+            companion.address
+            for companion in device.companions
+            if rule.on_vfio(drivers.get(str(companion.address)))
+            and same_slot(gpu, companion.address)
+            and str(companion.address) not in ids
+        ]
+        pairs.append((gpu, functions))
+    return format_companions(pairs) if pairs else None

@@ -1,8 +1,9 @@
 """The subset of a KubeVirt VirtualMachineInstance that decides which host devices a VM gets.
 
-virt-launcher hands hooks the VMI as JSON; only ``spec.domain.devices.gpus[]`` and ``hostDevices[]`` (and
-the metadata for logs) matter here. Unknown fields are ignored so newer KubeVirt versions keep working;
-the fields read are type-checked strictly so that a wrong shape is an error, not a silent default.
+virt-launcher hands hooks the VMI as JSON; only ``spec.domain.devices.gpus[]`` and ``hostDevices[]``, the
+metadata for logs and the project's own annotations (:data:`COMPANIONS_ANNOTATION`) matter here. Unknown
+fields are ignored so newer KubeVirt versions keep working; the fields read are type-checked strictly so that
+a wrong shape is an error, not a silent default.
 
 Read by hand into frozen dataclasses rather than with pydantic: this runs on every ``OnDefineDomain`` call
 of the hook sidecar, and pydantic alone would add about 12 MB to the sidecar's memory. The errors keep
@@ -21,6 +22,11 @@ from schemas.errors import InputError
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES, check_utf8
 
 T = TypeVar("T")
+
+COMPANIONS_ANNOTATION = "gpu-passthrough.kubevirt.io/companions"
+"""``"off"`` keeps each passthrough GPU alone, as KubeVirt places it; ``"on"`` (the default) puts its companion
+functions in its guest slot (docs/kubevirt-hostdevs.md, "Companions")."""
+_SWITCH_VALUES = {"on": True, "off": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,8 @@ class VMISpec:
 class ObjectMeta:
     name: str = ""
     namespace: str = ""
+    companions: bool = True
+    """:data:`COMPANIONS_ANNOTATION`: whether GPUs get their companions in their guest slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +197,18 @@ class _Reader:
 
     def metadata(self, document: dict[str, Any], where: str) -> ObjectMeta:
         return ObjectMeta(
-            self.text(document, "name", where, "") or "", self.text(document, "namespace", where, "") or ""
+            self.text(document, "name", where, "") or "",
+            self.text(document, "namespace", where, "") or "",
+            self.child(document, "annotations", where, self.companions, True) is not False,
         )
+
+    def companions(self, annotations: dict[str, Any], where: str) -> bool:
+        value = annotations.get(COMPANIONS_ANNOTATION, "on")
+        switch = _SWITCH_VALUES.get(value) if isinstance(value, str) else None
+        if switch is None:
+            self._problem(f"{where}.{COMPANIONS_ANNOTATION}", f"{value!r} should be 'on' or 'off'")
+            return True
+        return switch
 
     def vmi(self, document: dict[str, Any]) -> VirtualMachineInstance:
         if "spec" not in document:
@@ -273,7 +291,14 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
         name, namespace = metadata.get("name", ""), metadata.get("namespace", "")
         if type(name) is not str or type(namespace) is not str:
             return None
-        meta = ObjectMeta(name, namespace)
+        annotations = metadata.get("annotations")
+        if annotations is not None and type(annotations) is not dict:
+            return None
+        value = annotations.get(COMPANIONS_ANNOTATION, "on") if annotations else "on"
+        companions = _SWITCH_VALUES.get(value) if type(value) is str else None
+        if companions is None:
+            return None
+        meta = ObjectMeta(name, namespace, companions)
     return VirtualMachineInstance(VMISpec(DomainSpec(Devices(gpus, host_devices))), meta)
 
 
@@ -307,7 +332,14 @@ def parse_vmi(data: bytes, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Virtu
         template = document.get("spec", {}).get("template") if isinstance(document.get("spec"), dict) else None
         if not isinstance(template, dict):
             raise InputError("VMI JSON is a VirtualMachine with no spec.template object")
-        document = {"metadata": document.get("metadata", {}), "spec": template.get("spec")}
+        metadata = document.get("metadata", {})
+        template_metadata = template.get("metadata")
+        if isinstance(metadata, dict) and isinstance(template_metadata, dict) and "annotations" in template_metadata:
+            # the VMI gets the template's annotations, not the VirtualMachine's
+            metadata = {**metadata, "annotations": template_metadata["annotations"]}
+        elif isinstance(metadata, dict):
+            metadata = {key: value for key, value in metadata.items() if key != "annotations"}
+        document = {"metadata": metadata, "spec": template.get("spec")}
     try:
         return _read_vmi(document)
     except RecursionError:

@@ -25,6 +25,7 @@ from tests.discovery_support import build_node, discover
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 RTX_ENV = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 GPU_3B, GPU_5E, GPU_86, GPU_AF = "0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"
 # node01's groups: a card below root bus B sits in group (root port group + 2).
 GROUP = {GPU_3B: 30, GPU_5E: 50, GPU_86: 74, GPU_AF: 96}
@@ -48,12 +49,16 @@ def refusal(resource: Resource, ids: list[str], root: Path) -> AllocationError:
 def test_env_holds_exactly_the_requested_ids_in_request_order(tmp_path: Path) -> None:
     root, resource = node_and_resource(NODE01, tmp_path)
     result = allocate(resource, [GPU_AF, GPU_3B], root)
-    assert dict(result.envs) == {RTX_ENV: f"{GPU_AF},{GPU_3B}"}
+    assert dict(result.envs) == {
+        RTX_ENV: f"{GPU_AF},{GPU_3B}",
+        COMPANIONS_ENV: "0000:af:00.0=0000:af:00.1+0000:af:00.2+0000:af:00.3,"
+        "0000:3b:00.0=0000:3b:00.1+0000:3b:00.2+0000:3b:00.3",
+    }
     assert result.device_specs == specs("/dev/vfio/vfio", f"/dev/vfio/{GROUP[GPU_AF]}", f"/dev/vfio/{GROUP[GPU_3B]}")
     assert result.devices == result.device_specs
     assert result.device_ids == (GPU_AF, GPU_3B)
     single = allocate(resource, [GPU_86], root)
-    assert dict(single.envs) == {RTX_ENV: GPU_86}
+    assert dict(single.envs) == {RTX_ENV: GPU_86, COMPANIONS_ENV: "0000:86:00.0=0000:86:00.1+0000:86:00.2+0000:86:00.3"}
     assert single.device_specs == specs("/dev/vfio/vfio", f"/dev/vfio/{GROUP[GPU_86]}")
 
 

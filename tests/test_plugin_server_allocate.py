@@ -25,6 +25,7 @@ from tests.plugin_support import WAIT, build_tree, manager_for, running, short_d
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 TU106_ENV = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+TU106_COMPANIONS = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 
 
 @pytest.fixture
@@ -54,7 +55,11 @@ def test_allocate_env_holds_the_requested_ids_in_request_order(
     kubelet.wait_for_devices(TU106, lambda devices: len(devices) == 4)
     response = kubelet.allocate(TU106, ["0000:af:00.0", "0000:3b:00.0"])
     container = response.container_responses[0]
-    assert dict(container.envs) == {TU106_ENV: "0000:af:00.0,0000:3b:00.0"}
+    assert dict(container.envs) == {
+        TU106_ENV: "0000:af:00.0,0000:3b:00.0",
+        TU106_COMPANIONS: "0000:af:00.0=0000:af:00.1+0000:af:00.2+0000:af:00.3,"
+        "0000:3b:00.0=0000:3b:00.1+0000:3b:00.2+0000:3b:00.3",
+    }
     # Real node paths (not under the host root), the container node first, each group once, mrw.
     assert _specs(response) == [
         ("/dev/vfio/vfio", "/dev/vfio/vfio", "mrw"),
@@ -62,7 +67,10 @@ def test_allocate_env_holds_the_requested_ids_in_request_order(
         ("/dev/vfio/30", "/dev/vfio/30", "mrw"),
     ]
     one = kubelet.allocate(TU106, ["0000:86:00.0"])
-    assert dict(one.container_responses[0].envs) == {TU106_ENV: "0000:86:00.0"}
+    assert dict(one.container_responses[0].envs) == {
+        TU106_ENV: "0000:86:00.0",
+        TU106_COMPANIONS: "0000:86:00.0=0000:86:00.1+0000:86:00.2+0000:86:00.3",
+    }
 
 
 def test_allocate_refuses_unknown_and_names_it(plugin: tuple[KubeletStandIn, PluginManager, Path]) -> None:

@@ -58,9 +58,17 @@ def test_node01_seed_vm_gets_two_gpus_into_qemus_argv() -> None:
     done = simulate("--check")
     assert done.returncode == 0, done.stderr
     written = hostdevs(done.stdout)
-    assert list(written) == ["ua-gpu0", "ua-gpu1"]
-    assert all(re.fullmatch(r"0000:[0-9a-f]{2}:00\.0", address) for address in written.values())
+    # each TU106 with its audio, USB and UCSI functions (the plugin's PCI_COMPANIONS_*), one guest slot per card
+    assert list(written) == [f"ua-gpu{gpu}{fn}" for gpu in (0, 1) for fn in ("", "-fn1", "-fn2", "-fn3")]
+    assert all(re.fullmatch(r"0000:[0-9a-f]{2}:00\.0", written[alias]) for alias in ("ua-gpu0", "ua-gpu1"))
+    assert all(
+        written[f"{gpu}-fn{fn}"] == written[gpu][:-1] + str(fn) for gpu in ("ua-gpu0", "ua-gpu1") for fn in (1, 2, 3)
+    )
     assert qemu_devices(done.stderr) == written
+    assert "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A=" in done.stderr
+    slots = re.findall(r"guest slot 0000:(0[12]):00 \(multifunction, bus \d is a pcie-root-port\): 0: pci", done.stderr)
+    assert slots == ["01", "02"]
+    assert '"multifunction":true,"addr":"0x0"' in done.stderr and '"addr":"0x0.0x3"' in done.stderr
     for step in ("1. node node01", "2. device plugin", "3. kubelet", "4. hook sidecar", "5. libvirt"):
         assert step in done.stderr
     assert "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A=" in done.stderr
@@ -91,7 +99,10 @@ def test_a_directory_node_and_a_custom_vmi(tmp_path: Path) -> None:
     (tmp_path / "vmi.json").write_text(json.dumps(vmi))
     done = simulate("--node", str(root), "--vmi", str(tmp_path / "vmi.json"))
     assert done.returncode == 0, done.stderr
-    assert sorted(hostdevs(done.stdout).values()) == ["0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"]
+    written = hostdevs(done.stdout)
+    gpus = sorted(source for alias, source in written.items() if "-fn" not in alias)
+    assert gpus == ["0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"]
+    assert len(written) == 16  # each card's audio, USB and UCSI functions with it
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import click
 
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
+from schemas.companions import is_companions_variable
 from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
 
 
@@ -28,7 +29,7 @@ from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_std
     "--environ-file",
     metavar="FILE",
     help="Allocation variables from KEY=VALUE lines or /proc/<pid>/environ; they replace the process env's "
-    "PCI_RESOURCE_*/MDEV_PCI_RESOURCE_* variables.",
+    "PCI_RESOURCE_*/MDEV_PCI_RESOURCE_*/PCI_COMPANIONS_* variables.",
 )
 @click.option(
     "--managed", type=click.Choice(["yes", "no"]), default="no", show_default=True, help="managed= on PCI hostdevs."
@@ -56,7 +57,9 @@ def render(
         raise click.UsageError("only one of --domain and --vmi can read stdin")
     env = dict(os.environ)
     if environ_file is not None:
-        env = {key: value for key, value in env.items() if not is_allocation_variable(key)}
+        env = {
+            key: value for key, value in env.items() if not (is_allocation_variable(key) or is_companions_variable(key))
+        }
         env.update(parse_environ(read_input(environ_file, "environ file", max_input_bytes)))
     domain = read_input(domain_path, "domain XML", max_input_bytes) if domain_path else None
     vmi = read_input(vmi_path, "VMI JSON", max_input_bytes) if vmi_path else None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from launcher_hook.companions import slot_account
 from launcher_hook.domain import hostdev_source_key, parse_domain
 from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
@@ -242,4 +243,9 @@ def simulate(
             alias = hostdev.find("alias")
             kind, source = hostdev_source_key(hostdev) or ("?", "?")
             log(f"    {alias.get('name') if alias is not None else '(no alias)'} → {kind} {source}")
+        slots = slot_account(domain, DEFAULT_MAX_INPUT_BYTES)
+        if slots:
+            log("  GPUs with their companion functions, one guest slot each (guest function: host device):")
+            for line in slots:
+                log(f"    {line}")
         return SimulationResult(domain, allocations, version)

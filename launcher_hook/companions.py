@@ -1,0 +1,507 @@
+"""A passthrough GPU and its companion functions as one multifunction guest device (issue 15).
+
+A consumer GPU is one card of several functions (VGA, HDMI audio, USB, UCSI) in one IOMMU group; drivers in the
+guest expect them together, as on the host. KubeVirt passes the GPU alone (its issues #14024, #10565, #14375).
+The device plugin lists each GPU's companions in ``PCI_COMPANIONS_<NAME>`` (:mod:`schemas.companions`); this
+module, run on the domain the merge produced, puts them in the GPU's guest slot (docs/kubevirt-hostdevs.md,
+"Companions"):
+
+- the GPU's hostdev gets a guest ``<address type="pci" … function="0x0" multifunction="on"/>``: on a PCIe
+  machine (q35, arm ``virt``) at slot 0 of a new ``pcie-root-port`` whose index is one above every PCI
+  controller's, on i440fx in the highest slot of bus 0 that no explicit address uses;
+- each companion gets a ``<hostdev type="pci">`` in the same slot at its host function number, alias
+  ``ua-gpuN-fnF`` (N: the GPU's place in the hook's hostdev list), ``managed`` and ``<driver>`` as the GPU's;
+- a GPU that already has a guest address keeps it: its companions join its slot when it is function 0, else
+  they are left out with a warning. Nothing KubeVirt placed moves; a companion already in the domain elsewhere
+  stays where it is (warning).
+
+Every other byte stays: new elements are inserted next to the GPU's hostdev and the GPU's address (or the one
+attribute ``multifunction``) into its element, in the original bytes when positions are unambiguous (no
+comment, CDATA or PI), otherwise by editing the tree and serialising it as :mod:`launcher_hook.domain` does.
+Applied to its own output it changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lxml import etree
+
+from launcher_hook.allocation import EnvAllocation
+from launcher_hook.domain import (
+    ParsedDomain,
+    _append,
+    _child_slots,
+    _hostdev_starts,
+    _indent_of,
+    _indent_unit,
+    hostdev_source_key,
+    hostdevs_from_tree,
+    parse_domain,
+)
+from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev
+from launcher_hook.hostdevs.base import c_number
+from schemas import InputError, PciAddress, ResourceKind
+from schemas.companions import companions_variable_for
+
+COMPANION_ALIAS = "ua-gpu%d-fn%d"
+"""A companion's alias: the GPU's index in the hook's hostdev list and the function (never a KubeVirt alias,
+``ua-gpu-<name>``, nor the hook's GPU alias, ``ua-gpuN``)."""
+ROOT_PORT = "pcie-root-port"
+LEGACY_SLOTS = range(0x1F, 0x02, -1)
+"""Slots of an i440fx bus 0 a GPU may take, highest first (0 is the host bridge, 1 the PIIX3, 2 the video
+libvirt prefers): away from the low slots libvirt's own assignment fills first."""
+MAX_BUS = 0xFF
+
+_HOSTDEV_END = re.compile(rb"</hostdev\s*>")
+_ALIAS_START = re.compile(rb"<alias[\s/>]")
+_ADDRESS_START = re.compile(rb"<address[\s/>]")
+_SOURCE_SPAN = re.compile(rb"<source[\s>].*?</source\s*>", re.DOTALL)
+_START_TAG_END = re.compile(rb"""(?:[^>"']|"[^"]*"|'[^']*')*?(/?>)""")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one GPU and its companions went: the guest slot and the functions in it."""
+
+    gpu_alias: str
+    gpu: str
+    slot: tuple[int, int, int]
+    """Guest domain, bus and slot."""
+    functions: tuple[int, ...]
+    """The companions' functions in the slot (the GPU is function 0)."""
+    root_port: int | None = None
+    """Index of the ``pcie-root-port`` added for the GPU, if one was."""
+
+    def describe(self) -> str:
+        domain, bus, slot = self.slot
+        port = f" behind the new pcie-root-port index {self.root_port}" if self.root_port is not None else ""
+        functions = ", ".join(f"{function} ({self.gpu[:-1]}{function})" for function in self.functions)
+        return (
+            f"{self.gpu_alias}: guest slot {domain:04x}:{bus:02x}:{slot:02x}{port}, function 0 {self.gpu} "
+            f"(multifunction), companions at {functions or 'none'}"
+        )
+
+
+@dataclass(frozen=True)
+class Companioned:
+    """The domain with the companions placed, the hostdevs added for them, where each GPU went, warnings."""
+
+    domain_xml: bytes
+    hostdevs: list[HostdevSpec] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+Wanted = tuple[int, HostdevSpec, tuple[PciAddress, ...]]
+
+
+def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
+    """The passthrough GPUs among ``specs`` that have companions in ``allocation``: (index, spec, companions).
+
+    A companion that is itself one of the VM's GPUs is not placed twice (warning).
+    """
+    if not allocation.companions:
+        return []
+    allocated = {spec.source for spec in specs if spec.kind is ResourceKind.PCI}
+    found: list[Wanted] = []
+    for index, spec in enumerate(specs):
+        if spec.kind is not ResourceKind.PCI or not isinstance(spec.source, PciAddress):
+            continue
+        variable = companions_variable_for(spec.variable)
+        table = allocation.companions.get(variable) if variable is not None else None
+        functions = table.get(spec.source) if table is not None else None
+        if not functions:
+            continue
+        taken = [function for function in functions if function in allocated]
+        if taken:
+            warnings.append(
+                f"{spec.label}: companion {', '.join(map(str, taken))} is a GPU of this VM itself; "
+                "it is not placed again in the GPU's slot"
+            )
+        keep = tuple(function for function in functions if function not in allocated)
+        if keep:
+            found.append((index, spec, keep))
+    return found
+
+
+def _number(element: etree._Element, name: str) -> int | None:
+    text = element.get(name)
+    return 0 if text is None else c_number(text)
+
+
+def _guest_numbers(address: etree._Element) -> tuple[int, int, int, int] | None:
+    numbers = tuple(_number(address, name) for name in ("domain", "bus", "slot", "function"))
+    if any(number is None for number in numbers):
+        return None
+    return numbers  # type: ignore[return-value]
+
+
+class _Domain:
+    """What the placement needs to know of the domain: its bus kind, PCI controller indexes, used addresses."""
+
+    def __init__(self, parsed: ParsedDomain) -> None:
+        root = parsed.root
+        os_type = root.find("os/type")
+        self.machine = (os_type.get("machine") if os_type is not None else None) or ""
+        controllers = [c for c in root.iterfind("devices/controller") if c.get("type") == "pci"]
+        models = {controller.get("model") for controller in controllers}
+        machine = self.machine
+        if "pcie-root" in models or "q35" in machine or machine.startswith("virt"):
+            self.bus_kind: str | None = "pcie"
+        elif "pci-root" in models or machine == "pc" or machine.startswith("pc-"):
+            self.bus_kind = "pci"
+        else:
+            self.bus_kind = None
+        indexes = [c_number(controller.get("index"), 10) for controller in controllers]
+        self.unindexed = any(index is None for index in indexes)
+        self.next_index = max((index for index in indexes if index is not None), default=0) + 1
+        self.used: dict[tuple[int, int, int, int], etree._Element] = {}
+        for address in root.iterfind("devices//address"):
+            owner = address.getparent()
+            if owner is None or owner.tag == "source" or address.get("type") != "pci":
+                continue
+            numbers = _guest_numbers(address)
+            if numbers is not None and numbers[1:3] != (0, 0):  # bus 0 slot 0: "assign one" to libvirt
+                self.used.setdefault(numbers, owner)
+
+    def slot_taken(self, domain: int, bus: int, slot: int) -> bool:
+        return any(key[:3] == (domain, bus, slot) for key in self.used)
+
+    def free_legacy_slot(self) -> int | None:
+        return next((slot for slot in LEGACY_SLOTS if not self.slot_taken(0, 0, slot)), None)
+
+
+def _label(hostdev: etree._Element) -> str:
+    alias = hostdev.find("alias")
+    name = f" {alias.get('name')!r}" if alias is not None and alias.get("name") else ""
+    return f"<{hostdev.tag}>{name} at line {hostdev.sourceline}"
+
+
+def _empty(tag: str, attributes: str, expanded: bool) -> str:
+    return f"<{tag} {attributes}></{tag}>" if expanded else f"<{tag} {attributes}/>"
+
+
+def _guest_address(slot: tuple[int, int, int], function: int, multifunction: bool, expanded: bool) -> str:
+    domain, bus, number = slot
+    extra = ' multifunction="on"' if multifunction else ""
+    attributes = (
+        f'type="pci" domain="0x{domain:04x}" bus="0x{bus:02x}" slot="0x{number:02x}" function="0x{function:x}"{extra}'
+    )
+    return _empty("address", attributes, expanded)
+
+
+def _before_alias(text: str, address: str) -> str:
+    """``text`` (a rendered hostdev) with ``address`` before its ``<alias>``, laid out like the alias."""
+    at = text.rindex("<alias")
+    whitespace = text[len(text[:at].rstrip()) : at]
+    return text[:at] + address + whitespace + text[at:]
+
+
+class _Edits:
+    """The changes, made on the tree and recorded as byte insertions (offset in the original, text)."""
+
+    def __init__(self, parsed: ParsedDomain) -> None:
+        self.parsed = parsed
+        self.unit = _indent_unit(parsed.root)
+        self.inserts: list[tuple[int, str]] = []
+        self.changed = False
+        self.fast = parsed.has_only_elements_and_text and len(parsed.root.findall("devices")) == 1
+        self._spans: dict[int, tuple[int, int]] | None = None
+        if self.fast:
+            self._spans = self._hostdev_spans()
+            self.fast = self._spans is not None
+
+    def _hostdev_spans(self) -> dict[int, tuple[int, int]] | None:
+        source = self.parsed.source
+        starts = _hostdev_starts(source)
+        elements = list(self.parsed.root.iter("{*}hostdev"))
+        self._elements = elements  # lxml keeps one proxy per node while it is referenced: the ids stay valid
+        if len(starts) != len(elements):
+            return None
+        spans: dict[int, tuple[int, int]] = {}
+        for position, (start, element) in enumerate(zip(starts, elements, strict=True)):
+            end = _HOSTDEV_END.search(source, start)
+            if end is None or (position + 1 < len(starts) and starts[position + 1] < end.start()):
+                return None
+            spans[id(element)] = (start, end.end())
+        return spans
+
+    def span(self, hostdev: etree._Element) -> tuple[int, int] | None:
+        return self._spans.get(id(hostdev)) if self._spans is not None else None
+
+    def layout(self, hostdev: etree._Element) -> Layout:
+        indent = _indent_of(hostdev) or ""
+        span = self.span(hostdev)
+        near = span[0] if span is not None else len(self.parsed.source)
+        expanded = self.parsed.writes_empty_expanded_near(near)
+        return Layout(indent, self.unit if indent else "", expanded)
+
+    def _no_fast(self) -> None:
+        self.fast = False
+
+    def add_guest_address(self, hostdev: etree._Element, address_text: str) -> None:
+        """Give ``hostdev`` its guest address, before its alias (or last)."""
+        self.changed = True
+        element = etree.fromstring(address_text)
+        alias = hostdev.find("alias")
+        if alias is None:
+            _append(hostdev, element, *_child_slots(hostdev, self.unit))
+            self._no_fast()
+            return
+        previous = alias.getprevious()
+        whitespace = previous.tail if previous is not None else hostdev.text
+        whitespace = whitespace if whitespace and not whitespace.strip() else ""
+        element.tail = whitespace or None
+        alias.addprevious(element)
+        span = self.span(hostdev)
+        if span is None:
+            self._no_fast()
+            return
+        segment = self.parsed.source[span[0] : span[1]]
+        found = [match.start() for match in _ALIAS_START.finditer(segment)]
+        if len(found) != 1:
+            self._no_fast()
+            return
+        self.inserts.append((span[0] + found[0], address_text + whitespace))
+
+    def add_multifunction(self, hostdev: etree._Element, address: etree._Element) -> None:
+        self.changed = True
+        address.set("multifunction", "on")
+        span = self.span(hostdev)
+        if span is None:
+            self._no_fast()
+            return
+        segment = self.parsed.source[span[0] : span[1]]
+        inside = [(match.start(), match.end()) for match in _SOURCE_SPAN.finditer(segment)]
+        guest = [
+            match.start()
+            for match in _ADDRESS_START.finditer(segment)
+            if not any(start <= match.start() < end for start, end in inside)
+        ]
+        end = _START_TAG_END.match(segment, guest[0] + 8) if len(guest) == 1 else None
+        if end is None or b"multifunction" in segment[guest[0] : end.end()]:
+            self._no_fast()
+            return
+        self.inserts.append((span[0] + end.start(1), ' multifunction="on"'))
+
+    def add_before(self, hostdev: etree._Element, text: str, indent: str) -> None:
+        self.changed = True
+        element = etree.fromstring(text)
+        element.tail = indent or None
+        hostdev.addprevious(element)
+        span = self.span(hostdev)
+        if span is None:
+            self._no_fast()
+            return
+        self.inserts.append((span[0], text + indent))
+
+    def add_after(self, hostdev: etree._Element, texts: Sequence[str], indent: str) -> None:
+        self.changed = True
+        tail = hostdev.tail
+        anchor = hostdev
+        for text in texts:
+            element = etree.fromstring(text)
+            anchor.tail = indent or None
+            anchor.addnext(element)
+            anchor = element
+        anchor.tail = tail
+        span = self.span(hostdev)
+        if span is None:
+            self._no_fast()
+            return
+        self.inserts.append((span[1], "".join(indent + text for text in texts)))
+
+    def result(self) -> bytes:
+        if not self.fast:
+            return self.parsed.serialize()
+        source = self.parsed.source
+        pieces: list[bytes] = []
+        position = 0
+        for offset, text in sorted(self.inserts, key=lambda insert: insert[0]):
+            pieces += (source[position:offset], text.encode())
+            position = offset
+        pieces.append(source[position:])
+        return b"".join(pieces)
+
+
+def place_companions(
+    domain_xml: bytes,
+    specs: Sequence[HostdevSpec],
+    allocation: EnvAllocation,
+    max_bytes: int,
+    *,
+    allow_fast: bool = True,
+) -> Companioned:
+    """``domain_xml`` (the merge's output, holding a hostdev for each of ``specs``) with every GPU's companions
+    in its guest slot; the bytes unchanged when no GPU has companions."""
+    warnings: list[str] = []
+    wanted = wanted_companions(specs, allocation, warnings)
+    if not wanted:
+        return Companioned(domain_xml, [], [], warnings)
+    parsed = parse_domain(domain_xml, max_bytes)
+    domain = _Domain(parsed)
+    edits = _Edits(parsed)
+    edits.fast = edits.fast and allow_fast
+    by_source = hostdevs_from_tree(parsed).by_source
+    aliases = {alias.get("name") for alias in parsed.root.iter("alias")}
+    added: list[HostdevSpec] = []
+    placements: list[Placement] = []
+    for index, spec, functions in wanted:
+        found = by_source.get(("pci", spec.source_text))
+        if not found:
+            continue  # (the merge wrote one for every spec)
+        hostdev = found[0]
+        where = _slot_for(spec, hostdev, domain, edits, warnings)
+        if where is None:
+            continue
+        slot, root_port = where
+        layout = edits.layout(hostdev)
+        texts: list[str] = []
+        placed: list[int] = []
+        for companion in functions:
+            problem = _companion_problem(companion, slot, domain, by_source)
+            if problem == "there":
+                placed.append(companion.function)
+                continue
+            if problem is not None:
+                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+                continue
+            alias = COMPANION_ALIAS % (index, companion.function)
+            if alias in aliases:
+                raise InputError(
+                    f"alias {alias!r} is already used in the domain; it would collide with the companion "
+                    f"{companion} of {spec.label}"
+                )
+            companion_spec = HostdevSpec(
+                ResourceKind.PCI,
+                companion,
+                alias,
+                companions_variable_for(spec.variable) or spec.variable,
+                spec.managed,
+                spec.driver,
+                label=f"{spec.label} companion {companion}",
+            )
+            address = _guest_address(slot, companion.function, False, layout.expanded_empty)
+            texts.append(_before_alias(render_hostdev(companion_spec, layout), address))
+            domain.used[(*slot, companion.function)] = hostdev
+            added.append(companion_spec)
+            placed.append(companion.function)
+        if texts:
+            edits.add_after(hostdev, texts, layout.indent)
+        placements.append(Placement(spec.alias, spec.source_text, slot, tuple(sorted(placed)), root_port))
+    if not edits.changed:
+        return Companioned(domain_xml, added, placements, warnings)
+    return Companioned(edits.result(), added, placements, warnings)
+
+
+def _slot_for(
+    spec: HostdevSpec, hostdev: etree._Element, domain: _Domain, edits: _Edits, warnings: list[str]
+) -> tuple[tuple[int, int, int], int | None] | None:
+    """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed."""
+    guest = next(hostdev.iterchildren("address"), None)
+    if guest is not None:
+        numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
+        if numbers is None or numbers[3] != 0:
+            where = f"type {guest.get('type')!r}" if numbers is None else f"function {numbers[3]}"
+            warnings.append(
+                f"{spec.label}: its guest address ({where}) is kept, and its companions are left out: they can "
+                "share the GPU's slot only when the GPU is function 0 of a PCI address"
+            )
+            return None
+        switch = guest.get("multifunction")
+        if switch == "off":
+            warnings.append(
+                f"{spec.label}: its guest address says multifunction='off'; it is kept and the companions are left out"
+            )
+            return None
+        if switch != "on":
+            edits.add_multifunction(hostdev, guest)
+        return (numbers[0], numbers[1], numbers[2]), None
+    if domain.bus_kind == "pcie":
+        if domain.unindexed:
+            warnings.append(
+                f"{spec.label}: a PCI controller of the domain has no index, so the index of a new root port "
+                "is not known; the companions are left out"
+            )
+            return None
+        index = domain.next_index
+        if index > MAX_BUS:
+            warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
+            return None
+        domain.next_index += 1
+        layout = edits.layout(hostdev)
+        edits.add_before(
+            hostdev,
+            _empty("controller", f'type="pci" index="{index}" model="{ROOT_PORT}"', layout.expanded_empty),
+            layout.indent,
+        )
+        slot = (0, index, 0)
+        root_port: int | None = index
+    elif domain.bus_kind == "pci":
+        free = domain.free_legacy_slot()
+        if free is None:
+            warnings.append(f"{spec.label}: no slot of bus 0 is free for the GPU and its companions; left out")
+            return None
+        slot, root_port = (0, 0, free), None
+    else:
+        warnings.append(
+            f"{spec.label}: the machine type {domain.machine or '(none given)'!r} is neither PCIe (q35, virt) nor "
+            "i440fx; the companions are left out"
+        )
+        return None
+    edits.add_guest_address(hostdev, _guest_address(slot, 0, True, edits.layout(hostdev).expanded_empty))
+    domain.used[(*slot, 0)] = hostdev
+    return slot, root_port
+
+
+def _companion_problem(
+    companion: PciAddress,
+    slot: tuple[int, int, int],
+    domain: _Domain,
+    by_source: dict[tuple[str, str], list[etree._Element]],
+) -> str | None:
+    """Why ``companion`` cannot go to ``slot`` (``"there"``: it already is), or None when it can."""
+    if companion.function == 0:
+        return "it is function 0, which the GPU takes in its guest slot"
+    existing = by_source.get(("pci", str(companion)))
+    if existing:
+        guest = next(existing[0].iterchildren("address"), None)
+        numbers = _guest_numbers(guest) if guest is not None and guest.get("type") == "pci" else None
+        if numbers == (*slot, companion.function):
+            return "there"
+        return f"{_label(existing[0])} already passes it elsewhere in the guest, and it stays there"
+    holder = domain.used.get((*slot, companion.function))
+    if holder is not None:
+        return f"function {companion.function} of the GPU's slot is taken by {_label(holder)}"
+    return None
+
+
+def slot_account(domain_xml: bytes, max_bytes: int) -> list[str]:
+    """One line per multifunction guest slot holding hostdevs: the slot and its functions with their sources
+    (for ``xmlgen simulate``'s account)."""
+    parsed = parse_domain(domain_xml, max_bytes)
+    slots: dict[tuple[int, int, int], dict[int, str]] = {}
+    multifunction: set[tuple[int, int, int]] = set()
+    for hostdev in parsed.root.iterfind("devices/hostdev"):
+        guest = next(hostdev.iterchildren("address"), None)
+        numbers = _guest_numbers(guest) if guest is not None and guest.get("type") == "pci" else None
+        key = hostdev_source_key(hostdev)
+        if numbers is None or key is None:
+            continue
+        slots.setdefault(numbers[:3], {})[numbers[3]] = f"{key[0]} {key[1]}"
+        if guest is not None and guest.get("multifunction") == "on":
+            multifunction.add(numbers[:3])
+    buses = {
+        c_number(controller.get("index"), 10): controller.get("model")
+        for controller in parsed.root.iterfind("devices/controller")
+        if controller.get("type") == "pci"
+    }
+    lines = []
+    for slot in sorted(multifunction):
+        functions = ", ".join(f"{function}: {source}" for function, source in sorted(slots[slot].items()))
+        bus = f", bus {slot[1]} is a {buses[slot[1]]}" if slot[0] == 0 and buses.get(slot[1]) else ""
+        lines.append(f"guest slot {slot[0]:04x}:{slot[1]:02x}:{slot[2]:02x} (multifunction{bus}): {functions}")
+    return lines
