@@ -321,39 +321,57 @@ def qmp(path: str, commands: list[dict[str, Any]], timeout: float = 20) -> list[
     return answers
 
 
-def inner_qemu(device_args: list[dict[str, Any]]) -> dict[str, Any]:
-    """Start QEMU paused with ``device_args`` (libvirt's ``-device`` objects for the hook's hostdevs), ask QMP
-    for ``query-pci``, quit.
+def _bridges_numbered(answer: list[Any]) -> bool:
+    """Whether firmware has given every bridge in a ``query-pci`` answer its secondary bus number."""
+    if len(answer) < 3 or "return" not in answer[2]:
+        return False
+    bridges = [d for bus in answer[2]["return"] for d in _walk_pci(bus["devices"]) if "pci_bridge" in d]
+    return all(d["pci_bridge"]["bus"]["secondary"] != 0 for d in bridges)
+
+
+def inner_qemu(device_args: list[dict[str, Any]], firmware_timeout: float = 120) -> dict[str, Any]:
+    """Start QEMU with ``device_args`` (libvirt's ``-device`` objects for the hook's hostdevs), wait for its
+    firmware to number the PCI buses, ask QMP for ``query-pci``, quit.
 
     The inner machine has only ``pcie.0``: the one root port the hostdevs name as their ``bus`` (the port the
     hook added for a GPU and its companions) is created under the same ``id``, and their ``addr`` and
-    ``multifunction`` are kept, so the guest slot and functions are libvirt's. Devices on several buses (not
-    what the hook writes) lose ``bus``/``addr`` instead.
+    ``multifunction`` are kept, so the guest slot and functions are libvirt's. ``query-pci`` lists a bridge's
+    devices only once firmware (SeaBIOS here, no boot disk) has given the bridge a bus number, so QEMU runs
+    until it has (under TCG inside TCG: seconds). Devices on several buses (not what the hook writes) lose
+    ``bus``/``addr`` instead, and QEMU stays paused.
     """
     qmp_path = "/tmp/inner-qmp.sock"
     buses = {device.get("bus") for device in device_args}
     argv = [
-        "qemu-system-x86_64", "-S", "-M", "q35,accel=tcg", "-m", "64", "-nodefaults", "-no-user-config",
+        "qemu-system-x86_64", "-M", "q35,accel=tcg", "-m", "64", "-nodefaults", "-no-user-config",
         "-display", "none", "-qmp", f"unix:{qmp_path},server=on,wait=off",
     ]  # fmt: skip
     (bus,) = buses if len(buses) == 1 else (None,)
-    if isinstance(bus, str) and bus != "pcie.0":
+    behind_port = isinstance(bus, str) and bus != "pcie.0"
+    if behind_port:
         argv += ["-device", f"pcie-root-port,id={bus},chassis=1,port=0x8,bus=pcie.0,addr=0x2"]
         kept = device_args
     else:
+        argv.insert(1, "-S")
         kept = [{key: value for key, value in d.items() if key not in ("bus", "addr")} for d in device_args]
     for device in kept:
         argv += ["-device", json.dumps(device, separators=(",", ":"))]
     seen: dict[str, Any] = {"argv": argv}
     started = time.monotonic()
+    query = [{"execute": "qmp_capabilities"}, {"execute": "query-pci"}]
     with open("/tmp/inner-qemu.log", "wb") as log:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
-        answers = qmp(
-            qmp_path,
-            [{"execute": "qmp_capabilities"}, {"execute": "query-pci"}, {"execute": "quit"}],
-        )
-        seen["qmp"] = answers
+        if behind_port:
+            polls = 0
+            while not _bridges_numbered(qmp(qmp_path, query)):
+                polls += 1
+                if time.monotonic() - started > firmware_timeout or process.poll() is not None:
+                    seen["firmware"] = f"no bus number for {bus} after {polls} polls"
+                    break
+                time.sleep(0.5)
+            seen["firmware_seconds"] = round(time.monotonic() - started, 2)
+        seen["qmp"] = qmp(qmp_path, [*query, {"execute": "quit"}])
         seen["exit"] = process.wait(timeout=20)
     finally:
         if process.poll() is None:
