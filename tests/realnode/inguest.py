@@ -321,25 +321,57 @@ def qmp(path: str, commands: list[dict[str, Any]], timeout: float = 20) -> list[
     return answers
 
 
-def inner_qemu(device_arg: dict[str, Any]) -> dict[str, Any]:
+def _bridges_numbered(answer: list[Any]) -> bool:
+    """Whether firmware has given every bridge in a ``query-pci`` answer its secondary bus number."""
+    if len(answer) < 3 or "return" not in answer[2]:
+        return False
+    bridges = [d for bus in answer[2]["return"] for d in _walk_pci(bus["devices"]) if "pci_bridge" in d]
+    return all(d["pci_bridge"]["bus"]["secondary"] != 0 for d in bridges)
+
+
+def inner_qemu(device_args: list[dict[str, Any]], firmware_timeout: float = 120) -> dict[str, Any]:
+    """Start QEMU with ``device_args`` (libvirt's ``-device`` objects for the hook's hostdevs), wait for its
+    firmware to number the PCI buses, ask QMP for ``query-pci``, quit.
+
+    The inner machine has only ``pcie.0``: the one root port the hostdevs name as their ``bus`` (the port the
+    hook added for a GPU and its companions) is created under the same ``id``, and their ``addr`` and
+    ``multifunction`` are kept, so the guest slot and functions are libvirt's. ``query-pci`` lists a bridge's
+    devices only once firmware (SeaBIOS here, no boot disk) has given the bridge a bus number, so QEMU runs
+    until it has (under TCG inside TCG: seconds). Devices on several buses (not what the hook writes) lose
+    ``bus``/``addr`` instead, and QEMU stays paused.
+    """
     qmp_path = "/tmp/inner-qmp.sock"
-    # libvirt places the device on its own controllers (bus=pci.N); the inner machine has only pcie.0.
-    device = {key: value for key, value in device_arg.items() if key not in ("bus", "addr")}
+    buses = {device.get("bus") for device in device_args}
     argv = [
-        "qemu-system-x86_64", "-S", "-M", "q35,accel=tcg", "-m", "64", "-nodefaults", "-no-user-config",
+        "qemu-system-x86_64", "-M", "q35,accel=tcg", "-m", "64", "-nodefaults", "-no-user-config",
         "-display", "none", "-qmp", f"unix:{qmp_path},server=on,wait=off",
-        "-device", json.dumps(device, separators=(",", ":")),
     ]  # fmt: skip
+    (bus,) = buses if len(buses) == 1 else (None,)
+    behind_port = isinstance(bus, str) and bus != "pcie.0"
+    if behind_port:
+        argv += ["-device", f"pcie-root-port,id={bus},chassis=1,port=0x8,bus=pcie.0,addr=0x2"]
+        kept = device_args
+    else:
+        argv.insert(1, "-S")
+        kept = [{key: value for key, value in d.items() if key not in ("bus", "addr")} for d in device_args]
+    for device in kept:
+        argv += ["-device", json.dumps(device, separators=(",", ":"))]
     seen: dict[str, Any] = {"argv": argv}
     started = time.monotonic()
+    query = [{"execute": "qmp_capabilities"}, {"execute": "query-pci"}]
     with open("/tmp/inner-qemu.log", "wb") as log:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
-        answers = qmp(
-            qmp_path,
-            [{"execute": "qmp_capabilities"}, {"execute": "query-pci"}, {"execute": "quit"}],
-        )
-        seen["qmp"] = answers
+        if behind_port:
+            polls = 0
+            while not _bridges_numbered(qmp(qmp_path, query)):
+                polls += 1
+                if time.monotonic() - started > firmware_timeout or process.poll() is not None:
+                    seen["firmware"] = f"no bus number for {bus} after {polls} polls"
+                    break
+                time.sleep(0.5)
+            seen["firmware_seconds"] = round(time.monotonic() - started, 2)
+        seen["qmp"] = qmp(qmp_path, [*query, {"execute": "quit"}])
         seen["exit"] = process.wait(timeout=20)
     finally:
         if process.poll() is None:
@@ -638,7 +670,7 @@ def plugin_steps(record: Recorder, standin: Any, gpu: str, audio: str) -> None:
     with record.step("vfio ioctls"):
         record["vfio"] = vfio_open(group_node, gpu, one_function(EDU_ID))
     with record.step("inner qemu"):
-        record["inner_qemu"] = inner_qemu_steps(record, gpu)
+        record["inner_qemu"] = inner_qemu_steps(record, dict(response.envs))
 
     with record.step("health: whole group leaves vfio-pci"):
         t0 = time.monotonic()
@@ -680,10 +712,20 @@ def plugin_steps(record: Recorder, standin: Any, gpu: str, audio: str) -> None:
         record["mdev"] = mdev_steps(record, standin)
 
 
-def inner_qemu_steps(record: Recorder, gpu: str) -> dict[str, Any]:
-    """Render the domain with the hook's builder, have libvirt on the host turn it into QEMU's argv, run it."""
+def _walk_pci(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every device of a ``query-pci`` bus, those behind bridges (root ports) too."""
+    found: list[dict[str, Any]] = []
+    for device in devices:
+        found.append(device)
+        found.extend(_walk_pci(device.get("pci_bridge", {}).get("devices", [])))
+    return found
+
+
+def inner_qemu_steps(record: Recorder, envs: dict[str, str]) -> dict[str, Any]:
+    """Render the domain with the hook's builder from the allocation's ``envs`` (the GPU's variable and its
+    companions'), have libvirt on the host turn it into QEMU's argv, run QEMU with the hook's devices."""
     env_file = RESULTS / "compute.env"
-    env_file.write_text(f"{ENV_VAR}={gpu}\n")
+    env_file.write_text("".join(f"{name}={value}\n" for name, value in sorted(envs.items())))
     rendered = xmlgen(
         "render", "--domain", str(RESULTS / "base-domain.xml"), "--environ-file", str(env_file), config=False
     )
@@ -697,10 +739,11 @@ def inner_qemu_steps(record: Recorder, gpu: str) -> dict[str, Any]:
     if answered is None or not (RESULTS / "native.json").exists():
         return {"render": rendered, "native_error": read(RESULTS / "native.error") or "no answer from the host"}
     devices = json.loads((RESULTS / "native.json").read_text())
-    ours = [d for d in devices if d.get("id") == "ua-gpu0"]
-    if len(ours) != 1:
+    # The base domain has no hostdev of its own: every vfio device in libvirt's argv is one the hook wrote.
+    ours = [d for d in devices if d.get("driver") == "vfio-pci"]
+    if not any(d.get("id") == "ua-gpu0" for d in ours):
         return {"render": rendered, "native": devices}
-    return {"render_rc": rendered["rc"], "native": devices, "run": inner_qemu(ours[0])}
+    return {"render_rc": rendered["rc"], "native": devices, "run": inner_qemu(ours)}
 
 
 def mdev_steps(record: Recorder, standin: Any) -> dict[str, Any]:
@@ -834,16 +877,25 @@ def scenario_simulate(record: Recorder) -> None:
             f"kernel: opened as QEMU does: group viable {vfio['viable']}, device fd for {gpu} "
             f"({vfio['num_regions']} regions, {vfio['num_irqs']} IRQ types)"
         )
-        inner = inner_qemu_steps(record, gpu)
+        inner = inner_qemu_steps(record, dict(response.envs))
         if "run" not in inner:
             say(f"error: libvirt's argv: {inner.get('native_error') or inner}")
             raise SystemExit(1)
-        say(f"hook: xmlgen render wrote the domain; libvirt (on the host) gives QEMU -device {inner['native'][0]}")
-        pci = [d for bus in inner["run"]["qmp"][2]["return"] for d in bus["devices"] if d["qdev_id"] == "ua-gpu0"]
-        say(
-            f"qemu: started paused in the node with {inner['run']['argv'][-1]}; QMP query-pci shows ua-gpu0 as "
-            f"{pci[0]['id']['vendor']:04x}:{pci[0]['id']['device']:04x} {pci[0]['class_info'].get('desc')}; quit"
-        )
+        for device in inner["native"]:
+            say(f"hook: xmlgen render wrote the domain; libvirt (on the host) gives QEMU -device {device}")
+        found = [
+            d
+            for bus in inner["run"]["qmp"][2]["return"]
+            for d in _walk_pci(bus["devices"])
+            if str(d.get("qdev_id", "")).startswith("ua-gpu0")
+        ]
+        say(f"qemu: started paused in the node with {' '.join(inner['run']['argv'][-4:])}; QMP query-pci shows:")
+        for d in found:
+            say(
+                f"qemu:   {d['qdev_id']} at bus {d['bus']} slot {d['slot']} function {d['function']}: "
+                f"{d['id']['vendor']:04x}:{d['id']['device']:04x} {d['class_info'].get('desc')}"
+            )
+        say("qemu: quit")
         sys.stdout.write((RESULTS / "domain.xml").read_text())
 
 

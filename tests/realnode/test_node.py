@@ -18,6 +18,7 @@ pytestmark = pytest.mark.realnode
 
 RESOURCE = "nvidia.com/QEMU_BOCHS_DISPLAY"
 ENV = "PCI_RESOURCE_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
+COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_QEMU_BOCHS_DISPLAY"
 MDEV_RESOURCE = "nvidia.com/Dual_port_serial"
 MDEV_ENV = "MDEV_PCI_RESOURCE_NVIDIA_COM_DUAL_PORT_SERIAL"
 
@@ -119,7 +120,8 @@ def test_listandwatch_lists_the_real_device_and_allocate_gives_its_real_group(no
     group = seen(node, "bind_both")["gpu"]["iommu_group"]
     assert seen(node, "listandwatch", "plugin")["devices"] == {gpu: "Healthy"}
     allocate = seen(node, "allocate", "allocate")
-    assert allocate["envs"] == {ENV: gpu}
+    # The audio function shares the GPU's slot and group and is on vfio-pci: it is the GPU's companion.
+    assert allocate["envs"] == {ENV: gpu, COMPANIONS_ENV: f"{gpu}={seen(node, 'audio')}"}
     paths = sorted(spec["host_path"] for spec in allocate["devices"])
     assert paths == sorted([f"/dev/vfio/{group}", "/dev/vfio/vfio"])
     assert allocate["char_device"] == dict.fromkeys(paths, True)
@@ -139,23 +141,49 @@ def test_the_allocated_group_opens_as_qemu_opens_it(node: Scenario) -> None:
     assert vfio["other_device"] == "ENODEV"
 
 
-def test_the_hostdev_the_project_writes_attaches_to_a_real_vfio_device(node: Scenario) -> None:
-    gpu = seen(node, "gpu")
+def _pci_devices(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every device of a ``query-pci`` bus, those behind bridges (root ports) too."""
+    found: list[dict[str, Any]] = []
+    for device in devices:
+        found.append(device)
+        found.extend(_pci_devices(device.get("pci_bridge", {}).get("devices", [])))
+    return found
+
+
+def test_the_gpu_and_its_audio_companion_reach_qemu_as_one_multifunction_slot(node: Scenario) -> None:
+    gpu, audio = seen(node, "gpu"), seen(node, "audio")
     inner = seen(node, "inner_qemu", "inner qemu")
     if "native_error" in inner and "not reachable" in inner["native_error"]:
         libvirt_missing(inner["native_error"])
     assert "run" in inner, inner
-    assert [(d["driver"], d["host"], d["id"]) for d in inner["native"]] == [("vfio-pci", gpu, "ua-gpu0")]
+    # libvirt's argv for the domain the hook wrote: the GPU at function 0 with multifunction=on, the audio
+    # function at function 1 of the same slot, on one bus (the root port the hook added).
+    native = {d["id"]: d for d in inner["native"]}
+    assert sorted((d["driver"], d["host"], d["id"]) for d in native.values()) == [
+        ("vfio-pci", gpu, "ua-gpu0"),
+        ("vfio-pci", audio, "ua-gpu0-fn1"),
+    ]
+    assert native["ua-gpu0"]["multifunction"] is True or native["ua-gpu0"]["multifunction"] == "on"
+    assert (native["ua-gpu0"]["addr"], native["ua-gpu0-fn1"]["addr"]) == ("0x0", "0x0.0x1")
+    assert native["ua-gpu0"]["bus"] == native["ua-gpu0-fn1"]["bus"] != "pcie.0"
     run = inner["run"]
     assert run["exit"] == 0, run["log"]
     greeting, capabilities, pci, quit_reply = run["qmp"]
     assert "QMP" in greeting
     assert capabilities == {"return": {}}
     assert quit_reply == {"return": {}}
-    devices = [device for bus in pci["return"] for device in bus["devices"]]
-    (ours,) = [device for device in devices if device["qdev_id"] == "ua-gpu0"]
+    devices = {d["qdev_id"]: d for bus in pci["return"] for d in _pci_devices(bus["devices"])}
+    ours, companion = devices["ua-gpu0"], devices["ua-gpu0-fn1"]
     assert (ours["id"]["vendor"], ours["id"]["device"]) == (0x1234, 0x1111)
     assert ours["class_info"]["class"] == 0x0380
+    assert (companion["id"]["vendor"], companion["id"]["device"]) == (0x8086, 0x293E)
+    assert companion["class_info"]["class"] == 0x0403
+    # One guest slot: same bus, same slot, functions 0 and 1 -- behind the root port the hostdevs name.
+    assert (ours["bus"], ours["slot"], ours["function"]) == (companion["bus"], 0, 0)
+    assert (companion["slot"], companion["function"]) == (0, 1)
+    assert ours["bus"] != 0
+    (port,) = [d for d in devices.values() if d.get("pci_bridge", {}).get("bus", {}).get("secondary") == ours["bus"]]
+    assert port["qdev_id"] == native["ua-gpu0"]["bus"]
 
 
 def test_the_whole_group_leaving_vfio_pci_flips_health_within_a_second(node: Scenario) -> None:
