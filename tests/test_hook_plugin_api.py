@@ -309,7 +309,9 @@ def test_simulate_with_the_plugin_api_tells_it_and_writes_the_same_domain() -> N
     by_hooks, by_plugins = simulate(), simulate("--hook-api", "plugins")
     assert by_hooks.returncode == by_plugins.returncode == 0, by_plugins.stderr
     assert by_plugins.stdout == by_hooks.stdout
-    assert set(hostdevs(by_plugins.stdout.encode())) == {"ua-gpu0", "ua-gpu1"}
+    # node01's two TU106 cards, each with its audio, USB and UCSI functions as companions in its guest slot.
+    companions = {f"ua-gpu{gpu}-fn{function}" for gpu in (0, 1) for function in (1, 2, 3)}
+    assert set(hostdevs(by_plugins.stdout.encode())) == {"ua-gpu0", "ua-gpu1", *companions}
     assert "4. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar" in by_plugins.stderr
     assert "invocation context Boot" in by_plugins.stderr and "Info:" not in by_plugins.stderr
     assert "hostdevs written (plugins.v1alpha1)" in by_plugins.stderr
