@@ -14,7 +14,9 @@ from launcher_hook.allocation import allocation_from_env
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
+from launcher_hook.mmio_window import BarSource, WindowOutcome, add_window
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from schemas.pci import PciAddress
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 
 SUPPORTED_DRIVERS = ("vfio",)
@@ -30,6 +32,8 @@ class BuildOptions:
     force_gpu_aliases: bool = False
     """Give every GPU the hook's ``ua-gpuN`` alias, also those virt-launcher rendered as ``ua-gpu-<name>``
     (KubeVirt's lookups by alias then miss them; each renamed one is a warning)."""
+    bars: BarSource | None = None
+    """Where PCI BAR sizes are read (sysfs); None: no 64-bit MMIO window is written (docs/large-bar.md)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class BuildResult:
     """The hostdevs the hook owns in the output, with the aliases they have there."""
     warnings: list[str] = field(default_factory=list)
     vmi: VirtualMachineInstance | None = None
+    mmio: WindowOutcome | None = None
+    """What was decided about the guest's 64-bit PCI window (None: not looked at)."""
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -83,4 +89,9 @@ def build_domain(
     existing = read_hostdevs(parsed)
     specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics, existing=existing.view)
     spliced = merge_hostdevs(parsed, specs, existing)
-    return BuildResult(spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings, vmi)
+    domain, warnings, mmio = spliced.domain_xml, warnings + spliced.warnings, None
+    if options.bars is not None:
+        pci = [spec.source for spec in spliced.hostdevs if isinstance(spec.source, PciAddress)]  # SR-IOV VFs too
+        domain, mmio = add_window(parsed, domain, pci, options.bars, options.max_input_bytes)
+        warnings += mmio.warnings
+    return BuildResult(domain, spliced.hostdevs, warnings, vmi, mmio)
