@@ -24,8 +24,8 @@ from typing import Protocol
 from lxml import etree
 
 from launcher_hook.domain import ParsedDomain, parse_domain
-from runtime.pci_bars import DeviceBars, format_size
 from schemas.pci import PciAddress
+from schemas.pci_bars import DeviceBars, format_size
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -51,7 +51,7 @@ window at a multiple of its own size above RAM, so it ends at twice its size or 
 
 
 class BarSource(Protocol):
-    """Where the BARs come from (:class:`runtime.pci_bars.SysfsBars`, a stand-in in tests)."""
+    """Where the BARs come from (``runtime.pci_bars.SysfsBars``, a stand-in in tests)."""
 
     def read_all(self, addresses: Iterable[PciAddress]) -> list[DeviceBars]: ...
 

@@ -36,9 +36,9 @@ _RESOURCE_LINES_BRIDGE = 17
 
 
 class BarSpec(NamedTuple):
-    """One implemented BAR of a :class:`Function`: its index (0-5), size in bytes and flags (``BAR_*``)."""
+    """One implemented BAR of a :class:`Function`: its number (0-5), size in bytes and flags (``BAR_*``)."""
 
-    index: int
+    number: int
     size: int
     flags: int
 
@@ -264,18 +264,18 @@ def resource_text(function: Function) -> str:
     bases = {False: 0x8000_0000 + (ordinal % 32) * (64 << 20), True: (0x20 + ordinal) << 40}
     starts: dict[int, int] = {}
     for bar in sorted(function.bars, key=lambda bar: bar.size, reverse=True):
-        if not 0 <= bar.index < 6 or bar.size <= 0 or bar.size & (bar.size - 1):
-            raise ValueError(f"{function.address}: BAR{bar.index} of {bar.size} bytes is not a BAR")
+        if not 0 <= bar.number < 6 or bar.size <= 0 or bar.size & (bar.size - 1):
+            raise ValueError(f"{function.address}: BAR{bar.number} of {bar.size} bytes is not a BAR")
         wide = bool(bar.flags & 0x00100000)
         start = -(-bases[wide] // bar.size) * bar.size
-        starts[bar.index] = start
+        starts[bar.number] = start
         bases[wide] = start + bar.size
-    by_index = {bar.index: bar for bar in function.bars}
+    by_index = {bar.number: bar for bar in function.bars}
     count = _RESOURCE_LINES_BRIDGE if function.pci_class >> 8 == 0x0604 else _RESOURCE_LINES_ENDPOINT
     lines = []
     for index in range(count):
-        bar = by_index.get(index)
-        start, end, flags = (starts[index], starts[index] + bar.size - 1, bar.flags) if bar else (0, 0, 0)
+        found = by_index.get(index)
+        start, end, flags = (starts[index], starts[index] + found.size - 1, found.flags) if found else (0, 0, 0)
         lines.append(f"0x{start:016x} 0x{end:016x} 0x{flags:016x}\n")
     return "".join(lines)
 
