@@ -24,6 +24,7 @@ from typing import Protocol
 from lxml import etree
 
 from launcher_hook.domain import ParsedDomain, parse_domain
+from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import DeviceBars, format_size
 
@@ -41,9 +42,11 @@ OVMF_MAX_MIB = 0x1000000
 """The largest value OVMF accepts (16 TiB); it ignores a larger one."""
 BRIDGE_GRANULARITY = MIB
 """A PCI bridge's prefetchable window is a multiple of 1 MiB, aligned to 1 MiB at least."""
-HOTPLUG_PORTS = 64
-"""Root ports the window keeps room for: OVMF (edk2-stable202211 on) pads each hotplug-capable port's 64-bit
-prefetchable window to 1/256 of the whole window once the window is over 32 GiB."""
+HOTPLUG_PORTS = 32
+"""Root ports the window keeps room for: KubeVirt numbers PCI controllers up to 31 (one bus-0 slot each), and OVMF
+(edk2-stable202211 on) pads each hotplug-capable port's 64-bit prefetchable window to 1/256 of the whole window
+once that is over 32 GiB. A port is given the larger of its padding and its devices' needs, so the ports holding
+the passed-through devices cost nothing more."""
 HOTPLUG_PADDING_DIVISOR = 256
 PHYS_BITS_40_LIMIT = 512 * GIB
 """The largest window that still ends within 40 address bits (QEMU's default guest ``phys-bits``): OVMF puts the
@@ -76,23 +79,25 @@ def port_window(device: DeviceBars) -> tuple[int, int]:
 
 
 def needed_bytes(devices: Sequence[DeviceBars]) -> int:
-    """The span the devices' 64-bit BARs take in the window, each device behind its own root port (KubeVirt and
-    libvirt give every PCIe device one): the ports' windows packed most-aligned first, as OVMF's PCI bus
-    driver orders them. A port whose window is a little over its alignment (a 128 GiB BAR and a 32 MiB one)
-    pushes the next equally aligned port a whole alignment further."""
-    ports = sorted((port_window(device) for device in devices), key=lambda port: port[1], reverse=True)
-    end = 0
-    for size, alignment in ports:
-        if size:
-            end = _align(end, alignment) + size
-    return end
+    """The span the devices' 64-bit BARs may take in the window, each device behind its own root port (KubeVirt
+    and libvirt give every PCIe device one). OVMF's PCI bus driver places the ports' windows most-aligned first,
+    each at a multiple of its alignment; among equally aligned ones the order is the bus order. So every port
+    but the last takes its window rounded up to its alignment (a 128 GiB BAR and a 32 MiB one take 256 GiB),
+    and the last one, among the least aligned, may be the one that wastes least: that order is the worst."""
+    ports = [port_window(device) for device in devices if device.bars_64bit]
+    if not ports:
+        return 0
+    least = min(alignment for _, alignment in ports)
+    spare = min(_align(size, alignment) - size for size, alignment in ports if alignment == least)
+    return sum(_align(size, alignment) for size, alignment in ports) - spare
 
 
-def window_for(needed: int) -> int:
+def window_for(needed: int, own_ports: int = 0) -> int:
     """The smallest power-of-two window (1 GiB at least) that holds ``needed`` bytes and the hotplug padding
-    of :data:`HOTPLUG_PORTS` ports (each 1/256 of the window): ``needed`` at most 3/4 of it."""
+    (1/256 of the window each) of the :data:`HOTPLUG_PORTS` ports but the ``own_ports`` holding the devices."""
+    padded = max(HOTPLUG_PORTS - own_ports, 0)
     window = OVMF_WINDOW_ALIGNMENT
-    while needed + HOTPLUG_PORTS * (window // HOTPLUG_PADDING_DIVISOR) > window:
+    while needed + padded * (window // HOTPLUG_PADDING_DIVISOR) > window:
         window *= 2
     return window
 
@@ -142,7 +147,7 @@ def plan_window(devices: Iterable[DeviceBars]) -> MmioPlan:
     """The 64-bit window for ``devices`` (docs/large-bar.md, "The window")."""
     listed = tuple(devices)
     needed = needed_bytes(listed)
-    return MmioPlan(listed, needed, window_for(needed))
+    return MmioPlan(listed, needed, window_for(needed, sum(1 for device in listed if device.bars_64bit)))
 
 
 # ---- the domain ------------------------------------------------------------------------------------------
@@ -268,7 +273,14 @@ def add_window(
     outcome = WindowOutcome(guest_firmware(parsed.root))
     if outcome.firmware is None or not addresses:
         return output, outcome
-    plan = outcome.plan = plan_window(source.read_all(addresses))
+    try:
+        bars = source.read_all(addresses)
+    except InputError as exc:
+        raise InputError(
+            f"{exc}; the 64-bit PCI window of this EFI guest is sized from its devices' BARs under sysfs root "
+            f"{source.describe()!r} (--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT; --pci-mmio64 off to skip it)"
+        ) from None
+    plan = outcome.plan = plan_window(bars)
     outcome.explicit = explicit_window(parsed.root)
     if outcome.explicit is not None:
         outcome.warnings += _explicit_warnings(outcome.explicit, plan)
