@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lxml import etree
@@ -36,6 +37,8 @@ from schemas.pci import PciAddress
 from schemas.pci_bars import Bar, DeviceBars
 from simkit.fixture_nodes import A100_NODE
 from simkit.sysfs_fixture import build
+from tests.test_hook_cli import shim
+from xmlgen.cli import cli
 
 EXAMPLES = Path(__file__).parent.parent / "xmlgen" / "examples"
 EFI_DOMAIN = (EXAMPLES / "a100-efi" / "domain.xml").read_bytes()
@@ -345,3 +348,33 @@ def test_comments_take_the_tree_path_and_are_kept() -> None:
 
 def test_the_name_is_the_one_ovmf_reads() -> None:
     assert FW_CFG_NAME == "opt/ovmf/X-PciMmio64Mb"
+
+
+# ---- the programs' options ---------------------------------------------------------------------------------
+
+
+def test_the_shim_reads_bars_under_the_sysfs_root_its_env_names(tmp_path: Path) -> None:
+    sys_root = build(A100_NODE, tmp_path / "node") / "sys"
+    vmi = (EXAMPLES / "a100-efi" / "vmi.json").read_text()
+    args = ("--vmi", vmi, "--domain", EFI_DOMAIN.decode())
+    done = shim(*args, **env(FIRST), LAUNCHER_HOOK_SYSFS_ROOT=str(sys_root))
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"name=opt/ovmf/X-PciMmio64Mb,string=262144" in done.stdout
+    assert '"pci_mmio64_mib":262144' in done.stderr.decode()
+    off = shim(*args, **env(FIRST), LAUNCHER_HOOK_SYSFS_ROOT=str(sys_root), LAUNCHER_HOOK_PCI_MMIO64="off")
+    assert off.returncode == 0 and b"X-PciMmio64Mb" not in off.stdout
+    missing = shim(*args, **env(FIRST), LAUNCHER_HOOK_SYSFS_ROOT=str(tmp_path / "empty"))
+    assert missing.returncode == 1 and missing.stdout == b""
+    assert "INVALID_ARGUMENT: sysfs root" in missing.stderr.decode()
+
+
+def test_xmlgen_render_takes_the_sysfs_root(tmp_path: Path) -> None:
+    sys_root = build(A100_NODE, tmp_path / "node") / "sys"
+    (tmp_path / "env").write_text(f"{A100_VAR}={FIRST},{SECOND}\n")
+    domain = str(EXAMPLES / "a100-efi" / "domain.xml")
+    common = ["render", "--domain", domain, "--environ-file", str(tmp_path / "env")]
+    done = CliRunner().invoke(cli, [*common, "--sysfs-root", str(sys_root)])
+    assert done.exit_code == 0, done.output
+    assert 'name=opt/ovmf/X-PciMmio64Mb,string=524288"' in done.stdout
+    off = CliRunner().invoke(cli, [*common, "--pci-mmio64", "off"])
+    assert off.exit_code == 0 and "X-PciMmio64Mb" not in off.stdout
