@@ -1,8 +1,9 @@
 """The domain builder: allocation env + VMI + domain XML in, the domain with its GPUs out.
 
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
-pure function of its inputs (no env or file access of its own) and either returns a whole document or
-raises ``InputError``; there is no partial result.
+pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
+PCI window come from the reader in ``BuildOptions.bars``) and either returns a whole document or raises
+``InputError``; there is no partial result.
 """
 
 from __future__ import annotations

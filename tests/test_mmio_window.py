@@ -346,6 +346,19 @@ def test_comments_take_the_tree_path_and_are_kept() -> None:
     assert result.domain_xml.count(b"<qemu:commandline>") == 1
 
 
+def test_an_empty_commandline_element_is_filled_by_the_tree_edit() -> None:
+    domain = (
+        '<domain type="kvm" xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0">\n'
+        f"  <name>a</name>\n  {OS}\n  <qemu:commandline/>\n</domain>\n"
+    ).encode()
+    assert insert_qemu_args_text(parse_domain(domain, DEFAULT_MAX_INPUT_BYTES), domain, ARGS) is None
+    assert insert_qemu_args_tree(domain, ARGS, DEFAULT_MAX_INPUT_BYTES) == domain.replace(
+        b"  <qemu:commandline/>\n",
+        b'  <qemu:commandline>\n    <qemu:arg value="-fw_cfg"/>\n'
+        b'    <qemu:arg value="name=opt/ovmf/X-PciMmio64Mb,string=262144"/>\n  </qemu:commandline>\n',
+    )
+
+
 def test_the_name_is_the_one_ovmf_reads() -> None:
     assert FW_CFG_NAME == "opt/ovmf/X-PciMmio64Mb"
 
