@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.pci_bars import SysfsBars
 from schemas import InputError
@@ -169,3 +171,17 @@ def test_a_fifo_or_an_oversized_file_is_not_read(tmp_path: Path) -> None:
 def test_a_root_that_is_not_a_directory_is_named(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"sysfs root .* is not a directory"):
         SysfsBars(tmp_path / "nowhere").read(A100)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.text(max_size=2000) | st.lists(st.sampled_from([ZERO, "0x1000 0x1fff 0x200\n", "0x 0x 0x\n", "\n"])).map("".join)
+)
+def test_any_text_is_bars_or_an_input_error(text: str) -> None:
+    message = ""
+    bars: tuple[Bar, ...] = ()
+    try:
+        bars = parse_resource(text, "fuzz")
+    except InputError as exc:
+        message = str(exc)
+    assert message.startswith("fuzz") if message else all(0 <= bar.index < 6 and bar.size > 0 for bar in bars)
