@@ -1,8 +1,9 @@
 """The domain builder: allocation env + VMI + domain XML in, the domain with its GPUs out.
 
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
-pure function of its inputs (no env or file access of its own) and either returns a whole document or
-raises ``InputError``; there is no partial result.
+pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
+PCI window come from the reader in ``BuildOptions.bars``) and either returns a whole document or raises
+``InputError``; there is no partial result.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from launcher_hook.companions import Placement, place_companions, wanted_compani
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
+from launcher_hook.mmio_window import BarSource, WindowOutcome, add_window
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from schemas.pci import PciAddress
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 
 SUPPORTED_DRIVERS = ("vfio",)
@@ -31,6 +34,8 @@ class BuildOptions:
     force_gpu_aliases: bool = False
     """Give every GPU the hook's ``ua-gpuN`` alias, also those virt-launcher rendered as ``ua-gpu-<name>``
     (KubeVirt's lookups by alias then miss them; each renamed one is a warning)."""
+    bars: BarSource | None = None
+    """Where PCI BAR sizes are read (sysfs); None: no 64-bit MMIO window is written (docs/large-bar.md)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class BuildResult:
     vmi: VirtualMachineInstance | None = None
     placements: list[Placement] = field(default_factory=list)
     """Where each GPU with companions went (its guest slot and functions; docs/kubevirt-hostdevs.md)."""
+    mmio: WindowOutcome | None = None
+    """What was decided about the guest's 64-bit PCI window (None: not looked at)."""
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -92,13 +99,17 @@ def build_domain(
     existing = read_hostdevs(parsed)
     specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation)
     spliced = merge_hostdevs(parsed, specs, existing)
-    if not companions or not allocation.companions:
-        return BuildResult(spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings, vmi)
-    placed = place_companions(spliced.domain_xml, spliced.hostdevs, allocation, options.max_input_bytes)
-    return BuildResult(
-        placed.domain_xml,
-        spliced.hostdevs + placed.hostdevs,
-        warnings + spliced.warnings + placed.warnings,
-        vmi,
-        placed.placements,
-    )
+    domain, hostdevs, warnings = spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings
+    placements: list[Placement] = []
+    if companions and allocation.companions:
+        placed = place_companions(domain, hostdevs, allocation, options.max_input_bytes)
+        domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements
+        warnings += placed.warnings
+    mmio = None
+    if options.bars is not None:
+        # Every PCI function the hook passes counts: GPUs, SR-IOV VFs, companions. Companions change only
+        # <devices>, so the window's text insertion (outside <devices>) still reads ``parsed``'s layout.
+        pci = [spec.source for spec in hostdevs if isinstance(spec.source, PciAddress)]
+        domain, mmio = add_window(parsed, domain, pci, options.bars, options.max_input_bytes)
+        warnings += mmio.warnings
+    return BuildResult(domain, hostdevs, warnings, vmi, placements, mmio)

@@ -39,6 +39,7 @@ from launcher_hook.sources import (
 from runtime.cli_options import log_format_option as _log_format_option
 from runtime.env import hook_env
 from runtime.logs import configure_logging
+from runtime.pci_bars import DEFAULT_SYSFS_ROOT, SysfsBars
 from runtime.signals import stop_on_signals
 from runtime.sockets import SocketInUse
 from schemas.logformat import LogFormat
@@ -104,6 +105,37 @@ def force_gpu_aliases_option(function: F) -> F:
     )(function)
 
 
+PCI_MMIO64_CHOICES = ("auto", "off")
+
+
+def mmio_window_options(function: F) -> F:
+    """``--pci-mmio64`` and ``--sysfs-root`` (``LAUNCHER_HOOK_PCI_MMIO64``, ``LAUNCHER_HOOK_SYSFS_ROOT``), for
+    ``serve`` and the onDefineDomain shim: the 64-bit PCI window of EFI guests (docs/large-bar.md)."""
+    function = click.option(
+        "--sysfs-root",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=DEFAULT_SYSFS_ROOT,
+        show_default=True,
+        envvar=hook_env("sysfs_root"),
+        help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource).",
+    )(function)
+    return click.option(
+        "--pci-mmio64",
+        type=click.Choice(PCI_MMIO64_CHOICES),
+        default="auto",
+        show_default=True,
+        envvar=hook_env("pci_mmio64"),
+        help="auto: give an OVMF (EFI) guest whose devices' 64-bit BARs need more than OVMF's default 32 GiB "
+        "window the size they need, as -fw_cfg name=opt/ovmf/X-PciMmio64Mb in <qemu:commandline> (a value the "
+        "domain already sets is kept); off: never.",
+    )(function)
+
+
+def bar_source(pci_mmio64: str, sysfs_root: Path) -> SysfsBars | None:
+    """The BAR reader the builder gets (None: ``--pci-mmio64 off``)."""
+    return SysfsBars(sysfs_root) if pci_mmio64 == "auto" else None
+
+
 log_format_option = _log_format_option(hook_env("log_format"))
 """``--log-format json|text`` (env ``LAUNCHER_HOOK_LOG_FORMAT``), shared by ``serve`` and the shim."""
 
@@ -162,6 +194,7 @@ def cli() -> None:
 )
 @force_gpu_aliases_option
 @allocation_options
+@mmio_window_options
 @log_format_option
 def serve(
     api: HookApi,
@@ -174,12 +207,16 @@ def serve(
     driver: str | None,
     log_format: LogFormat,
     force_gpu_aliases: bool,
+    pci_mmio64: str,
+    sysfs_root: Path,
 ) -> None:
     """Serve OnDefineDomain (hooks v1alpha1-v1alpha3) and/or MutateDomain (plugins v1alpha1) until Shutdown,
     SIGTERM or SIGINT."""
     flush_logs = configure_logging(COMPONENT, log_format, background=True)
     try:
-        options = BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)
+        options = BuildOptions(
+            driver=driver, force_gpu_aliases=force_gpu_aliases, bars=bar_source(pci_mmio64, sysfs_root)
+        )
         sockets = {"hooks": (socket_path,), "plugins": (plugin_socket_path,), "both": (socket_path, plugin_socket_path)}
         _serve(api, sockets[api], socket_mode, pod_resources_socket, environ_file, container, options)
     finally:

@@ -102,6 +102,7 @@ class HookService:
                 gpus=result.aliases,
                 source=source,
                 warnings=result.warnings,
+                **({"pci_mmio64_mib": result.mmio.written_mib} if result.mmio and result.mmio.written_mib else {}),
                 status="OK",
                 duration_ms=round((time.perf_counter() - started) * 1000, 3),
             )

@@ -8,7 +8,8 @@ stdout.
 
 The shim passes no other arguments, so the allocation source and options are chosen by env variables
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
-``LAUNCHER_HOOK_DRIVER``, ``LAUNCHER_HOOK_FORCE_GPU_ALIASES``), with the same precedence as
+``LAUNCHER_HOOK_DRIVER``, ``LAUNCHER_HOOK_FORCE_GPU_ALIASES``, ``LAUNCHER_HOOK_PCI_MMIO64``,
+``LAUNCHER_HOOK_SYSFS_ROOT``), with the same precedence as
 ``launcher-hook serve``; so is the log line format (``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or
 ``text``).
 """
@@ -22,7 +23,14 @@ from pathlib import Path
 import click
 
 from launcher_hook.builder import BuildOptions
-from launcher_hook.cli import allocation_options, force_gpu_aliases_option, log_format_option, make_source
+from launcher_hook.cli import (
+    allocation_options,
+    bar_source,
+    force_gpu_aliases_option,
+    log_format_option,
+    make_source,
+    mmio_window_options,
+)
 from launcher_hook.service import COMPONENT, HookFault, HookService
 from runtime.logs import configure_logging
 from schemas.logformat import LogFormat
@@ -33,6 +41,7 @@ from schemas.logformat import LogFormat
 @click.option("--domain", "domain_xml", required=True, help="The libvirt domain XML virt-launcher will define.")
 @allocation_options
 @force_gpu_aliases_option
+@mmio_window_options
 @log_format_option
 def on_define_domain(
     vmi_json: str,
@@ -42,6 +51,8 @@ def on_define_domain(
     container: str,
     driver: str | None,
     force_gpu_aliases: bool,
+    pci_mmio64: str,
+    sysfs_root: Path,
     log_format: LogFormat,
 ) -> None:
     """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
@@ -49,7 +60,10 @@ def on_define_domain(
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).
-        outcome = HookService(source, BuildOptions(driver=driver, force_gpu_aliases=force_gpu_aliases)).define_domain(
+        options = BuildOptions(
+            driver=driver, force_gpu_aliases=force_gpu_aliases, bars=bar_source(pci_mmio64, sysfs_root)
+        )
+        outcome = HookService(source, options).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"
         )
     except HookFault as fault:

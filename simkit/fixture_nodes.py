@@ -9,6 +9,12 @@
   function is still on ``snd_hda_intel`` (a group that is not viable).
 - :data:`SRIOV_VGPU_NODE`: two L40S (``10de:26b9``) on ``nvidia`` split into SR-IOV vGPU VFs (vGPU 17+): two
   ``NVIDIA L40S-1Q`` on the first, one ``NVIDIA L40S-1B`` on the second, the other VFs free.
+- :data:`A100_NODE`: two A100 80GB PCIe (``10de:20b5``) on vfio-pci, each with its 128 GiB BAR1: the large-BAR
+  case (docs/large-bar.md).
+
+The GPUs' BARs (the ``resource`` files) have the sizes public ``lspci`` listings show (docs/large-bar.md, "BAR
+sizes"): TU106 16 MiB + 256 MiB + 32 MiB + 128 B of I/O; A100 80GB 16 MiB + 128 GiB + 32 MiB; L40S 16 MiB +
+64 GiB + 32 MiB. Other functions have none.
 
 Each node carries :data:`PCI_IDS_EXCERPT`, real lines of pci.ids 2023.04.10 for its devices; the builder
 writes it to ``usr/share/misc/pci.ids`` of the tree, where discovery looks first. Topology follows a
@@ -17,7 +23,18 @@ two-socket Xeon Scalable: a root port per PCIe stack (``0000:85:00.0``), the car
 
 from __future__ import annotations
 
-from simkit.sysfs_fixture import Function, Mdev, MdevType, Node, SriovVgpuGpu, sriov_vfs
+from simkit.sysfs_fixture import (
+    BAR_IO,
+    BAR_MEM32,
+    BAR_MEM64_PREFETCH,
+    BarSpec,
+    Function,
+    Mdev,
+    MdevType,
+    Node,
+    SriovVgpuGpu,
+    sriov_vfs,
+)
 
 NVIDIA = 0x10DE
 INTEL = 0x8086
@@ -47,6 +64,7 @@ PCI_IDS_EXCERPT = """\
 \t1aef  GA102 High Definition Audio Controller
 \t1eb8  TU104GL [Tesla T4]
 \t1f08  TU106 [GeForce RTX 2060 Rev. A]
+\t20b5  GA100 [A100 PCIe 80GB]
 \t2204  GA102 [GeForce RTX 3090]
 \t2236  GA102GL [A10]
 """
@@ -62,7 +80,38 @@ def root_port(root_bus: int) -> Function:
     )
 
 
-def _below(root_bus: int, function: int, vendor: int, device: int, pci_class: int, driver: str | None) -> Function:
+MIB = 1 << 20
+GIB = 1 << 30
+TU106_BARS = (
+    BarSpec(0, 16 * MIB, BAR_MEM32),
+    BarSpec(1, 256 * MIB, BAR_MEM64_PREFETCH),
+    BarSpec(3, 32 * MIB, BAR_MEM64_PREFETCH),
+    BarSpec(5, 128, BAR_IO),
+)
+"""The RTX 2060's display function: registers, the 256 MiB VRAM aperture, a 32 MiB one, an I/O range."""
+A100_80GB_BARS = (
+    BarSpec(0, 16 * MIB, BAR_MEM32),
+    BarSpec(1, 128 * GIB, BAR_MEM64_PREFETCH),
+    BarSpec(3, 32 * MIB, BAR_MEM64_PREFETCH),
+)
+"""GA100 with 80 GB: BAR1 maps the whole memory (128 GiB, the next power of two)."""
+L40S_BARS = (
+    BarSpec(0, 16 * MIB, BAR_MEM32),
+    BarSpec(1, 64 * GIB, BAR_MEM64_PREFETCH),
+    BarSpec(3, 32 * MIB, BAR_MEM64_PREFETCH),
+)
+A100_80GB_PCIE = 0x20B5
+
+
+def _below(
+    root_bus: int,
+    function: int,
+    vendor: int,
+    device: int,
+    pci_class: int,
+    driver: str | None,
+    bars: tuple[BarSpec, ...] = (),
+) -> Function:
     numa, group = _STACKS[root_bus]
     return Function(
         f"0000:{root_bus + 1:02x}:00.{function}",
@@ -73,6 +122,7 @@ def _below(root_bus: int, function: int, vendor: int, device: int, pci_class: in
         group + 2,
         numa,
         parent=f"0000:{root_bus:02x}:00.0",
+        bars=bars,
     )
 
 
@@ -80,7 +130,7 @@ def tu106_card(root_bus: int, driver: str = "vfio-pci", audio_driver: str | None
     """An RTX 2060 Rev. A: four functions, one IOMMU group, below the root port on ``root_bus``."""
     return (
         root_port(root_bus),
-        _below(root_bus, 0, NVIDIA, 0x1F08, CLASS_VGA, driver),
+        _below(root_bus, 0, NVIDIA, 0x1F08, CLASS_VGA, driver, TU106_BARS),
         _below(root_bus, 1, NVIDIA, 0x10F9, CLASS_AUDIO, audio_driver or driver),
         _below(root_bus, 2, NVIDIA, 0x1ADA, CLASS_USB_XHCI, driver),
         _below(root_bus, 3, NVIDIA, 0x1ADB, CLASS_SERIAL_BUS, driver),
@@ -163,7 +213,7 @@ cases, small enough for fast trees."""
 def l40s_sriov(root_bus: int) -> tuple[Function, ...]:
     """An L40S on ``nvidia`` below the root port on ``root_bus``, and its first VFs (``…:00.4`` on)."""
     _, group = _STACKS[root_bus]
-    pf = _below(root_bus, 0, NVIDIA, L40S, CLASS_3D, "nvidia")
+    pf = _below(root_bus, 0, NVIDIA, L40S, CLASS_3D, "nvidia", L40S_BARS)
     return (root_port(root_bus), pf, *sriov_vfs(pf, L40S_FIXTURE_VFS, group + 3))
 
 
@@ -196,4 +246,16 @@ SRIOV_VGPU_NODE = Node(
 """SR-IOV vGPUs: ``nvidia.com/NVIDIA_L40S-1Q`` x2 (``0000:3b:00.4``, ``0000:3b:00.5``) and
 ``nvidia.com/NVIDIA_L40S-1B`` x1 (``0000:d8:00.4``); the PFs and free VFs are not offered."""
 
-NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE, SRIOV_VGPU_NODE)}
+A100_NODE = Node(
+    name="gpu-a100-01",
+    functions=(
+        root_port(0x3A),
+        _below(0x3A, 0, NVIDIA, A100_80GB_PCIE, CLASS_3D, "vfio-pci", A100_80GB_BARS),
+        root_port(0xD7),
+        _below(0xD7, 0, NVIDIA, A100_80GB_PCIE, CLASS_3D, "vfio-pci", A100_80GB_BARS),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""Large BARs: ``nvidia.com/GA100_A100_PCIE_80GB`` x2 (``0000:3b:00.0`` on NUMA 0, ``0000:d8:00.0`` on NUMA 1)."""
+
+NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE, SRIOV_VGPU_NODE, A100_NODE)}

@@ -14,11 +14,33 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from runtime.node import VFIO_DRIVERS
 from schemas.pci import PciAddress
 
 _VFIO_CDEV_MAJOR = 236  # dynamic; a typical value
+
+# The ``flags`` column the kernel writes in ``resource`` for each kind of BAR (include/linux/ioport.h: MEM 0x200,
+# PREFETCH 0x2000, SIZEALIGN 0x40000, MEM_64 0x100000, IO 0x100; the low bits are the BAR's own type bits),
+# as read on real hosts.
+BAR_MEM32 = 0x00040200
+BAR_MEM32_PREFETCH = 0x00042208
+BAR_MEM64 = 0x00140204
+BAR_MEM64_PREFETCH = 0x0014220C
+BAR_IO = 0x00040101
+_RESOURCE_LINES_ENDPOINT = 13
+"""Lines of ``resource`` for an endpoint: BARs 0-5, the ROM, six SR-IOV BARs (``PCI_BRIDGE_RESOURCES``)."""
+_RESOURCE_LINES_BRIDGE = 17
+"""For a bridge, four window lines more (``DEVICE_COUNT_RESOURCE``)."""
+
+
+class BarSpec(NamedTuple):
+    """One implemented BAR of a :class:`Function`: its number (0-5), size in bytes and flags (``BAR_*``)."""
+
+    number: int
+    size: int
+    flags: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +61,8 @@ class Function:
     vfio_dev: int | None = None
     """N of the iommufd cdev (``vfio-dev/vfioN``, ``/dev/vfio/devices/vfioN``) when on a VFIO driver; with
     :attr:`Node.iommufd` and None, a number is picked."""
+    bars: tuple[BarSpec, ...] = ()
+    """The implemented BARs, written to ``resource`` (every function gets that file; without BARs, all zeros)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +243,7 @@ def _write_function(function: Function, path: Path, sys: Path, vfio_groups: set[
         _link(path / "driver", driver_dir)
         _link(driver_dir / function.address, path)
     _write(path / "uevent", _uevent(event))
+    _write(path / "resource", resource_text(function))
     _link(path / "subsystem", sys / "bus" / "pci")
     _link(sys / "bus" / "pci" / "devices" / function.address, path)
     if function.iommu_group is not None:
@@ -228,6 +253,31 @@ def _write_function(function: Function, path: Path, sys: Path, vfio_groups: set[
         _write(group_dir / "type", "DMA\n")
         if function.driver in VFIO_DRIVERS:
             vfio_groups.add(function.iommu_group)
+
+
+def resource_text(function: Function) -> str:
+    """``resource`` as the kernel prints it: ``0x<start> 0x<end> 0x<flags>`` per line, zeros for what is not
+    implemented. Each BAR gets a naturally aligned address in a region of its own function (32-bit BARs below
+    4 GiB, 64-bit ones above), largest first, as firmware packs them."""
+    address = PciAddress.parse(function.address)
+    ordinal = address.bus << 8 | address.slot << 3 | address.function
+    bases = {False: 0x8000_0000 + (ordinal % 32) * (64 << 20), True: (0x20 + ordinal) << 40}
+    starts: dict[int, int] = {}
+    for bar in sorted(function.bars, key=lambda bar: bar.size, reverse=True):
+        if not 0 <= bar.number < 6 or bar.size <= 0 or bar.size & (bar.size - 1):
+            raise ValueError(f"{function.address}: BAR{bar.number} of {bar.size} bytes is not a BAR")
+        wide = bool(bar.flags & 0x00100000)
+        start = -(-bases[wide] // bar.size) * bar.size
+        starts[bar.number] = start
+        bases[wide] = start + bar.size
+    by_index = {bar.number: bar for bar in function.bars}
+    count = _RESOURCE_LINES_BRIDGE if function.pci_class >> 8 == 0x0604 else _RESOURCE_LINES_ENDPOINT
+    lines = []
+    for index in range(count):
+        found = by_index.get(index)
+        start, end, flags = (starts[index], starts[index] + found.size - 1, found.flags) if found else (0, 0, 0)
+        lines.append(f"0x{start:016x} 0x{end:016x} 0x{flags:016x}\n")
+    return "".join(lines)
 
 
 def _write_mdev_type(mdev_type: MdevType, parent_dir: Path) -> None:

@@ -75,6 +75,19 @@ def test_node01_seed_vm_gets_two_gpus_into_qemus_argv() -> None:
     assert "not offered: 0000:d8:00.0" in done.stderr  # the T4 left on nvidia
     assert "kubelet sees capacity 4, allocatable 4" in done.stderr
     assert '"driver":"vfio-pci"' in done.stderr
+    assert "  mmio64: not an OVMF (x86 EFI) guest: nothing written" in done.stderr
+
+
+@pytest.mark.libvirt
+def test_a100_node_efi_vm_gets_the_64bit_window_its_bar_needs() -> None:
+    done = simulate("--node", "a100", "--check")
+    assert done.returncode == 0, done.stderr
+    assert list(hostdevs(done.stdout).values()) == ["0000:3b:00.0"]
+    assert (
+        "  mmio64: 0000:3b:00.0 BAR1 128 GiB, BAR3 32 MiB: 64-bit BARs span 131104 MiB, window 256 GiB → "
+        "opt/ovmf/X-PciMmio64Mb=262144 (EFI guest, loader /usr/share/OVMF/OVMF_CODE.fd)"
+    ) in done.stderr
+    assert '<qemu:arg value="name=opt/ovmf/X-PciMmio64Mb,string=262144"></qemu:arg>' in done.stdout
 
 
 @pytest.mark.libvirt
@@ -108,7 +121,10 @@ def test_a_directory_node_and_a_custom_vmi(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--node", "nowhere"], "error: --node 'nowhere' is neither node01, vgpu, mixed, sriov-vgpu nor a directory"),
+        (
+            ["--node", "nowhere"],
+            "error: --node 'nowhere' is neither node01, vgpu, mixed, sriov-vgpu, a100 nor a directory",
+        ),
         (
             ["--node", "mixed"],
             "error: the VMI asks for 2 nvidia.com/TU106_GEFORCE_RTX_2060_REV__A, but the node offers",

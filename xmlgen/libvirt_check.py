@@ -242,6 +242,21 @@ def qemu_vfio_devices(domain_xml: str, uri: str | None = None, timeout: float | 
 
     ``uri`` defaults to :func:`qemu_uri`, ``timeout`` (per call) to :func:`libvirt_timeout`.
     """
+    argv = qemu_argv(domain_xml, uri, timeout)
+    devices = [json.loads(match) for match in _DEVICE_ARG.findall(argv)]
+    return [device for device in devices if device.get("driver") in ("vfio-pci", "vfio-pci-nohotplug")]
+
+
+def qemu_argv_for_host(domain_xml: bytes) -> str:
+    """The QEMU command line for ``domain_xml`` as prepared for this host (hostdevs name the vfio driver; TCG
+    without /dev/kvm), from libvirt's QEMU driver (``domxml-to-native``)."""
+    root = parse_domain(domain_xml, DEFAULT_MAX_INPUT_BYTES).root
+    return qemu_argv(etree.tostring(_with_vfio_driver(root), encoding="unicode"))
+
+
+def qemu_argv(domain_xml: str, uri: str | None = None, timeout: float | None = None) -> str:
+    """The whole QEMU command line libvirt's QEMU driver would run for ``domain_xml`` (``domxml-to-native``);
+    LibvirtRejected with libvirt's reason when it refuses the domain."""
     libvirt = _libvirt()
     uri = uri or qemu_uri()
     try:
@@ -258,8 +273,7 @@ def qemu_vfio_devices(domain_xml: str, uri: str | None = None, timeout: float | 
         call_with_deadline("close", uri, connection.close, timeout=timeout)
         raise LibvirtRejected(f"libvirt's QEMU driver refused the domain: {exc}") from None
     call_with_deadline("close", uri, connection.close, timeout=timeout)
-    devices = [json.loads(match) for match in _DEVICE_ARG.findall(argv)]
-    return [device for device in devices if device.get("driver") in ("vfio-pci", "vfio-pci-nohotplug")]
+    return str(argv)
 
 
 def qemu_sources(report: LibvirtReport) -> dict[str, str]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
+from launcher_hook.cli import PCI_MMIO64_CHOICES, bar_source
+from runtime.pci_bars import DEFAULT_SYSFS_ROOT
 from schemas.companions import is_companions_variable
 from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
 
@@ -41,6 +44,21 @@ from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_std
     help="Alias every GPU ua-gpuN, also those virt-launcher rendered as ua-gpu-<name> (KubeVirt's lookups by "
     "alias then miss them).",
 )
+@click.option(
+    "--pci-mmio64",
+    type=click.Choice(PCI_MMIO64_CHOICES),
+    default="auto",
+    show_default=True,
+    help="auto: an EFI domain whose devices' 64-bit BARs need more than OVMF's default window gets "
+    "-fw_cfg name=opt/ovmf/X-PciMmio64Mb (sizes read under --sysfs-root); off: never.",
+)
+@click.option(
+    "--sysfs-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_SYSFS_ROOT,
+    show_default=True,
+    help="Where BAR sizes are read: <root>/bus/pci/devices/<address>/resource (a fixture tree's sys/).",
+)
 @max_input_bytes_option
 @user_errors
 def render(
@@ -50,6 +68,8 @@ def render(
     managed: str,
     driver: str | None,
     force_gpu_aliases: bool,
+    pci_mmio64: str,
+    sysfs_root: Path,
     max_input_bytes: int,
 ) -> None:
     """Render the allocated GPUs as libvirt <hostdev> elements into a domain; the result goes to stdout."""
@@ -64,7 +84,11 @@ def render(
     domain = read_input(domain_path, "domain XML", max_input_bytes) if domain_path else None
     vmi = read_input(vmi_path, "VMI JSON", max_input_bytes) if vmi_path else None
     options = BuildOptions(
-        managed=managed == "yes", driver=driver, max_input_bytes=max_input_bytes, force_gpu_aliases=force_gpu_aliases
+        managed=managed == "yes",
+        driver=driver,
+        max_input_bytes=max_input_bytes,
+        force_gpu_aliases=force_gpu_aliases,
+        bars=bar_source(pci_mmio64, sysfs_root),
     )
     result = build_domain(domain, vmi, env, options)
     for warning in result.warnings:

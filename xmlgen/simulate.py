@@ -26,8 +26,10 @@ from typing import Literal
 
 import grpc
 
+from launcher_hook.builder import BuildOptions
 from launcher_hook.companions import slot_account
 from launcher_hook.domain import hostdev_source_key, parse_domain
+from launcher_hook.mmio_window import WindowOutcome, explicit_window, guest_firmware, plan_window
 from launcher_hook.server import PLUGINS_VERSION, HookServer
 from launcher_hook.service import HookService
 from launcher_hook.sources import ProcessEnvSource
@@ -36,13 +38,15 @@ from plugin.inventory import Device, Inventory
 from plugin.manager import PluginManager
 from plugin.sysfs import discover_node
 from runtime.hook_api import HOOK_API_VERSIONS
+from runtime.pci_bars import SysfsBars
 from schemas import InputError
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc
 from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins_pb2
 from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2_grpc as plugins_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from schemas.pci import PciAddress
 from schemas.vmi import VirtualMachineInstance, parse_vmi
-from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE
+from simkit.fixture_nodes import A100_NODE, MIXED_NODE, NODE01, SRIOV_VGPU_NODE, VGPU_NODE
 from simkit.kubelet_standin import KubeletStandIn, StandInError
 from simkit.sysfs_fixture import Node, build
 from xmlgen.node_prep import node_preparation
@@ -52,9 +56,16 @@ BUNDLED_NODES: Mapping[str, Node] = {
     "vgpu": VGPU_NODE,
     "mixed": MIXED_NODE,
     "sriov-vgpu": SRIOV_VGPU_NODE,
+    "a100": A100_NODE,
 }
-"""The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node, an SR-IOV vGPU node)."""
-_DEFAULT_VMIS = {"vgpu": ("vgpu-node", "vmi.json"), "sriov-vgpu": ("sriov-vgpu", "vmi.json")}
+"""The fixture nodes ``--node`` knows by name (the seed's node01, a vGPU node, a mixed node, an SR-IOV vGPU node,
+a node of large-BAR A100s)."""
+_DEFAULT_VMIS = {
+    "vgpu": ("vgpu-node", "vmi.json"),
+    "sriov-vgpu": ("sriov-vgpu", "vmi.json"),
+    "a100": ("a100-efi", "vmi.json"),
+}
+_DEFAULT_DOMAINS = {"a100": ("a100-efi", "domain.xml")}
 _NEWEST_FIRST = tuple(reversed(HOOK_API_VERSIONS))
 _WAIT_SECONDS = 10.0
 
@@ -68,6 +79,11 @@ def default_vmi(node: str) -> bytes:
     """The VMI simulated on a node when none is given: the seed's two-GPU VM, a vGPU desktop, or a VM with one
     vGPU of each type of the SR-IOV vGPU node."""
     return example(*_DEFAULT_VMIS.get(node, ("seed-node01", "vmi.json")))
+
+
+def default_domain(node: str) -> bytes:
+    """The domain virt-launcher would render when none is given: the seed's, or an EFI one on the A100 node."""
+    return example(*_DEFAULT_DOMAINS.get(node, ("seed-node01", "domain.xml")))
 
 
 @dataclass
@@ -265,7 +281,8 @@ def simulate(
             log("4. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar (KubeVirt plugin API)")
         else:
             log("4. hook sidecar: OnDefineDomain as virt-launcher calls it")
-        hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource(env)), api=hook_api)
+        bars = SysfsBars(host_root / "sys")
+        hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource(env), BuildOptions(bars=bars)), api=hook_api)
         hook.start()
         stack.callback(hook.stop)
         call = _call_plugin if hook_api == "plugins" else _call_hook
@@ -280,4 +297,21 @@ def simulate(
             log("  GPUs with their companion functions, one guest slot each (guest function: host device):")
             for line in slots:
                 log(f"    {line}")
+        log(f"  mmio64: {_window_account(domain_xml, domain, bars).describe()}")
         return SimulationResult(domain, allocations, version)
+
+
+def _window_account(before: bytes, after: bytes, bars: SysfsBars) -> WindowOutcome:
+    """What the hook decided about the guest's 64-bit PCI window, told from the domains before and after."""
+    root = parse_domain(after, DEFAULT_MAX_INPUT_BYTES).root
+    outcome = WindowOutcome(guest_firmware(root))
+    keys = (hostdev_source_key(hostdev) for hostdev in root.iterfind("devices/hostdev"))
+    addresses = [PciAddress.parse(key[1]) for key in keys if key is not None and key[0] == "pci"]
+    if outcome.firmware is None or not addresses:
+        return outcome
+    outcome.plan = plan_window(bars.read_all(addresses))
+    outcome.explicit = explicit_window(parse_domain(before, DEFAULT_MAX_INPUT_BYTES).root)
+    written = explicit_window(root)
+    if outcome.explicit is None and written is not None:
+        outcome.written_mib = written.mib
+    return outcome

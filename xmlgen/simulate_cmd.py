@@ -9,7 +9,7 @@ import click
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from xmlgen.io import fail, read_input, user_errors, write_stdout
 from xmlgen.libvirt_check import LibvirtRejected, LibvirtTimeout, LibvirtUnavailable, check_domain, qemu_sources
-from xmlgen.simulate import BUNDLED_NODES, default_vmi, example, simulate
+from xmlgen.simulate import BUNDLED_NODES, default_domain, default_vmi, simulate
 
 
 def _log(line: str) -> None:
@@ -23,20 +23,21 @@ def _log(line: str) -> None:
     show_default=True,
     metavar="|".join([*BUNDLED_NODES, "DIR"]),
     help="A bundled fixture node (node01: the seed's four TU106; vgpu: a T4 with GRID T4-1Q/2Q mdevs; mixed; "
-    "sriov-vgpu: two L40S with NVIDIA L40S-1Q/1B vGPUs on SR-IOV VFs) "
+    "sriov-vgpu: two L40S with NVIDIA L40S-1Q/1B vGPUs on SR-IOV VFs; a100: two A100 80GB, 128 GiB BAR1 each) "
     "or a directory holding a node's sys/ and dev/ tree.",
 )
 @click.option(
     "--vmi",
     "vmi_path",
     metavar="FILE|-",
-    help="VMI JSON. Default: the seed's two-GPU VM (vgpu: a vGPU desktop; sriov-vgpu: one 1Q and one 1B).",
+    help="VMI JSON. Default: the seed's two-GPU VM (vgpu: a vGPU desktop; sriov-vgpu: one 1Q and one 1B; a100: an "
+    "EFI VM with one A100).",
 )
 @click.option(
     "--domain",
     "domain_path",
     metavar="FILE|-",
-    help="Domain XML as virt-launcher renders it. Default: the bundled one.",
+    help="Domain XML as virt-launcher renders it. Default: the bundled one (a100: an EFI domain).",
 )
 @click.option(
     "--check", is_flag=True, help="Check the result with libvirt; print QEMU's vfio -device lines where libvirtd runs."
@@ -57,11 +58,7 @@ def simulate_command(
     would, and call the hook like virt-launcher. The final domain XML goes to stdout, the account of each
     step to stderr."""
     vmi = read_input(vmi_path, "VMI JSON", DEFAULT_MAX_INPUT_BYTES) if vmi_path else default_vmi(node)
-    domain = (
-        read_input(domain_path, "domain XML", DEFAULT_MAX_INPUT_BYTES)
-        if domain_path
-        else example("seed-node01", "domain.xml")
-    )
+    domain = read_input(domain_path, "domain XML", DEFAULT_MAX_INPUT_BYTES) if domain_path else default_domain(node)
     result = simulate(node, vmi, domain, _log, hook_api=hook_api)
     if check:
         try:
