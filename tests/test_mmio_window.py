@@ -391,3 +391,16 @@ def test_xmlgen_render_takes_the_sysfs_root(tmp_path: Path) -> None:
     assert 'name=opt/ovmf/X-PciMmio64Mb,string=524288"' in done.stdout
     off = CliRunner().invoke(cli, [*common, "--pci-mmio64", "off"])
     assert off.exit_code == 0 and "X-PciMmio64Mb" not in off.stdout
+
+
+def test_companions_count_with_their_gpu_and_the_window_is_written_after_their_slot() -> None:
+    """A card's companion functions are PCI functions the guest maps too: their BARs are read with the GPU's
+    (the window is decided after the companions are placed, over every function the hook passes)."""
+    companion = "0000:3b:00.1"
+    bars = Bars(device(FIRST, *A100_80GB), device(companion, *A100_80GB))
+    allocation = {A100_VAR: FIRST, "PCI_COMPANIONS_NVIDIA_COM_GA100_A100_PCIE_80GB": f"{FIRST}={companion}"}
+    result = build_domain(EFI_DOMAIN, None, allocation, BuildOptions(bars=bars))
+    assert bars.asked == [PciAddress.parse(FIRST), PciAddress.parse(companion)]
+    assert [placement.gpu_alias for placement in result.placements] == ["ua-gpu0"]
+    assert result.mmio is not None and result.mmio.written_mib == 524288  # two 128 GiB BARs need 512 GiB
+    assert b"ua-gpu0-fn1" in result.domain_xml and b"string=524288" in result.domain_xml
