@@ -24,7 +24,7 @@ Applied to its own output it changes nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lxml import etree
@@ -349,16 +349,17 @@ def place_companions(
     aliases = {alias.get("name") for alias in parsed.root.iter("alias")}
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
+    joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     for index, spec, functions in wanted:
         found = by_source.get(("pci", spec.source_text))
         if not found:
             continue  # (the merge wrote one for every spec)
         hostdev = found[0]
-        placeable = [c for c in functions if c.function != 0 and ("pci", str(c)) not in by_source]
+        placeable = [c for c in functions if c.function != 0 and ("pci", str(c)) not in by_source and c not in joined]
         if not placeable and next(hostdev.iterchildren("address"), None) is None:
             # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
             for companion in functions:
-                problem = _companion_problem(companion, (-1, -1, -1), domain, by_source)
+                problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
                 warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
             continue
         where = _slot_for(spec, hostdev, domain, edits, warnings)
@@ -369,7 +370,7 @@ def place_companions(
         texts: list[str] = []
         placed: list[int] = []
         for companion in functions:
-            problem = _companion_problem(companion, slot, domain, by_source)
+            problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
                 placed.append(companion.function)
                 continue
@@ -395,6 +396,7 @@ def place_companions(
             texts.append(_before_alias(render_hostdev(companion_spec, layout), address))
             domain.used[(*slot, companion.function)] = hostdev
             added.append(companion_spec)
+            joined[companion] = spec.label
             placed.append(companion.function)
         if texts:
             edits.add_after(hostdev, texts, layout.indent)
@@ -469,10 +471,14 @@ def _companion_problem(
     slot: tuple[int, int, int],
     domain: _Domain,
     by_source: dict[tuple[str, str], list[etree._Element]],
+    joined: Mapping[PciAddress, str],
 ) -> str | None:
-    """Why ``companion`` cannot go to ``slot`` (``"there"``: it already is), or None when it can."""
+    """Why ``companion`` cannot go to ``slot`` (``"there"``: it already is), or None when it can; ``joined``:
+    the companions this run placed already, with the GPU each joined."""
     if companion.function == 0:
         return "it is function 0, which the GPU takes in its guest slot"
+    if companion in joined:
+        return f"it is a companion of {joined[companion]} too, and joined that GPU's guest slot"
     existing = by_source.get(("pci", str(companion)))
     if existing:
         guest = next(existing[0].iterchildren("address"), None)

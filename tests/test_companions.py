@@ -267,3 +267,21 @@ def test_a_gpu_none_of_whose_companions_can_join_is_left_as_it_was() -> None:
     ports = [c.get("index") for c in root.iterfind("devices/controller") if c.get("model") == "pcie-root-port"]
     assert ports == ["1"]  # the first GPU's only: the second keeps KubeVirt's placement (none)
     assert [placement.gpu for placement in result.placements] == ["0000:86:00.0"]
+
+
+@pytest.mark.libvirt
+def test_a_companion_listed_for_two_gpus_is_passed_once() -> None:
+    env = {
+        f"PCI_RESOURCE_{TU106}": "0000:86:00.0,0000:86:00.1",
+        f"PCI_COMPANIONS_{TU106}": "0000:86:00.0=0000:86:00.2,0000:86:00.1=0000:86:00.2+0000:86:00.3",
+    }
+    result = build_domain(_seed_domain(), _vmi(), env)
+    assert result.domain_xml.count(b'bus="0x86" slot="0x00" function="0x2"') == 1
+    assert any(
+        "companion 0000:86:00.2 is not placed" in warning and "joined that GPU's guest slot" in warning
+        for warning in result.warnings
+    )
+    devices = _qemu_devices(result.domain_xml, result.aliases)
+    assert (devices["ua-gpu0-fn2"]["bus"], devices["ua-gpu0-fn2"]["addr"]) == ("pci.1", "0x0.0x2")
+    assert (devices["ua-gpu1-fn3"]["bus"], devices["ua-gpu1-fn3"]["addr"]) == ("pci.2", "0x0.0x3")
+    assert build_domain(result.domain_xml, _vmi(), env).domain_xml == result.domain_xml
