@@ -420,6 +420,14 @@ def _slot_for(
                 "share the GPU's slot only when the GPU is function 0 of a PCI address"
             )
             return None
+        if numbers[:3] == (0, 0, 0):
+            # libvirt reads an address of domain, bus and slot 0 as "none given" and assigns one (its
+            # virPCIDeviceAddressIsEmpty): companions given "slot 0, function N" would each land elsewhere.
+            warnings.append(
+                f"{spec.label}: its guest address is 0000:00:00.0, which libvirt reads as 'assign one'; it is kept "
+                "and the companions are left out (they cannot be given the slot libvirt will choose)"
+            )
+            return None
         switch = guest.get("multifunction")
         if switch == "off":
             warnings.append(

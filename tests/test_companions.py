@@ -269,6 +269,20 @@ def test_a_gpu_none_of_whose_companions_can_join_is_left_as_it_was() -> None:
     assert [placement.gpu for placement in result.placements] == ["0000:86:00.0"]
 
 
+def test_a_gpu_whose_guest_address_is_all_zero_gets_no_companions_at_slot_0() -> None:
+    """libvirt reads domain, bus and slot 0 as "assign one": companions at 0000:00:00.N would each land elsewhere."""
+    zero = (
+        '<hostdev type="pci" managed="no" mode="subsystem"><source><address type="pci" domain="0x0000" bus="0x86" '
+        'slot="0x00" function="0x0"></address></source><address type="pci" domain="0x0000" bus="0x00" slot="0x00" '
+        'function="0x0"></address><alias name="ua-gpu-gpu0"></alias></hostdev>'
+    )
+    result = build_domain(_with_hostdev(zero), _vmi(), ENV)
+    assert any("0000:00:00.0" in warning and "assign one" in warning for warning in result.warnings)
+    assert b"ua-gpu0-fn1" not in result.domain_xml and b'bus="0x00" slot="0x00" function="0x1"' not in result.domain_xml
+    assert b"ua-gpu1-fn1" in result.domain_xml  # the other GPU still gets its companion
+    assert [placement.gpu for placement in result.placements] == ["0000:af:00.0"]
+
+
 @pytest.mark.libvirt
 def test_a_companion_listed_for_two_gpus_is_passed_once() -> None:
     env = {
