@@ -101,8 +101,11 @@ def build_domain(
     spliced = merge_hostdevs(parsed, specs, existing)
     domain, hostdevs, warnings = spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings
     placements: list[Placement] = []
+    # The passes below re-read the hook's own output, which may outgrow the input cap by the hostdevs added:
+    # a domain within the cap must not be refused for them.
+    own_cap = max(options.max_input_bytes, len(domain))
     if companions and allocation.companions:
-        placed = place_companions(domain, hostdevs, allocation, options.max_input_bytes)
+        placed = place_companions(domain, hostdevs, allocation, own_cap)
         domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements
         warnings += placed.warnings
     mmio = None
@@ -110,6 +113,6 @@ def build_domain(
         # Every PCI function the hook passes counts: GPUs, SR-IOV VFs, companions. Companions change only
         # <devices>, so the window's text insertion (outside <devices>) still reads ``parsed``'s layout.
         pci = [spec.source for spec in hostdevs if isinstance(spec.source, PciAddress)]
-        domain, mmio = add_window(parsed, domain, pci, options.bars, options.max_input_bytes)
+        domain, mmio = add_window(parsed, domain, pci, options.bars, max(own_cap, len(domain)))
         warnings += mmio.warnings
     return BuildResult(domain, hostdevs, warnings, vmi, placements, mmio)

@@ -299,3 +299,12 @@ def test_a_companion_listed_for_two_gpus_is_passed_once() -> None:
     assert (devices["ua-gpu0-fn2"]["bus"], devices["ua-gpu0-fn2"]["addr"]) == ("pci.1", "0x0.0x2")
     assert (devices["ua-gpu1-fn3"]["bus"], devices["ua-gpu1-fn3"]["addr"]) == ("pci.2", "0x0.0x3")
     assert build_domain(result.domain_xml, _vmi(), env).domain_xml == result.domain_xml
+
+
+def test_a_domain_within_the_cap_is_not_refused_for_the_hostdevs_the_hook_adds() -> None:
+    """The companion pass re-reads the merge's output, which is larger than the input by the GPUs' hostdevs."""
+    domain = _seed_domain()
+    options = BuildOptions(max_input_bytes=len(domain))
+    result = build_domain(domain, _vmi(), ENV, options)
+    assert len(result.domain_xml) > len(domain) and b"ua-gpu0-fn3" in result.domain_xml
+    assert result.domain_xml == build_domain(domain, _vmi(), ENV).domain_xml

@@ -404,3 +404,11 @@ def test_companions_count_with_their_gpu_and_the_window_is_written_after_their_s
     assert [placement.gpu_alias for placement in result.placements] == ["ua-gpu0"]
     assert result.mmio is not None and result.mmio.written_mib == 524288  # two 128 GiB BARs need 512 GiB
     assert b"ua-gpu0-fn1" in result.domain_xml and b"string=524288" in result.domain_xml
+
+
+def test_a_domain_within_the_cap_gets_its_window_by_the_tree_edit_too() -> None:
+    """The tree edit re-reads the hook's output (the GPU's hostdev added), which may outgrow the input cap."""
+    domain = EFI_DOMAIN.replace(b"<devices>", b"<!-- the VM's devices --><devices>", 1)
+    capped = build_domain(domain, None, env(FIRST), BuildOptions(bars=a100s(FIRST), max_input_bytes=len(domain)))
+    assert capped.domain_xml == build_domain(domain, None, env(FIRST), BuildOptions(bars=a100s(FIRST))).domain_xml
+    assert b"string=262144" in capped.domain_xml and b"<!-- the VM's devices -->" in capped.domain_xml
