@@ -164,8 +164,11 @@ class _Domain:
             if owner is None or owner.tag == "source" or address.get("type") != "pci":
                 continue
             numbers = _guest_numbers(address)
-            if numbers is not None and numbers[1:3] != (0, 0):  # bus 0 slot 0: "assign one" to libvirt
+            if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
                 self.used.setdefault(numbers, owner)
+        # An address on bus N makes libvirt add the controllers up to index N that the domain lacks: a new
+        # root port's index (its bus) must be above those too, or its slot 0 may be that address.
+        self.next_index = max([self.next_index, *(key[1] + 1 for key in self.used)])
 
     def slot_taken(self, domain: int, bus: int, slot: int) -> bool:
         return any(key[:3] == (domain, bus, slot) for key in self.used)

@@ -308,3 +308,20 @@ def test_a_domain_within_the_cap_is_not_refused_for_the_hostdevs_the_hook_adds()
     result = build_domain(domain, _vmi(), ENV, options)
     assert len(result.domain_xml) > len(domain) and b"ua-gpu0-fn3" in result.domain_xml
     assert result.domain_xml == build_domain(domain, _vmi(), ENV).domain_xml
+
+
+@pytest.mark.libvirt
+def test_a_new_root_port_takes_an_index_above_every_bus_an_address_names() -> None:
+    """A VMI interface's pciAddress gives it a guest address on a bus the domain declares no controller for
+    (libvirt adds it): the hook's root port must not be that bus, or its slot 0 is used twice."""
+    domain = _seed_domain().replace(
+        b'<alias name="ua-default"></alias>',
+        b'<address type="pci" domain="0x0000" bus="0x01" slot="0x00" function="0x0"></address>'
+        b'<alias name="ua-default"></alias>',
+    )
+    result = build_domain(domain, _vmi(), ENV)
+    root = parse_domain(result.domain_xml, DEFAULT_MAX_INPUT_BYTES).root
+    ports = [c.get("index") for c in root.iterfind("devices/controller") if c.get("model") == "pcie-root-port"]
+    assert ports == ["2", "3"]
+    devices = _qemu_devices(result.domain_xml, result.aliases)
+    assert (devices["ua-gpu0"]["bus"], devices["ua-gpu0-fn1"]["addr"]) == ("pci.2", "0x0.0x1")
