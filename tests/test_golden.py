@@ -1,8 +1,9 @@
 """Golden in/out cases: KubeVirt-shaped domain + VMI + allocation env → the exact domain we write.
 
 Each case folder holds ``domain.xml``, ``env`` (KEY=VALUE), optionally ``vmi.json``, ``options.json`` and
-``dra/`` (the KEP 5304 metadata tree the DRA entries' devices are read from, docs/dra.md), and ``expected.xml``. ``pytest tests/test_golden.py --regen-golden`` rewrites ``expected.xml``; every
-expected document is also checked by real libvirt (RNG schema, test driver, QEMU argv for PCI).
+``dra/`` (the KEP 5304 metadata tree the DRA entries' devices are read from, docs/dra.md), and
+``expected.xml``. ``pytest tests/test_golden.py --regen-golden`` rewrites ``expected.xml``; every expected
+document is also checked by real libvirt (RNG schema, test driver, QEMU argv for PCI).
 """
 
 from __future__ import annotations
