@@ -64,17 +64,12 @@ class ConfinedRoot:
                         current = -1
                         current = self._walk(root_fd, resolved, shown)
                     continue
-                try:
-                    info = os.lstat(part, dir_fd=current)
-                except FileNotFoundError:
-                    raise NotInRoot(f"{shown} does not exist") from None
-                except OSError as exc:
-                    raise InputError(f"{shown} cannot be read: {exc.strerror or exc}") from None
+                info = self._lstat(current, part, shown)
                 if stat.S_ISLNK(info.st_mode):
                     links += 1
                     if links > MAX_LINKS:
                         raise InputError(f"{shown}: more than {MAX_LINKS} symbolic links on the way")
-                    target = os.readlink(part, dir_fd=current)
+                    target = self._readlink(current, part, shown)
                     if target.startswith("/"):
                         resolved = []
                         os.close(current)
@@ -97,6 +92,22 @@ class ConfinedRoot:
             raise
         finally:
             os.close(root_fd)
+
+    @staticmethod
+    def _lstat(current: int, part: str, shown: str) -> os.stat_result:
+        try:
+            return os.lstat(part, dir_fd=current)
+        except FileNotFoundError:
+            raise NotInRoot(f"{shown} does not exist") from None
+        except OSError as exc:
+            raise InputError(f"{shown} cannot be read: {exc.strerror or exc}") from None
+
+    @staticmethod
+    def _readlink(current: int, part: str, shown: str) -> str:
+        try:
+            return os.readlink(part, dir_fd=current)
+        except OSError as exc:
+            raise InputError(f"{shown} cannot be read at {part!r}: {exc.strerror or exc}") from None
 
     @staticmethod
     def _open_dir(current: int, part: str, shown: str) -> int:
