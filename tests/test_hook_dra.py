@@ -279,3 +279,16 @@ def test_the_shim_takes_the_metadata_root_from_its_env_variable(tmp_path: Path) 
     )
     assert done.returncode == 0, done.stderr.decode()
     assert b'<alias name="ua-gpu0">' in done.stdout
+
+
+def test_a_fifo_or_a_crowded_directory_in_place_of_the_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    path = Path(metadata_path(tmp_path, "claim", "rc", "req", "example.com"))
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    with pytest.raises(InputError, match="is a FIFO, not a regular file"):
+        build(tmp_path, vmi_doc(ONE))
+    path.unlink()
+    for index in range(65):
+        (path.parent / f"f{index}").write_bytes(b"")
+    with pytest.raises(InputError, match="has more than 64 entries"):
+        build(tmp_path, vmi_doc(ONE))
