@@ -140,6 +140,15 @@ def metadata_path(
     return request_dir(root, source, claim_dir_name, request) / f"{driver}{FILE_SUFFIX}"
 
 
+def claim_directory(claim_name: str, pod_claim_name: str | None) -> tuple[SourceKind, str]:
+    """Where a driver puts the files of the ResourceClaim ``claim_name``: a claim generated from a template
+    (its :data:`POD_CLAIM_NAME_ANNOTATION` is ``pod_claim_name``) under :data:`TEMPLATES_DIR` by that name, any
+    other under :data:`CLAIMS_DIR` by its own name. Pass the result to :func:`metadata_path`."""
+    if pod_claim_name:
+        return "template", pod_claim_name
+    return "claim", claim_name
+
+
 def _check_component(name: str, what: str) -> None:
     if not name or len(name) > MAX_NAME or "/" in name or "\0" in name or name in {".", ".."}:
         raise InputError(f"{what} {name[:80]!r} cannot be a path component (empty, '.', '..', '/', or too long)")
