@@ -2,8 +2,9 @@
 
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
 pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
-PCI window come from the reader in ``BuildOptions.bars``) and either returns a whole document or raises
-``InputError``; there is no partial result.
+PCI window come from the reader in ``BuildOptions.bars``, the companions of GPUs whose allocation source
+carries no companion variable from the one in ``BuildOptions.companion_reader``) and either returns a whole
+document or raises ``InputError``; there is no partial result.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher_hook.allocation import EnvAllocation, allocation_from_env
-from launcher_hook.companions import Placement, place_companions, wanted_companions
+from launcher_hook.companions import (
+    CompanionReader,
+    Placement,
+    place_companions,
+    wanted_companions,
+    with_read_companions,
+)
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
@@ -36,6 +43,10 @@ class BuildOptions:
     (KubeVirt's lookups by alias then miss them; each renamed one is a warning)."""
     bars: BarSource | None = None
     """Where PCI BAR sizes are read (sysfs); None: no 64-bit MMIO window is written (docs/large-bar.md)."""
+    companion_reader: CompanionReader | None = None
+    """Where passthrough GPUs' companions are read (sysfs) when the allocation has no companion variable for
+    their resource: set for sources that cannot carry one (PodResources, DRA). None: the variable only
+    (docs/kubevirt-hostdevs.md, "Companions")."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,8 @@ def build_domain(
     allocation = allocation_from_env(env)
     if parsed is None:
         specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation)
+        if companions and options.companion_reader is not None:
+            allocation = with_read_companions(specs, allocation, options.companion_reader, warnings)
         if companions and wanted_companions(specs, allocation, warnings):
             warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
@@ -104,6 +117,8 @@ def build_domain(
     # The passes below re-read the hook's own output, which may outgrow the input cap by the hostdevs added:
     # a domain within the cap must not be refused for them.
     own_cap = max(options.max_input_bytes, len(domain))
+    if companions and options.companion_reader is not None:
+        allocation = with_read_companions(hostdevs, allocation, options.companion_reader, warnings)
     if companions and allocation.companions:
         placed = place_companions(domain, hostdevs, allocation, own_cap)
         domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements

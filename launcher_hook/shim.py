@@ -26,6 +26,7 @@ from launcher_hook.builder import BuildOptions
 from launcher_hook.cli import (
     allocation_options,
     bar_source,
+    companion_reader,
     force_gpu_aliases_option,
     log_format_option,
     make_source,
@@ -61,7 +62,10 @@ def on_define_domain(
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).
         options = BuildOptions(
-            driver=driver, force_gpu_aliases=force_gpu_aliases, bars=bar_source(pci_mmio64, sysfs_root)
+            driver=driver,
+            force_gpu_aliases=force_gpu_aliases,
+            bars=bar_source(pci_mmio64, sysfs_root),
+            companion_reader=companion_reader(sysfs_root),
         )
         outcome = HookService(source, options).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"
