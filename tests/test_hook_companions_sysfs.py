@@ -345,3 +345,18 @@ def test_the_shim_with_podresources_reads_sysfs_too(directory: Path) -> None:
         )  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout == _env_path(root, vmi)
+
+
+def test_link_loops_end_in_a_named_error_or_no_companion(tmp_path: Path) -> None:
+    root = build(NODE01, tmp_path / "root")
+    audio = (root / "sys" / "bus" / "pci" / "devices" / "0000:86:00.1").resolve()
+    for name in ("iommu_group", "driver"):
+        (audio / name).unlink()
+        (audio / name).symlink_to(name)  # a link to itself: the kernel's ELOOP, never followed for good
+    reader = SysfsCompanions(root / "sys")
+    assert reader.read(_pci(GPUS[0])) == (_pci("0000:86:00.2"), _pci("0000:86:00.3"))
+    usb = root / "sys" / "bus" / "pci" / "devices" / "0000:86:00.2"
+    usb.unlink()
+    usb.symlink_to("0000:86:00.2")
+    with pytest.raises(InputError, match=r"PCI device 0000:86:00\.2: bus/pci/devices/0000:86:00\.2 .* not a directory"):
+        reader.read(_pci(GPUS[0]))
