@@ -2,8 +2,10 @@
 
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
 pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
-PCI window come from the reader in ``BuildOptions.bars``, DRA entries' devices from ``BuildOptions.claims``)
-and either returns a whole document or raises ``InputError``; there is no partial result.
+PCI window come from the reader in ``BuildOptions.bars``, DRA entries' devices from ``BuildOptions.claims``,
+the companions of GPUs whose allocation source carries no companion variable from the one in
+``BuildOptions.companion_reader``) and either returns a whole document or raises ``InputError``; there is no
+partial result.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from dataclasses import dataclass, field
 
 from launcher_hook.allocation import EnvAllocation, allocation_from_env
 from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey, dra_entries
-from launcher_hook.companions import Placement, place_companions, wanted_companions
+from launcher_hook.companions import (
+    CompanionReader,
+    Placement,
+    place_companions,
+    wanted_companions,
+    with_read_companions,
+)
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
@@ -40,6 +48,10 @@ class BuildOptions:
     claims: ClaimResolver | None = None
     """Where DRA entries' devices are read (KEP 5304 metadata files, docs/dra.md); None: DRA entries are left to
     virt-launcher with a warning."""
+    companion_reader: CompanionReader | None = None
+    """Where passthrough GPUs' companions are read (sysfs) when the allocation has no companion variable for
+    their resource: set for sources that cannot carry one (PodResources, DRA). None: the variable only
+    (docs/kubevirt-hostdevs.md, "Companions")."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,8 @@ def build_domain(
     claims = _read_claims(vmi, options)
     if parsed is None:
         specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation, claims=claims)
+        if companions and options.companion_reader is not None:
+            allocation = with_read_companions(specs, allocation, options.companion_reader, warnings)
         if companions and wanted_companions(specs, allocation, warnings):
             warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
@@ -119,6 +133,8 @@ def build_domain(
     # The passes below re-read the hook's own output, which may outgrow the input cap by the hostdevs added:
     # a domain within the cap must not be refused for them.
     own_cap = max(options.max_input_bytes, len(domain))
+    if companions and options.companion_reader is not None:
+        allocation = with_read_companions(hostdevs, allocation, options.companion_reader, warnings)
     if companions and allocation.companions:
         placed = place_companions(domain, hostdevs, allocation, own_cap)
         domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements

@@ -41,6 +41,7 @@ from runtime.cli_options import log_format_option as _log_format_option
 from runtime.env import hook_env
 from runtime.logs import configure_logging
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT, SysfsBars
+from runtime.pci_companions import SysfsCompanions
 from runtime.signals import stop_on_signals
 from runtime.sockets import SocketInUse
 from schemas.dra_metadata import DEFAULT_ROOT as DEFAULT_DRA_METADATA_ROOT
@@ -140,7 +141,9 @@ def mmio_window_options(function: F) -> F:
         default=DEFAULT_SYSFS_ROOT,
         show_default=True,
         envvar=hook_env("sysfs_root"),
-        help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource).",
+        help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource), "
+        "and, with --pod-resources-socket (which carries no companion variable), each passthrough GPU's "
+        "companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
     )(function)
     return click.option(
         "--pci-mmio64",
@@ -157,6 +160,12 @@ def mmio_window_options(function: F) -> F:
 def bar_source(pci_mmio64: str, sysfs_root: Path) -> SysfsBars | None:
     """The BAR reader the builder gets (None: ``--pci-mmio64 off``)."""
     return SysfsBars(sysfs_root) if pci_mmio64 == "auto" else None
+
+
+def companion_reader(sysfs_root: Path) -> SysfsCompanions:
+    """The companion reader the builder gets; the service uses it only with a source that carries no companion
+    variable (PodResources)."""
+    return SysfsCompanions(sysfs_root)
 
 
 log_format_option = _log_format_option(hook_env("log_format"))
@@ -244,6 +253,7 @@ def serve(
             force_gpu_aliases=force_gpu_aliases,
             bars=bar_source(pci_mmio64, sysfs_root),
             claims=claim_reader(dra_metadata_root),
+            companion_reader=companion_reader(sysfs_root),
         )
         sockets = {"hooks": (socket_path,), "plugins": (plugin_socket_path,), "both": (socket_path, plugin_socket_path)}
         _serve(api, sockets[api], socket_mode, pod_resources_socket, environ_file, container, options)

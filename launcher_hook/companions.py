@@ -15,6 +15,10 @@ module, run on the domain the merge produced, puts them in the GPU's guest slot 
   they are left out with a warning. Nothing KubeVirt placed moves; a companion already in the domain elsewhere
   stays where it is (warning).
 
+Where the allocation source carries no companion variable (PodResources; DRA claims later), the builder asks a
+:class:`CompanionReader` (``runtime.pci_companions.SysfsCompanions``) for each passthrough GPU's companions
+instead (:func:`with_read_companions`); a variable the allocation does carry wins.
+
 Every other byte stays: new elements are inserted next to the GPU's hostdev and the GPU's address (or the one
 attribute ``multifunction``) into its element, in the original bytes when positions are unambiguous (no
 comment, CDATA or PI), otherwise by editing the tree and serialising it as :mod:`launcher_hook.domain` does.
@@ -24,8 +28,10 @@ Applied to its own output it changes nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Protocol
 
 from lxml import etree
 
@@ -44,7 +50,7 @@ from launcher_hook.domain import (
 from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev
 from launcher_hook.hostdevs.base import c_number
 from schemas import InputError, PciAddress, ResourceKind
-from schemas.companions import companions_variable_for
+from schemas.companions import MAX_GPUS, companions_variable_for
 
 COMPANION_ALIAS = "ua-gpu%d-fn%d"
 """A companion's alias: the GPU's index in the hook's hostdev list and the function (never a KubeVirt alias,
@@ -96,6 +102,59 @@ class Companioned:
 
 
 Wanted = tuple[int, HostdevSpec, tuple[PciAddress, ...]]
+
+
+class CompanionReader(Protocol):
+    """Where a GPU's companions are read when the allocation does not list them (sysfs; a stand-in in tests)."""
+
+    def describe(self) -> str: ...
+
+    def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
+        """``gpu``'s companions (none for a device that is no passthrough GPU); ``gpus``: the VM's other PCI
+        devices, never companions. Raises ``InputError`` naming the device and the file."""
+        ...
+
+
+def with_read_companions(
+    specs: Sequence[HostdevSpec], allocation: EnvAllocation, reader: CompanionReader, warnings: list[str]
+) -> EnvAllocation:
+    """``allocation`` with the companions ``reader`` finds for each PCI device among ``specs`` whose resource
+    has no companion variable in it (a variable the allocation carries wins: the plugin saw the host at
+    ``Allocate``).
+
+    Read on every call, never kept: the reads are a few links per GPU, and a result kept across calls could
+    only go stale (the facts do not change during a pod's life in practice: the node agent binds the group
+    before the pod starts, and the group is in use while the VM runs). A device that cannot be read is a
+    warning naming it and the file, and that GPU is placed alone. At most :data:`MAX_GPUS` are read.
+    """
+    pci = [
+        (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
+    ]
+    wanted = [(spec, gpu) for spec, gpu in pci if companions_variable_for(spec.variable) not in allocation.companions]
+    if not wanted:
+        return allocation
+    if len(wanted) > MAX_GPUS:
+        warnings.append(
+            f"{len(wanted)} PCI devices could have companions; only the first {MAX_GPUS} are read from "
+            f"{reader.describe()}, the others are placed alone"
+        )
+        wanted = wanted[:MAX_GPUS]
+    sources = {gpu for _, gpu in pci}
+    tables: dict[str, dict[PciAddress, tuple[PciAddress, ...]]] = {}
+    for spec, gpu in wanted:
+        try:
+            functions = reader.read(gpu, sources)
+        except InputError as exc:
+            warnings.append(f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {exc}")
+            continue
+        variable = companions_variable_for(spec.variable)
+        if functions and variable is not None:
+            tables.setdefault(variable, {})[gpu] = functions
+    if not tables:
+        return allocation
+    merged = dict(allocation.companions)
+    merged.update((name, MappingProxyType(table)) for name, table in tables.items())
+    return replace(allocation, companions=MappingProxyType(merged))
 
 
 def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:

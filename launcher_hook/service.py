@@ -1,6 +1,7 @@
 """What one ``OnDefineDomain`` call does, independent of how it arrived (gRPC server or sidecar-shim program).
 
-Read the allocation from the configured source, run the builder, write one structured log line, and turn
+Read the allocation from the configured source, run the builder (reading GPUs' companions from sysfs only when
+the source cannot carry the plugin's companion variable), write one structured log line, and turn
 every failure into a ``HookFault`` with the status the caller should see: ``INVALID_ARGUMENT`` for input the
 builder refuses (with its message), ``FAILED_PRECONDITION`` for an allocation source that cannot be read,
 ``INTERNAL`` for anything else. There is no partial result: either the whole new domain or a fault.
@@ -12,7 +13,7 @@ import json
 import logging
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from launcher_hook.builder import BuildOptions, BuildResult, build_domain
@@ -75,6 +76,8 @@ class HookService:
     def __init__(self, source: AllocationSource, options: BuildOptions | None = None) -> None:
         self.source = source
         self.options = options or BuildOptions()
+        self._env_options = replace(self.options, companion_reader=None)
+        """For an allocation that carries the companion variables: the plugin's variable is the one word."""
 
     def define_domain(
         self, domain_xml: bytes, vmi_json: bytes, *, via: str, event: str = "OnDefineDomain"
@@ -86,7 +89,8 @@ class HookService:
         try:
             loaded = self.source.load(vmi_json)
             source = loaded.source
-            result = build_domain(domain_xml, vmi_json, loaded.env, self.options)
+            options = self._env_options if loaded.carries_companions else self.options
+            result = build_domain(domain_xml, vmi_json, loaded.env, options)
         except InputError as exc:
             fault = HookFault("INVALID_ARGUMENT", str(exc))
         except SourceUnavailable as exc:

@@ -27,6 +27,7 @@ from launcher_hook.cli import (
     allocation_options,
     bar_source,
     claim_reader,
+    companion_reader,
     dra_metadata_option,
     force_gpu_aliases_option,
     log_format_option,
@@ -69,6 +70,7 @@ def on_define_domain(
             force_gpu_aliases=force_gpu_aliases,
             bars=bar_source(pci_mmio64, sysfs_root),
             claims=claim_reader(dra_metadata_root),
+            companion_reader=companion_reader(sysfs_root),
         )
         outcome = HookService(source, options).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"

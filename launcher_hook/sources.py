@@ -9,8 +9,10 @@ allocation from one of three sources, chosen once at start in this order of prec
 2. an environ file (``--environ-file``): ``/proc/<pid>/environ`` or ``KEY=VALUE`` lines;
 3. the process env (when the hook runs inside ``compute`` itself, or in tests).
 
-Each source returns an env-shaped mapping for ``build_domain``. A source that cannot be read raises
-``SourceUnavailable`` (the server answers ``FAILED_PRECONDITION``) naming what it tried.
+Each source returns an env-shaped mapping for ``build_domain``, and says whether it can carry the plugin's
+companion variable (``PCI_COMPANIONS_*``): the env and environ file can; PodResources reports device IDs only,
+so with it the hook reads the GPUs' companions from sysfs (``BuildOptions.companion_reader``). A source that
+cannot be read raises ``SourceUnavailable`` (the server answers ``FAILED_PRECONDITION``) naming what it tried.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class Loaded:
 
     env: Mapping[str, str]
     source: str
+    carries_companions: bool = True
+    """Whether the source can hold the plugin's ``PCI_COMPANIONS_*`` variables (an env can; the kubelet's
+    PodResources and DRA device metadata cannot: the hook then reads the companions from sysfs)."""
 
 
 class AllocationSource(Protocol):
@@ -345,6 +350,7 @@ class PodResourcesSource:
         return Loaded(
             env,
             f"PodResources {method} {self.socket_path} pod {pod.namespace}/{pod.name} container {self.container}",
+            carries_companions=False,
         )
 
     def _own_pod(self) -> tuple[podresources.PodResources, str]:

@@ -35,7 +35,7 @@ from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import HostRoot
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sources import source_for
-from schemas.companions import companions_env_var, format_companions, same_slot
+from schemas.companions import companions_env_var, format_companions, select_companions
 from schemas.kinds import ResourceKind
 from schemas.pci import PciAddress
 
@@ -264,23 +264,16 @@ def allocate(
 def _companions(chosen: Sequence[Device], drivers: Mapping[str, str | None], rule: UsabilityRule) -> str | None:
     """The companion variable's value for the chosen passthrough GPUs, or None when none has a companion.
 
-    A companion counts when it is on a VFIO driver as the re-check read it (``drivers``; a function with no
-    driver or on an allowed host driver keeps the group viable but cannot be passed) and on the GPU's bus and
-    slot (a bridge or another slot of the group cannot keep its function number in the GPU's guest slot). A
-    function that is itself one of the chosen GPUs is the VM's GPU, not a companion.
+    The rule is :func:`schemas.companions.select_companions` (the hook applies it to sysfs where its source
+    carries no companion variable), on the group's other members with their drivers as the re-check read them
+    (``drivers``); a function that is itself one of the chosen GPUs is the VM's GPU, not a companion.
     """
-    ids = {device.id for device in chosen}
-    pairs: list[tuple[PciAddress, list[PciAddress]]] = []
+    gpus = {PciAddress.parse(device.id) for device in chosen}
+    pairs: list[tuple[PciAddress, tuple[PciAddress, ...]]] = []
     for device in chosen:
         if not device.companions:
             continue
         gpu = PciAddress.parse(device.id)
-        functions = [
-            companion.address
-            for companion in device.companions
-            if rule.on_vfio(drivers.get(str(companion.address)))
-            and same_slot(gpu, companion.address)
-            and str(companion.address) not in ids
-        ]
-        pairs.append((gpu, functions))
+        members = ((companion.address, drivers.get(str(companion.address))) for companion in device.companions)
+        pairs.append((gpu, select_companions(gpu, members, rule.vfio_drivers, gpus)))
     return format_companions(pairs) if pairs else None

@@ -1,11 +1,11 @@
 """Reading a PCI function's BARs from sysfs without leaving the sysfs root.
 
-The root is configurable (``/sys``, a fixture tree's ``sys``, a host's sysfs mounted elsewhere), so the path is
-resolved and must stay inside it: ``bus/pci/devices/<address>`` is a relative link into ``devices/pci…``, and a
-link that leads anywhere else is refused. The file is read with :func:`runtime.files.read_regular_file` (no FIFO,
-no device, capped) and parsed strictly by :func:`schemas.pci_bars.parse_resource`. Any problem is an
-``InputError`` naming the device and the file. (The check and the open are two steps: the root is sysfs, which
-only the kernel writes, or a tree of ours.)
+The root is configurable (``/sys``, a fixture tree's ``sys``, a host's sysfs mounted elsewhere), so the path
+is resolved and must stay inside it: ``bus/pci/devices/<address>`` is a relative link into ``devices/pci…``,
+and a link that leads anywhere else is refused (:mod:`runtime.sysfs_paths`). The file is read with
+:func:`runtime.files.read_regular_file` (no FIFO, no device, capped) and parsed strictly by
+:func:`schemas.pci_bars.parse_resource`. Any problem is an ``InputError`` naming the device and the file. (The
+check and the open are two steps: the root is sysfs, which only the kernel writes, or a tree of ours.)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from runtime.files import read_regular_file
+from runtime.sysfs_paths import resolve_under, resolved_root
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import MAX_RESOURCE_BYTES, DeviceBars, parse_resource
@@ -33,17 +34,8 @@ class SysfsBars:
 
     def resource_path(self, address: PciAddress) -> Path:
         """``<root>/bus/pci/devices/<address>/resource``, resolved; it must stay under the root."""
-        shown = f"bus/pci/devices/{address}/resource"
-        root = Path(os.path.realpath(self.root))
-        if not root.is_dir():
-            raise InputError(f"sysfs root {str(self.root)!r} is not a directory (reading the BARs of {address})")
-        resolved = Path(os.path.realpath(root / "bus" / "pci" / "devices" / str(address) / "resource"))
-        if resolved != root and root not in resolved.parents:
-            raise InputError(
-                f"PCI device {address}: {shown} under {str(self.root)!r} leads out of that root "
-                f"(to {str(resolved)!r}); refusing to read it"
-            )
-        return resolved
+        root = resolved_root(self.root, f"reading the BARs of {address}")
+        return resolve_under(self.root, root, f"bus/pci/devices/{address}/resource", f"PCI device {address}")
 
     def read(self, address: PciAddress) -> DeviceBars:
         path = self.resource_path(address)

@@ -17,12 +17,15 @@ so there are at most seven per GPU. The prefix starts with neither ``PCI_RESOURC
 neither mistakes this one for an allocation.
 
 Both sides use this module: the plugin formats (:func:`format_companions`), the hook parses
-(:func:`parse_companions`, strict and bounded, every refusal naming the variable).
+(:func:`parse_companions`, strict and bounded, every refusal naming the variable). Which functions are a GPU's
+companions is one rule, :func:`select_companions`, that the plugin applies at ``Allocate`` and the hook applies
+to sysfs when its allocation source carries no companion variable (PodResources, DRA claims): the two cannot
+disagree on what they read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from schemas.errors import InputError
 from schemas.kinds import PCI_PASSTHROUGH, env_name_part
@@ -62,6 +65,31 @@ def is_companions_variable(name: str) -> bool:
 def same_slot(gpu: PciAddress, other: PciAddress) -> bool:
     """True when ``other`` is another function of ``gpu``'s bus and slot (a possible companion)."""
     return gpu[:3] == other[:3] and gpu.function != other.function
+
+
+def select_companions(
+    gpu: PciAddress,
+    members: Iterable[tuple[PciAddress, str | None]],
+    vfio_drivers: Collection[str],
+    gpus: Collection[PciAddress] = (),
+) -> tuple[PciAddress, ...]:
+    """The companions of ``gpu``, in function order, among ``members``: the other functions of its IOMMU group,
+    each with its driver as read now (None: no driver).
+
+    A companion is on one of ``vfio_drivers`` (a function with no driver, or on a host driver the group allows
+    such as ``pci-stub``, keeps the group usable but cannot be passed) and on the GPU's bus and slot (a bridge
+    or a function of another slot cannot keep its function number in the GPU's guest slot). A function that is
+    itself one of ``gpus`` (the GPUs given with this one) is a GPU, not a companion.
+    """
+    return tuple(
+        sorted(
+            {
+                address
+                for address, driver in members
+                if driver is not None and driver in vfio_drivers and same_slot(gpu, address) and address not in gpus
+            }
+        )
+    )
 
 
 def format_companions(companions: Iterable[tuple[PciAddress, Iterable[PciAddress]]]) -> str | None:

@@ -1,0 +1,109 @@
+"""Reading a passthrough GPU's companion functions from sysfs, for allocation sources that do not carry them.
+
+The device plugin lists each GPU's companions in ``PCI_COMPANIONS_<NAME>`` (:mod:`schemas.companions`), but
+that variable reaches the hook only through the env or an environ file. The kubelet's PodResources API reports
+device IDs only, and so will a DRA claim's device metadata (issue 16); a hook reading those derives the
+companions itself, here, from the sysfs it can see (its own read-only ``/sys``, or ``--sysfs-root``), by the
+plugin's own rule (:func:`schemas.companions.select_companions`):
+
+- the GPU must look like one of the plugin's passthrough GPUs: a display-class function (``class`` 0x03xxxx)
+  on a VFIO driver that is not an SR-IOV virtual function (no ``physfn`` link). An SR-IOV vGPU's VF (on
+  ``nvidia``, and a VF) or any other device the VM gets (a NIC, an NVMe drive) has no companions;
+- its companions are the other functions of its bus and slot (at most seven: ``<domain>:<bus>:<slot>.0-7``)
+  whose ``iommu_group`` link leads to the GPU's group and whose ``driver`` link names a VFIO driver
+  (:data:`runtime.node.VFIO_DRIVERS`, the plugin's default ``vfio_drivers``).
+
+Reads are few and bounded (per GPU: its directory, three links and its 10-byte ``class`` file; per other
+function of the slot: its directory and two links) and confined to the root (:mod:`runtime.sysfs_paths`).
+Any problem is an ``InputError`` naming the device and the file; the hook then places the GPU alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.files import read_regular_file
+from runtime.node import VFIO_DRIVERS
+from runtime.pci_bars import DEFAULT_SYSFS_ROOT
+from runtime.sysfs_paths import resolve_under, resolved_root
+from schemas.companions import select_companions
+from schemas.errors import InputError
+from schemas.pci import MAX_FUNCTION, PciAddress
+
+MAX_CLASS_BYTES = 64
+"""Longest ``class`` file read (the kernel writes ``0x030000\\n``, 9 bytes)."""
+DISPLAY_CLASS = 0x03
+
+
+@dataclass(frozen=True)
+class _Function:
+    group: Path | None
+    driver: str | None
+    directory: Path
+
+
+class SysfsCompanions:
+    """Reads GPUs' companions under one sysfs root (``/sys`` or a fixture's ``sys`` directory)."""
+
+    def __init__(
+        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, vfio_drivers: Collection[str] = VFIO_DRIVERS
+    ) -> None:
+        self.root = Path(root)
+        self.vfio_drivers = frozenset(vfio_drivers)
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
+        """The companions of ``gpu`` in function order (none when it is not a passthrough GPU); ``gpus``: the
+        VM's other GPUs, never companions. Raises ``InputError`` naming the device and the file."""
+        root = resolved_root(self.root, f"reading the companions of {gpu}")
+        found = self._function(root, gpu)
+        if found is None:
+            raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu} does not exist under {str(self.root)!r}")
+        if found.driver not in self.vfio_drivers or os.path.lexists(found.directory / "physfn"):
+            return ()
+        if self._pci_class(root, gpu) >> 16 != DISPLAY_CLASS:
+            return ()
+        if found.group is None:
+            raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu}/iommu_group does not exist")
+        members: list[tuple[PciAddress, str | None]] = []
+        for function in range(MAX_FUNCTION + 1):
+            if function == gpu.function:
+                continue
+            other = PciAddress(gpu.domain, gpu.bus, gpu.slot, function)
+            facts = self._function(root, other)
+            if facts is not None and facts.group == found.group:
+                members.append((other, facts.driver))
+        return select_companions(gpu, members, self.vfio_drivers, gpus)
+
+    def _link(self, root: Path, relative: str, device: PciAddress) -> Path | None:
+        if not os.path.lexists(root / relative):
+            return None
+        return resolve_under(self.root, root, relative, f"PCI device {device}")
+
+    def _function(self, root: Path, address: PciAddress) -> _Function | None:
+        base = f"bus/pci/devices/{address}"
+        directory = self._link(root, base, address)
+        if directory is None:
+            return None
+        if not directory.is_dir():
+            raise InputError(f"PCI device {address}: {base} under {str(self.root)!r} is not a directory")
+        group = self._link(root, f"{base}/iommu_group", address)
+        driver = self._link(root, f"{base}/driver", address)
+        return _Function(group, driver.name if driver is not None else None, directory)
+
+    def _pci_class(self, root: Path, address: PciAddress) -> int:
+        path = resolve_under(self.root, root, f"bus/pci/devices/{address}/class", f"PCI device {address}")
+        data = read_regular_file(path, MAX_CLASS_BYTES, f"PCI device {address}: class", shown=repr(str(path)))
+        text = data.decode("ascii", "replace").strip()
+        try:
+            if not text.startswith("0x"):
+                raise ValueError(text)
+            value = int(text, 16)
+        except ValueError:
+            raise InputError(f"PCI device {address}: {str(path)!r} says {text[:24]!r}, not a class code") from None
+        return value
