@@ -36,6 +36,7 @@ import urllib3
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
 from plugin.dra.slices import API_VERSION, KIND, ProductNames, build_slices, check_node_name
 from plugin.inventory import Inventory
+from runtime.pciids import PciIds
 from schemas.dra import DRIVER_NAME
 from schemas.errors import InputError
 
@@ -213,10 +214,26 @@ class SlicePublisher:
     """Keeps ``node_name``'s ResourceSlices equal to what the latest inventory offers (see the module doc)."""
 
     def __init__(self, api: KubeApi, node_name: str, product_names: ProductNames | None = None) -> None:
+        """``product_names``: pci.ids names for ``productName``; default: the pci.ids the inventory was named
+        from (``Inventory.pci_ids_path``), read once per path."""
         self._api = api
         self._node_name = check_node_name(node_name)
         self._product_names = product_names
+        self._pci_ids: tuple[str | None, ProductNames | None] = (None, None)
         self._owner: JSON | None = None
+
+    def _names_for(self, inventory: Inventory) -> ProductNames | None:
+        if self._product_names is not None:
+            return self._product_names
+        path = inventory.pci_ids_path
+        if path is None:
+            return None
+        if self._pci_ids[0] != path:
+            try:
+                self._pci_ids = (path, PciIds.load(Path(path)).device_name)
+            except InputError:  # gone since the scan: no productName this time, tried again next time
+                return None
+        return self._pci_ids[1]
 
     def owner_reference(self) -> JSON:
         """The Node as owner (read once: its UID); the slices go when the Node object does."""
@@ -229,7 +246,7 @@ class SlicePublisher:
         return self._owner
 
     def _desired(self, inventory: Inventory, generation: int) -> list[JSON]:
-        names = self._product_names
+        names = self._names_for(inventory)
         slices = (
             build_slices(inventory, self._node_name, generation)
             if names is None
