@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, claim_object
-from plugin.dra.kube import FIELD_MANAGER, KubeApi, KubeClaims, KubeError, SlicePublisher
+from plugin.dra.kube import FIELD_MANAGER, KubeApi, KubeClaims, KubeError, SlicePublisher, cluster_side
 from plugin.dra.slices import build_slices
 from schemas.dra import DRIVER_NAME
 from simkit.fake_apiserver import FakeApiServer, running
@@ -56,7 +56,7 @@ def writes(server: FakeApiServer) -> list[tuple[str, str]]:
 
 def test_first_publish_creates_the_pool_owned_by_the_node(server: FakeApiServer, api: KubeApi, tmp_path: Path) -> None:
     inventory, pci_ids = node_inventory(NODE01, tmp_path)
-    result = SlicePublisher(api, NODE).publish(inventory)
+    result = SlicePublisher(api, NODE).sync(inventory)
     assert (result.generation, result.created, result.updated, result.deleted) == (1, 1, 0, 0)
     (obj,) = ours(server)
     assert obj["metadata"]["name"].startswith(f"{NODE}-{DRIVER_NAME}-")
@@ -79,9 +79,9 @@ def test_first_publish_creates_the_pool_owned_by_the_node(server: FakeApiServer,
 def test_an_unchanged_inventory_writes_nothing(server: FakeApiServer, api: KubeApi, tmp_path: Path) -> None:
     inventory, _ = node_inventory(NODE01, tmp_path)
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(inventory)
+    publisher.sync(inventory)
     server.clear_requests()
-    again = SlicePublisher(api, NODE).publish(inventory)  # a restarted plugin too
+    again = SlicePublisher(api, NODE).sync(inventory)  # a restarted plugin too
     assert not again.changed and again.generation == 1
     assert writes(server) == []
 
@@ -89,11 +89,11 @@ def test_an_unchanged_inventory_writes_nothing(server: FakeApiServer, api: KubeA
 def test_a_change_updates_in_place_at_a_new_generation(server: FakeApiServer, api: KubeApi, tmp_path: Path) -> None:
     inventory, _ = node_inventory(NODE01, tmp_path)
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(inventory)
+    publisher.sync(inventory)
     (before,) = ours(server)
     (resource,) = inventory.resources
     fewer = type(inventory)((type(resource)(resource.name, resource.kind, resource.devices[:2], resource.selectors),))
-    result = publisher.publish(fewer)
+    result = publisher.sync(fewer)
     assert (result.generation, result.created, result.updated, result.deleted) == (2, 0, 1, 0)
     (after,) = ours(server)
     assert after["metadata"]["name"] == before["metadata"]["name"]
@@ -103,20 +103,20 @@ def test_a_change_updates_in_place_at_a_new_generation(server: FakeApiServer, ap
 
 def test_a_pool_grows_and_shrinks_across_slices(server: FakeApiServer, api: KubeApi) -> None:
     publisher = SlicePublisher(api, NODE)
-    assert publisher.publish(many_gpus(300)).created == 3
+    assert publisher.sync(many_gpus(300)).created == 3
     slices = ours(server)
     assert sorted(len(obj["spec"]["devices"]) for obj in slices) == [44, 128, 128]
     assert {obj["spec"]["pool"]["resourceSliceCount"] for obj in slices} == {3}
     server.clear_requests()
-    result = publisher.publish(many_gpus(4))
+    result = publisher.sync(many_gpus(4))
     assert (result.generation, result.created, result.updated, result.deleted) == (2, 0, 1, 2)
     methods = [method for method, _ in writes(server)]
     assert methods == ["PUT", "DELETE", "DELETE"]  # the new generation is in place before the old slices go
     (left,) = ours(server)
     assert left["spec"]["pool"] == {"name": NODE, "generation": 2, "resourceSliceCount": 1}
-    assert publisher.publish(many_gpus(0)).deleted == 1  # nothing to offer: no slices at all
+    assert publisher.sync(many_gpus(0)).deleted == 1  # nothing to offer: no slices at all
     assert ours(server) == []
-    assert not publisher.publish(many_gpus(0)).changed
+    assert not publisher.sync(many_gpus(0)).changed
 
 
 def test_other_nodes_and_drivers_are_left_alone(server: FakeApiServer, api: KubeApi) -> None:
@@ -127,8 +127,8 @@ def test_other_nodes_and_drivers_are_left_alone(server: FakeApiServer, api: Kube
     server.add_slice(other_driver)
     before = {obj["metadata"]["name"]: obj for obj in server.slices()}
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(many_gpus(3))
-    publisher.publish(many_gpus(0))
+    publisher.sync(many_gpus(3))
+    publisher.sync(many_gpus(0))
     after = {obj["metadata"]["name"]: obj for obj in server.slices()}
     assert after == before
 
@@ -138,7 +138,7 @@ def test_a_slice_of_ours_in_another_pool_is_deleted_not_reused(server: FakeApiSe
     stray = build_slices(many_gpus(1), NODE)[0]
     stray["spec"]["pool"]["name"] = "old-pool"
     server.add_slice(stray)
-    result = SlicePublisher(api, NODE).publish(many_gpus(2))
+    result = SlicePublisher(api, NODE).sync(many_gpus(2))
     assert (result.created, result.updated, result.deleted) == (1, 0, 1)
     (obj,) = ours(server)
     assert obj["spec"]["pool"]["name"] == NODE
@@ -146,7 +146,7 @@ def test_a_slice_of_ours_in_another_pool_is_deleted_not_reused(server: FakeApiSe
 
 def test_a_failed_call_is_a_clear_error_and_the_next_publish_repairs(server: FakeApiServer, api: KubeApi) -> None:
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(many_gpus(300))
+    publisher.sync(many_gpus(300))
     # The list and the first PUT succeed, the second PUT fails: the pool is half at generation 2.
     calls = {"count": 0}
     original = api.replace_slice
@@ -159,11 +159,11 @@ def test_a_failed_call_is_a_clear_error_and_the_next_publish_repairs(server: Fak
 
     api.replace_slice = failing_second  # type: ignore[method-assign]
     with pytest.raises(KubeError, match=r"update ResourceSlice node01-.*: HTTP 500 from http://127\.0\.0\.1:\d+: "):
-        publisher.publish(many_gpus(200))
+        publisher.sync(many_gpus(200))
     api.replace_slice = original  # type: ignore[method-assign]
     generations = sorted(obj["spec"]["pool"]["generation"] for obj in ours(server))
     assert generations == [1, 1, 2]
-    result = publisher.publish(many_gpus(200))
+    result = publisher.sync(many_gpus(200))
     assert result.generation == 3
     slices = ours(server)
     assert {obj["spec"]["pool"]["generation"] for obj in slices} == {3}
@@ -172,7 +172,7 @@ def test_a_failed_call_is_a_clear_error_and_the_next_publish_repairs(server: Fak
 
 def test_a_conflicting_writer_is_an_error_then_repaired(server: FakeApiServer, api: KubeApi) -> None:
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(many_gpus(2))
+    publisher.sync(many_gpus(2))
     (obj,) = ours(server)
     original = api.list_slices
 
@@ -184,9 +184,9 @@ def test_a_conflicting_writer_is_an_error_then_repaired(server: FakeApiServer, a
 
     api.list_slices = list_then_someone_writes  # type: ignore[method-assign]
     with pytest.raises(KubeError, match=r"HTTP 409 .*the object has been modified"):
-        publisher.publish(many_gpus(3))
+        publisher.sync(many_gpus(3))
     api.list_slices = original  # type: ignore[method-assign]
-    assert publisher.publish(many_gpus(3)).updated == 1
+    assert publisher.sync(many_gpus(3)).updated == 1
     (fixed,) = ours(server)
     assert len(fixed["spec"]["devices"]) == 3
 
@@ -197,7 +197,7 @@ def _json(obj: dict[str, Any]) -> bytes:
 
 def test_a_missing_node_is_named(server: FakeApiServer, api: KubeApi) -> None:
     with pytest.raises(KubeError, match=r"read Node node-x: HTTP 404 .*nodes \"node-x\" not found"):
-        SlicePublisher(api, "node-x").publish(many_gpus(1))
+        SlicePublisher(api, "node-x").sync(many_gpus(1))
     assert server.slices() == []
 
 
@@ -210,7 +210,7 @@ def test_an_unreachable_server_fails_within_the_timeout() -> None:
         with pytest.raises(
             KubeError, match=rf"list ResourceSlices of node node01 .*: no answer from http://127\.0\.0\.1:{port}"
         ):
-            SlicePublisher(api, NODE).publish(many_gpus(1))
+            SlicePublisher(api, NODE).sync(many_gpus(1))
         assert time.monotonic() - started < 10
 
 
@@ -229,12 +229,12 @@ def test_too_many_slices_of_ours_is_refused(server: FakeApiServer, api: KubeApi)
     for _ in range(65):
         server.add_slice(build_slices(many_gpus(1), NODE)[0])
     with pytest.raises(KubeError, match=r"65 ResourceSlices .* over the 64"):
-        SlicePublisher(api, NODE).publish(many_gpus(1))
+        SlicePublisher(api, NODE).sync(many_gpus(1))
 
 
 def test_withdraw_deletes_every_slice_of_ours(server: FakeApiServer, api: KubeApi) -> None:
     publisher = SlicePublisher(api, NODE)
-    publisher.publish(many_gpus(200))
+    publisher.sync(many_gpus(200))
     assert publisher.withdraw() == 2
     assert ours(server) == []
 
@@ -254,7 +254,7 @@ def test_from_environment_reads_a_kubeconfig(server: FakeApiServer, tmp_path: Pa
         )
     )
     api = KubeApi.from_environment(kubeconfig)
-    assert SlicePublisher(api, NODE).publish(many_gpus(1)).created == 1
+    assert SlicePublisher(api, NODE).sync(many_gpus(1)).created == 1
     with pytest.raises(KubeError, match="cannot configure the Kubernetes client from kubeconfig"):
         KubeApi.from_environment(tmp_path / "missing")
 
@@ -289,9 +289,28 @@ def test_a_recreated_or_missing_claim_is_refused(server: FakeApiServer, api: Kub
 def test_slices_published_for_a_vgpu_node_validate(server: FakeApiServer, api: KubeApi, tmp_path: Path) -> None:
     server.add_node(VGPU_NODE.name)
     inventory, _ = node_inventory(VGPU_NODE, tmp_path)
-    SlicePublisher(api, VGPU_NODE.name).publish(inventory)
+    SlicePublisher(api, VGPU_NODE.name).sync(inventory)
     (obj,) = ours(server, VGPU_NODE.name)
     for field in ("uid", "resourceVersion", "creationTimestamp", "generation"):
         obj["metadata"].pop(field)
     validate_strictly(obj, DRA_OLDEST_KUBERNETES)
     assert len(obj["spec"]["devices"]) == 3
+
+
+def test_cluster_side_gives_the_claims_and_the_publisher_on_one_client(server: FakeApiServer, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "clusters": [{"name": "fake", "cluster": {"server": server.url}}],
+                "users": [{"name": "dev", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    claims, publisher = cluster_side(NODE, kubeconfig)
+    publisher.publish(many_gpus(2))  # the serve loop's sink: nothing returned, the slices are there
+    assert len(ours(server)) == 1
+    server.add_claim(claim_object(REF, RESULTS))
+    assert claims.allocated(REF) == RESULTS

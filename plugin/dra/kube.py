@@ -8,7 +8,8 @@ once and checked before use. Only ``serve --dra`` imports this module, so the de
 the client.
 
 - Every call has a timeout (connect, read) and no client-side retries: a failed sync is retried whole on the
-  next inventory (the serve loop calls :meth:`SlicePublisher.publish` on each scan). Errors are
+  next inventory (the serve loop calls :meth:`SlicePublisher.publish` on each new inventory; it logs
+  ``dra_slices_published`` when something changed). Errors are
   :class:`KubeError` naming the operation, the object and the API server's answer.
 - :class:`SlicePublisher` brings the node's slices (field selector ``spec.nodeName`` + ``spec.driver``) to
   the desired set as Kubernetes' own ResourceSlice controller does: nothing when they already say the same;
@@ -36,6 +37,7 @@ import urllib3
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
 from plugin.dra.slices import API_VERSION, KIND, ProductNames, build_slices, check_node_name
 from plugin.inventory import Inventory
+from plugin.log import log_event
 from runtime.pciids import PciIds
 from schemas.dra import DRIVER_NAME
 from schemas.errors import InputError
@@ -275,7 +277,20 @@ class SlicePublisher:
                 return False
         return True
 
-    def publish(self, inventory: Inventory) -> PublishResult:
+    def publish(self, inventory: Inventory) -> None:
+        """:meth:`sync` and log what changed: the serve loop's inventory sink (``plugin.dra.runner``)."""
+        result = self.sync(inventory)
+        if result.changed:
+            log_event(
+                "dra_slices_published",
+                node=self._node_name,
+                generation=result.generation,
+                created=result.created,
+                updated=result.updated,
+                deleted=result.deleted,
+            )
+
+    def sync(self, inventory: Inventory) -> PublishResult:
         """Bring the node's slices to ``inventory``'s devices; :class:`KubeError` when a call fails (the next
         call starts over from what the server has)."""
         existing = self._api.list_slices(self._node_name)
@@ -324,6 +339,15 @@ class SlicePublisher:
         return len(existing)
 
 
+def cluster_side(
+    node_name: str, kubeconfig: Path | None = None, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+) -> tuple[KubeClaims, SlicePublisher]:
+    """What ``serve --dra`` needs from the API server, on one client: the claim source and the slice publisher
+    for ``node_name`` (in-cluster credentials, or ``kubeconfig`` for a plugin run by hand)."""
+    api = KubeApi.from_environment(kubeconfig, timeout)
+    return KubeClaims(api), SlicePublisher(api, node_name)
+
+
 class KubeClaims:
     """The :class:`~plugin.dra.claims.ClaimSource` of a plugin in a cluster: GET the v1 ResourceClaim."""
 
@@ -347,4 +371,5 @@ __all__ = [
     "KubeError",
     "PublishResult",
     "SlicePublisher",
+    "cluster_side",
 ]
