@@ -35,6 +35,8 @@ from runtime.pciids import PciIds
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0
+LIVENESS_SLACK = 10.0
+"""Seconds a loop turn may take beyond the scan interval before ``/healthz`` calls the loop stuck."""
 
 
 class InventorySink(Protocol):
@@ -81,20 +83,50 @@ class DraRunner:
         self._watcher = NodeWatcher(self.host_root / "dev" / "vfio", registry_dir.absolute(), agent_state)
         self._next_scan = 0.0
         self._last_problem: str | None = None
+        self._heartbeat: float | None = None
+        self._finished = False
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop; safe from any thread and from a signal handler."""
         self._stop.set()
         self._watcher.wake()
 
+    def liveness(self) -> str | None:
+        """None while the loop runs and turned within ``2 * scan_interval + 10 s`` (``/healthz``); else why not."""
+        heartbeat = self._heartbeat
+        if self._finished:
+            return "stopped: the DRA plugin's loop has ended"
+        if heartbeat is None:
+            return "not started: the DRA plugin's loop has not run yet"
+        age, bound = time.monotonic() - heartbeat, 2 * self.scan_interval + LIVENESS_SLACK
+        if age > bound:
+            return f"stuck: the DRA plugin's loop last turned {age:.1f} s ago (bound {bound:.1f} s)"
+        return None
+
+    def readiness(self) -> str | None:
+        """None once scanned, served and registered by the kubelet (``/readyz``); else why not."""
+        problem = self.liveness()
+        if problem is not None:
+            return problem
+        if not self.ready.is_set():
+            return f"starting: {self._last_problem or 'the first scan is not served yet'}"
+        status = self.server.registration.status
+        if status.registered is not True:
+            why = f": {status.error}" if status.error else " yet"
+            return f"not registered with the kubelet{why} ({self.server.registration_socket})"
+        return None
+
     def run(self) -> None:
         log_event("dra_starting", host_root=str(self.host_root), scan_interval=self.scan_interval)
+        self._finished = False
+        self._heartbeat = time.monotonic()
         try:
             self.core.start()
             self._watcher.ensure()
             self._rescan()
             self._serve()
             while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
                 if self._serving and self.inventory is not None:
                     self.ready.set()
                 rescan = self._watcher.wait(self._timeout_ms())
@@ -105,6 +137,7 @@ class DraRunner:
                     self._rescan()
                 self._serve()
         finally:
+            self._finished = True
             self.ready.clear()
             self.server.stop()
             self._watcher.close()
