@@ -12,7 +12,7 @@ from pathlib import Path
 from plugin.dra import cdi
 from plugin.dra.claims import AllocatedDevice, ClaimRef
 from plugin.dra.service import REGISTRATION_SOCKET
-from schemas.dra import DRIVER_NAME
+from schemas.dra import CDI_KIND, DRIVER_NAME
 from simkit.fixture_nodes import NODE01
 from simkit.kubelet_dra_standin import KubeletDraStandIn
 from tests.dra_support import DraPaths, load_cdi_spec, write_claim
@@ -44,7 +44,7 @@ def test_serve_dra_process_registers_prepares_and_stops_on_sigterm() -> None:
                 assert registration.service == "v1.DRAPlugin"
                 key = (CLAIM.namespace, CLAIM.name, CLAIM.uid)
                 devices, error = kubelet.prepare(DRIVER_NAME, [key])[UID]
-                assert error == "" and devices[0].cdi_ids == (f"{cdi.CDI_KIND}={UID}-gpu",)
+                assert error == "" and devices[0].cdi_ids == (f"{CDI_KIND}={UID}-gpu",)
                 load_cdi_spec(paths.cdi_dir / cdi.spec_file_name(UID))
                 process.send_signal(signal.SIGTERM)
                 assert process.wait(WAIT * 2) == 0
