@@ -1,60 +1,129 @@
-"""Helpers for the DRA cluster-side tests: fixture nodes as ResourceSlices, synthetic inventories, validation."""
+"""Helpers for the DRA tests: CDI spec validation against the vendored CDI schema (tests/fixtures/cdi) and
+the naming rules of the CDI spec the schema does not carry, plus a prepared fixture node."""
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
+import jsonschema  # type: ignore[import-untyped]  # a test-only dependency (via kubernetes-validate) without type hints
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT7
 
-from plugin.dra.slices import build_slices
-from plugin.inventory import Device, Inventory, Resource
+from plugin.config import PluginConfig
+from plugin.dra.claims import AllocatedDevice, ClaimRef, StaticClaims, claim_file_name, claim_object
+from plugin.dra.prepare import PrepareCore
+from plugin.dra.runner import DraRunner, InventorySink
+from plugin.dra.service import DraServer
 from runtime.pciids import PciIds
-from schemas.kinds import ResourceKind
-from simkit.fixture_nodes import NODES
-from simkit.sysfs_fixture import Node
-from tests.discovery_support import build_node, discover
+from tests.plugin_support import WAIT
 
-DRA_OLDEST_KUBERNETES = "1.34"
-"""resource.k8s.io/v1 (ResourceSlice, DeviceClass, ResourceClaim) is GA from Kubernetes 1.34."""
-NEWEST_KUBERNETES = kubernetes_validate.utils.latest_version()
-
-
-def node_inventory(node: Node, tmp_path: Path) -> tuple[Inventory, PciIds | None]:
-    """Discover a fixture node; also the pci.ids it was named from (for productName)."""
-    inventory = discover(build_node(node, tmp_path))
-    pci_ids = PciIds.load(Path(inventory.pci_ids_path)) if inventory.pci_ids_path else None
-    return inventory, pci_ids
+CDI_SCHEMA_DIR = Path(__file__).parent / "fixtures" / "cdi"
+_KIND = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+)
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+_SEMVER = re.compile(r"^\d+\.\d+\.\d+$")
 
 
-def node_slices(node: Node, tmp_path: Path) -> list[dict[str, Any]]:
-    inventory, pci_ids = node_inventory(node, tmp_path)
-    if pci_ids is None:
-        return build_slices(inventory, node.name)
-    return build_slices(inventory, node.name, product_names=pci_ids.device_name)
-
-
-def all_fixture_slices(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
-    return {name: node_slices(node, tmp_path) for name, node in NODES.items()}
-
-
-def many_gpus(count: int, healthy: bool = True) -> Inventory:
-    """An inventory of ``count`` passthrough GPUs (``0000:BB:SS.0``), more than one slice holds when over 128."""
-    devices = tuple(
-        Device(
-            id=f"0000:{1 + index // 32:02x}:{index % 32:02x}.0",
-            kind=ResourceKind.PCI,
-            vendor_device="10DE:1F08",
-            iommu_group=index,
-            numa_node=index % 2,
-            healthy=healthy,
-            reason=None if healthy else "test",
-        )
-        for index in range(count)
+@cache
+def _validator() -> jsonschema.Draft7Validator:
+    schema = json.loads((CDI_SCHEMA_DIR / "schema.json").read_text())
+    defs = json.loads((CDI_SCHEMA_DIR / "defs.json").read_text())
+    registry: Registry[Any] = Registry().with_resource(
+        "defs.json", Resource.from_contents(defs, default_specification=DRAFT7)
     )
-    return Inventory((Resource("nvidia.com/TU106_GEFORCE_RTX_2060_REV__A", ResourceKind.PCI, devices, ("10DE:1F08",)),))
+    return jsonschema.Draft7Validator(schema, registry=registry)
 
 
-def validate_strictly(obj: dict[str, Any], version: str) -> None:
-    """kubernetes-validate --strict for Kubernetes ``version``; raises its ValidationError."""
-    kubernetes_validate.validate(obj, version, strict=True)
+def validate_cdi_spec(spec: Any) -> None:
+    """Raise when ``spec`` breaks the CDI JSON schema or the spec's kind/name/version rules."""
+    _validator().validate(spec)
+    assert _SEMVER.match(spec["cdiVersion"]), spec["cdiVersion"]
+    assert _KIND.match(spec["kind"]) and len(spec["kind"].split("/")[0]) <= 253, spec["kind"]
+    assert spec["devices"], "a CDI spec needs at least one device"
+    names = [device["name"] for device in spec["devices"]]
+    assert len(set(names)) == len(names), names
+    for device in spec["devices"]:
+        assert _DEVICE_NAME.match(device["name"]), device["name"]
+        edits = device["containerEdits"]
+        for node in edits.get("deviceNodes", []):
+            assert node["path"].startswith("/dev/"), node
+            assert set(node.get("permissions", "")) <= set("rwm"), node
+        for mount in edits.get("mounts", []):
+            assert mount["hostPath"].startswith("/") and mount["containerPath"].startswith("/"), mount
+
+
+def load_cdi_spec(path: Path) -> Any:
+    spec = json.loads(path.read_text())
+    validate_cdi_spec(spec)
+    return spec
+
+
+# -- a running DRA plugin ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraPaths:
+    """Where a test's DRA plugin lives: a short base (unix socket paths stay under 108 bytes)."""
+
+    base: Path
+    root: Path
+    registry: Path
+    plugin_dir: Path
+    cdi_dir: Path
+    claims_dir: Path
+
+    @classmethod
+    def under(cls, base: Path, root: Path) -> DraPaths:
+        return cls(base, root, base / "reg", base / "plugin", base / "cdi", base / "claims")
+
+
+def dra_runner(paths: DraPaths, sinks: Sequence[InventorySink] = (), pool: str | None = None) -> DraRunner:
+    """The ``serve --dra`` pieces on ``paths``: claims read from ``paths.claims_dir``, the tree's own pci.ids."""
+    pci_ids_path = paths.root / "usr" / "share" / "misc" / "pci.ids"
+    pci_ids = PciIds.load(pci_ids_path) if pci_ids_path.is_file() else None
+    paths.claims_dir.mkdir(parents=True, exist_ok=True)
+    core = PrepareCore(
+        StaticClaims.from_directory(paths.claims_dir), paths.root, paths.plugin_dir, paths.cdi_dir, pool=pool
+    )
+    server = DraServer(core, paths.plugin_dir, paths.registry)
+    config = PluginConfig(host_root=str(paths.root))
+    return DraRunner(config, core, server, registry_dir=paths.registry, scan_interval=0.2, pci_ids=pci_ids, sinks=sinks)
+
+
+@contextmanager
+def running_dra(runner: DraRunner) -> Iterator[DraRunner]:
+    """Run ``runner`` in a thread until the block ends; then stop it and check it ended."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # surfaced in the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="dra-runner", daemon=True)
+    thread.start()
+    try:
+        assert runner.ready.wait(WAIT), f"the DRA plugin did not get ready: {errors}"
+        yield runner
+    finally:
+        runner.request_stop()
+        thread.join(WAIT)
+        assert not thread.is_alive(), "the DRA plugin did not stop"
+    if errors:
+        raise errors[0]
+
+
+def write_claim(paths: DraPaths, ref: ClaimRef, devices: list[AllocatedDevice]) -> None:
+    """Put ``ref``'s allocated ResourceClaim where :class:`StaticClaims` reads it."""
+    paths.claims_dir.mkdir(parents=True, exist_ok=True)
+    (paths.claims_dir / claim_file_name(ref.namespace, ref.name)).write_text(json.dumps(claim_object(ref, devices)))

@@ -23,7 +23,7 @@ import yaml
 from schemas.dra import DEVICE_CLASSES, DRIVER_NAME, KIND_VALUES
 from schemas.kinds import ResourceKind
 from simkit.fixture_nodes import NODE01
-from tests.dra_support import all_fixture_slices
+from tests.dra_cluster_support import all_fixture_slices
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "dra"
 

@@ -98,3 +98,13 @@ def test_static_claims_read_a_directory_when_asked(tmp_path: Path) -> None:
 def test_claim_names_that_are_not_kubernetes_names_never_reach_the_file_system(tmp_path: Path, ref: ClaimRef) -> None:
     with pytest.raises(ClaimError):
         StaticClaims.from_directory(tmp_path).allocated(ref)
+
+
+def test_a_template_claim_carries_the_pods_name_for_it() -> None:
+    devices = [AllocatedDevice("gpu", "gpu-passthrough.kubevirt.io", "node01", "pci-0000-86-00-0", "gpu-claim")]
+    obj = claim_object(REF, devices)
+    assert obj["metadata"]["annotations"] == {"resource.kubernetes.io/pod-claim-name": "gpu-claim"}
+    assert results_from_claim_object(obj, REF) == devices
+    obj["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"] = ""
+    with pytest.raises(ClaimError, match="pod-claim-name"):
+        results_from_claim_object(obj, REF)

@@ -25,7 +25,7 @@ from plugin.dra.slices import build_slices
 from schemas.dra import DRIVER_NAME
 from simkit.fake_apiserver import FakeApiServer, running
 from simkit.fixture_nodes import NODE01, VGPU_NODE
-from tests.dra_support import DRA_OLDEST_KUBERNETES, many_gpus, node_inventory, validate_strictly
+from tests.dra_cluster_support import DRA_OLDEST_KUBERNETES, many_gpus, node_inventory, validate_strictly
 
 NODE = "node01"
 NODE_UID = "7c0b2f40-0000-4000-8000-000000000001"

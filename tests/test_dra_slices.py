@@ -28,7 +28,7 @@ from schemas.dra import DRIVER_NAME, device_id_of
 from schemas.errors import InputError
 from schemas.kinds import ResourceKind
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE
-from tests.dra_support import (
+from tests.dra_cluster_support import (
     DRA_OLDEST_KUBERNETES,
     NEWEST_KUBERNETES,
     all_fixture_slices,

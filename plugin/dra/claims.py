@@ -36,6 +36,9 @@ a few KiB)."""
 API_VERSIONS = frozenset({"resource.k8s.io/v1", "resource.k8s.io/v1beta2", "resource.k8s.io/v1beta1"})
 """ResourceClaim versions whose ``status.allocation.devices.results`` have the shape read here."""
 
+POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
+"""Kubernetes' annotation on a ResourceClaim generated from a template: the pod's name for the claim."""
+
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
@@ -65,6 +68,10 @@ class AllocatedDevice:
     driver: str
     pool: str
     device: str
+    pod_claim_name: str | None = None
+    """For a claim generated from a ResourceClaimTemplate, the pod's name for it (the annotation
+    :data:`POD_CLAIM_NAME_ANNOTATION`): it names the claim's metadata directory (docs/dra.md); None for a
+    claim the pod names directly. The same on every result of a claim."""
 
 
 class ClaimSource(Protocol):
@@ -127,6 +134,10 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
         found = metadata.get(field)
         if found is not None and found != expected:
             raise ClaimError(f"claim {claim}: the ResourceClaim found has {field} {_shown(found)}")
+    annotations = _mapping(metadata.get("annotations") or {}, "metadata.annotations", claim)
+    pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION)
+    if pod_claim_name is not None:
+        pod_claim_name = _text(pod_claim_name, f"annotation {POD_CLAIM_NAME_ANNOTATION}", claim)
     status = _mapping(obj.get("status", {}), "status", claim)
     allocation = status.get("allocation")
     if allocation is None:
@@ -147,6 +158,7 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
                 driver=_text(result.get("driver"), f"{where}.driver", claim),
                 pool=_text(result.get("pool"), f"{where}.pool", claim),
                 device=_text(result.get("device"), f"{where}.device", claim),
+                pod_claim_name=pod_claim_name,
             )
         )
     return found_devices
@@ -205,12 +217,16 @@ class StaticClaims:
 
 
 def claim_object(claim: ClaimRef, devices: list[AllocatedDevice]) -> dict[str, Any]:
-    """A minimal allocated ``resource.k8s.io/v1`` ResourceClaim object for ``claim`` with ``devices``."""
+    """A minimal allocated ``resource.k8s.io/v1`` ResourceClaim object for ``claim`` with ``devices`` (the
+    first device's ``pod_claim_name``, if any, becomes the template annotation)."""
     requests = sorted({device.request.split("/")[0] for device in devices})
+    metadata: dict[str, Any] = {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid}
+    if devices and devices[0].pod_claim_name is not None:
+        metadata["annotations"] = {POD_CLAIM_NAME_ANNOTATION: devices[0].pod_claim_name}
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
-        "metadata": {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid},
+        "metadata": metadata,
         "spec": {"devices": {"requests": [{"name": request} for request in requests]}},
         "status": {
             "allocation": {
