@@ -24,7 +24,7 @@ import click
 
 from plugin.config import load_config
 from plugin.dra.runner import DraRunner
-from plugin.dra.serve import DraOptions, build_runner, claim_counter, claim_source
+from plugin.dra.serve import DraOptions, build_runner, claim_counter, cluster_seams
 from plugin.log import COMPONENT, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
 from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
@@ -219,10 +219,12 @@ def _serve(
         manager: PluginManager | DraRunner
         if dra is not None:
             choice = locate_pci_ids(Path(config.pci_ids) if config.pci_ids else None, Path(config.host_root), Path("/"))
+            claims, sinks = cluster_seams(dra)
             manager = build_runner(
                 config,
                 dra,
-                claim_source(dra),
+                claims,
+                sinks=sinks,
                 pci_ids=choice.database,
                 warnings=choice.warnings,
                 on_outcome=None if metrics is None else claim_counter(metrics),

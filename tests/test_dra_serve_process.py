@@ -70,4 +70,5 @@ def test_serve_dra_without_a_claim_source_is_a_clear_error(tmp_path: Path) -> No
         text=True,
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "serve --dra needs a claim source: --claims-dir" in done.stderr
+    assert "serve --dra without --claims-dir reads claims from the API server" in done.stderr
+    assert "it needs --node-name" in done.stderr

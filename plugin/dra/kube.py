@@ -95,15 +95,17 @@ class KubeApi:
         """The pod's service account when running in a cluster (``KUBERNETES_SERVICE_HOST`` set) and no
         ``kubeconfig`` is given, else ``kubeconfig`` (default: ``$KUBECONFIG``, then ``~/.kube/config``)."""
         configuration = kubernetes.client.Configuration()
+        in_cluster = kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
         try:
-            if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if in_cluster:
                 kubernetes.config.load_incluster_config(client_configuration=configuration)
             else:
                 kubernetes.config.load_kube_config(
                     config_file=None if kubeconfig is None else str(kubeconfig), client_configuration=configuration
                 )
         except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
-            where = "the in-cluster service account" if kubeconfig is None else f"kubeconfig {str(kubeconfig)!r}"
+            shown = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            where = "the in-cluster service account" if in_cluster else f"kubeconfig {str(shown)!r}"
             raise KubeError(f"cannot configure the Kubernetes client from {where}: {exc}") from None
         return cls(configuration, timeout)
 

@@ -54,6 +54,23 @@ def claim_source(options: DraOptions) -> ClaimSource:
     return StaticClaims.from_directory(options.claims_dir)
 
 
+def cluster_seams(options: DraOptions) -> tuple[ClaimSource, tuple[InventorySink, ...]]:
+    """The claim source and the inventory sinks: ``--claims-dir`` alone (no API server, nothing published), else
+    the API server (:func:`plugin.dra.kube.cluster_side`: ResourceClaims read, ResourceSlices published for
+    ``--node-name``). The ``kubernetes`` client is imported only then."""
+    if options.claims_dir is not None:
+        return claim_source(options), ()
+    if options.pool is None:
+        raise InputError(
+            "serve --dra without --claims-dir reads claims from the API server and publishes this node's "
+            "ResourceSlices: it needs --node-name (GPU_PLUGIN_NODE_NAME, the pod's spec.nodeName)"
+        )
+    from plugin.dra.kube import cluster_side  # noqa: PLC0415 -- the client is loaded for the API server only
+
+    claims, publisher = cluster_side(options.pool)
+    return claims, (publisher,)
+
+
 def claim_counter(metrics: PluginMetrics) -> Callable[[str, str], None]:
     """A ``gpu_device_plugin_dra_claims_total{operation,result}`` counter on the plugin's registry, as the
     core's ``on_outcome``."""
