@@ -270,3 +270,34 @@ def test_a_checkpoint_naming_files_elsewhere_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(Exception, match="outside the plugin's directories"):
         checkpoint.load(state, [tmp_path / "cdi"])
+
+
+def test_a_claim_source_that_breaks_fails_only_that_claim(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    other = ClaimRef("vms", "other", UID2)
+    s.claims[other] = [gpu("pci-0000-af-00-0")]
+    static = StaticClaims.from_results(s.claims)
+
+    class Flaky:
+        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+            if claim == CLAIM:
+                raise ConnectionResetError("API server went away")
+            return static.allocated(claim)
+
+    core = PrepareCore(Flaky(), s.root, s.state, s.cdi_dir)
+    core.update_inventory(discover(s.root))
+    core.start()
+    answers = core.prepare([CLAIM, other])
+    assert "reading its allocation failed: ConnectionResetError: API server went away" in answers[UID].error
+    assert answers[UID2].error == "" and len(answers[UID2].devices) == 1
+
+
+def test_files_that_cannot_be_written_fail_the_claim_and_leave_nothing(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    s.cdi_dir.write_text("not a directory")
+    answer = core.prepare([CLAIM])[UID]
+    assert "cannot write its files" in answer.error and "vms/gpu-claim" in answer.error
+    assert core.prepared() == {}
+    assert list((s.state / "metadata").iterdir()) == []
