@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from plugin.dra import cdi, checkpoint
 from plugin.dra.claims import AllocatedDevice, ClaimRef, StaticClaims
 from plugin.dra.prepare import PrepareCore
 from schemas import dra_metadata
-from schemas.dra import DRIVER_NAME
-from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_2Q, VGPU_NODE
+from schemas.dra import CDI_KIND, DRIVER_NAME, device_name
+from schemas.kinds import ResourceKind
+from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE
 from simkit.sysfs_fixture import Node
 from tests.discovery_support import build_node, discover
 from tests.dra_support import load_cdi_spec
@@ -270,3 +272,97 @@ def test_a_checkpoint_naming_files_elsewhere_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(Exception, match="outside the plugin's directories"):
         checkpoint.load(state, [tmp_path / "cdi"])
+
+
+def test_a_claim_source_that_breaks_fails_only_that_claim(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    other = ClaimRef("vms", "other", UID2)
+    s.claims[other] = [gpu("pci-0000-af-00-0")]
+    static = StaticClaims.from_results(s.claims)
+
+    class Flaky:
+        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+            if claim == CLAIM:
+                raise ConnectionResetError("API server went away")
+            return static.allocated(claim)
+
+    core = PrepareCore(Flaky(), s.root, s.state, s.cdi_dir)
+    core.update_inventory(discover(s.root))
+    core.start()
+    answers = core.prepare([CLAIM, other])
+    assert "reading its allocation failed: ConnectionResetError: API server went away" in answers[UID].error
+    assert answers[UID2].error == "" and len(answers[UID2].devices) == 1
+
+
+def test_files_that_cannot_be_written_fail_the_claim_and_leave_nothing(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    s.cdi_dir.write_text("not a directory")
+    answer = core.prepare([CLAIM])[UID]
+    assert "cannot write its files" in answer.error and "vms/gpu-claim" in answer.error
+    assert core.prepared() == {}
+    assert list((s.state / "metadata").iterdir()) == []
+
+
+def test_a_request_of_two_gpus_is_one_cdi_device_with_both_groups(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0"), gpu("pci-0000-af-00-0")]
+    answer = s.core().prepare([CLAIM])[UID]
+    assert [device.cdi_ids for device in answer.devices] == [(f"{CDI_KIND}={UID}-gpu",)] * 2
+    (device,) = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))["devices"]
+    paths = [node["path"] for node in device["containerEdits"]["deviceNodes"]]
+    assert paths == ["/dev/vfio/vfio", "/dev/vfio/74", "/dev/vfio/96"]
+
+
+def test_a_subrequest_result_is_filed_under_its_request(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0", request="gpu/rtx")]
+    answer = s.core().prepare([CLAIM])[UID]
+    assert answer.devices[0].requests == ("gpu/rtx",)  # the kubelet matches the container's "gpu" to it
+    (device,) = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))["devices"]
+    (mount,) = device["containerEdits"]["mounts"]
+    assert device["name"] == f"{UID}-gpu" and "/resourceclaims/gpu-claim/gpu/" in mount["containerPath"]
+    metadata = dra_metadata.parse_metadata(Path(mount["hostPath"]).read_bytes(), "m")
+    assert dra_metadata.claimed_device(metadata, "gpu", "m").id == GPU_86
+
+
+def test_an_sriov_vgpu_vf_is_named_by_its_pci_address(tmp_path: Path) -> None:
+    s = setup(tmp_path, SRIOV_VGPU_NODE)
+    inventory = discover(s.root)
+    vf = next(d for r in inventory.resources if r.kind is ResourceKind.SRIOV_VGPU for d in r.devices if d.healthy)
+    s.claims[CLAIM] = [gpu(device_name(ResourceKind.SRIOV_VGPU, vf.id))]
+    answer = s.core().prepare([CLAIM])[UID]
+    assert answer.error == ""
+    (device,) = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))["devices"]
+    (mount,) = device["containerEdits"]["mounts"]
+    found = dra_metadata.claimed_device(
+        dra_metadata.parse_metadata(Path(mount["hostPath"]).read_bytes(), "m"), "gpu", "m"
+    )
+    assert (found.kind, found.id) == ("pci", vf.id)
+    assert f"/dev/vfio/{vf.iommu_group}" in [node["path"] for node in device["containerEdits"]["deviceNodes"]]
+
+
+def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) -> None:
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    static = StaticClaims.from_results(s.claims)
+    both_reading = threading.Barrier(2)
+
+    class Slow:
+        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+            both_reading.wait(5)  # both calls are past the first look and read the claim at once
+            return static.allocated(claim)
+
+    outcomes: list[str] = []
+    core = PrepareCore(Slow(), s.root, s.state, s.cdi_dir, on_outcome=lambda op, result: outcomes.append(result))
+    core.update_inventory(discover(s.root))
+    core.start()
+    answers: list[object] = []
+    threads = [threading.Thread(target=lambda: answers.append(core.prepare([CLAIM])[UID])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(answers) == 2 and answers[0] == answers[1] and outcomes == ["ok", "ok"]
+    assert list(core.prepared()) == [UID]

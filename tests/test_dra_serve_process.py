@@ -46,6 +46,8 @@ def test_serve_dra_process_registers_prepares_and_stops_on_sigterm() -> None:
                 devices, error = kubelet.prepare(DRIVER_NAME, [key])[UID]
                 assert error == "" and devices[0].cdi_ids == (f"{CDI_KIND}={UID}-gpu",)
                 load_cdi_spec(paths.cdi_dir / cdi.spec_file_name(UID))
+                unknown = kubelet.prepare(DRIVER_NAME, [("vms", "missing", "u-1")])["u-1"][1]
+                assert "vms/missing (uid u-1) is not known" in unknown
                 process.send_signal(signal.SIGTERM)
                 assert process.wait(WAIT * 2) == 0
             finally:
@@ -55,8 +57,10 @@ def test_serve_dra_process_registers_prepares_and_stops_on_sigterm() -> None:
             wait_until(lambda: kubelet.registered(DRIVER_NAME) is None, what="deregistration")
         assert not (paths.registry / REGISTRATION_SOCKET).exists()
         assert (paths.cdi_dir / cdi.spec_file_name(UID)).exists()  # prepared claims outlive the process
-        events = [json.loads(line)["event"] for line in log.read_text().splitlines() if line.strip()]
-        assert {"dra_serving", "dra_registered", "dra_prepared", "dra_stopped", "signal"} <= set(events)
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        assert {"dra_serving", "dra_registered", "dra_prepared", "dra_stopped", "signal"} <= {x["event"] for x in lines}
+        (refused,) = [line for line in lines if line["event"] == "dra_prepare_refused"]
+        assert refused["level"] == "warning" and "vms/missing" in refused["error"]
 
 
 def test_serve_dra_without_a_claim_source_is_a_clear_error(tmp_path: Path) -> None:

@@ -17,7 +17,9 @@ A refusal is the claim's own ``error`` string (naming the claim and the device),
 whole call: the kubelet retries the claim later. Bounds: :data:`MAX_CLAIMS_PER_CALL` claims per call,
 :data:`MAX_DEVICES_PER_CLAIM` devices of ours per claim, :data:`checkpoint.MAX_CLAIMS` prepared at once. A
 device already prepared for another claim is refused (the scheduler never allocates one device twice; a
-stale claim or a forged allocation would). One lock serialises the calls: each is milliseconds of file I/O.
+stale claim or a forged allocation would). One lock serialises the bookkeeping and file writes (milliseconds
+each); the claim source, perhaps an API server, is read outside it. A claim source that fails in an
+unexpected way fails that claim (``internal error: …``), not the call.
 """
 
 from __future__ import annotations
@@ -139,36 +141,58 @@ class PrepareCore:
         if len(refs) > MAX_CLAIMS_PER_CALL:
             raise InputError(f"{len(refs)} claims in one call, over the limit of {MAX_CLAIMS_PER_CALL}")
         answers: dict[str, ClaimOutcome] = {}
-        with self._lock:
-            for ref in refs:
-                try:
-                    outcome = ClaimOutcome(devices=self._prepare_one(ref))
-                except (ClaimError, InputError, AllocationError, OSError, ValueError) as exc:
-                    text = exc.message if isinstance(exc, AllocationError) else str(exc)
-                    if isinstance(exc, OSError):
-                        text = f"claim {ref}: cannot write its files: {exc.strerror or exc}"
-                    elif not text.startswith("claim "):
-                        text = f"claim {ref}: {text}"
-                    outcome = ClaimOutcome(error=text)
-                    log_event("dra_prepare_refused", claim=str(ref), error=text)
-                answers[ref.uid] = outcome
-                if self.on_outcome is not None:
-                    self.on_outcome("prepare", "error" if outcome.error else "ok")
+        for ref in refs:
+            try:
+                outcome = ClaimOutcome(devices=self._prepare_one(ref))
+            except (ClaimError, InputError, AllocationError, ValueError) as exc:
+                text = exc.message if isinstance(exc, AllocationError) else str(exc)
+                if not text.startswith("claim "):
+                    text = f"claim {ref}: {text}"
+                outcome = ClaimOutcome(error=text)
+                log_event("dra_prepare_refused", claim=str(ref), error=text)
+            except Exception as exc:  # the claim source's or our own bug: this claim fails, the others go on
+                outcome = ClaimOutcome(error=f"claim {ref}: internal error: {type(exc).__name__}: {exc}")
+                log_event("dra_internal_error", claim=str(ref), error=outcome.error)
+            answers[ref.uid] = outcome
+            if self.on_outcome is not None:
+                self.on_outcome("prepare", "error" if outcome.error else "ok")
         return answers
 
     def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        """The claim's devices: the recorded answer, or a new prepare. The claim source (perhaps an API GET)
+        is asked outside the lock, so a slow one does not hold up other claims."""
         check_ref(ref)
         if not _UID.match(ref.uid):
             raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
-        known = self._prepared.get(ref.uid)
+        with self._lock:
+            known = self._known(ref)
         if known is not None:
-            if (known.namespace, known.name) != (ref.namespace, ref.name):
-                raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
-            self._restore(known)
-            return known.devices
+            return known
+        try:
+            results = self.claims.allocated(ref)
+        except InputError:
+            raise
+        except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
+            raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
+        with self._lock:
+            known = self._known(ref)  # prepared meanwhile by a concurrent call
+            return known if known is not None else self._prepare_new(ref, results)
+
+    def _known(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | None:
+        """The recorded answer for ``ref`` (its missing files rewritten), None when not prepared. Lock held."""
+        known = self._prepared.get(ref.uid)
+        if known is None:
+            return None
+        if (known.namespace, known.name) != (ref.namespace, ref.name):
+            raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
+        self._restore(known)
+        return known.devices
+
+    def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
+        """Prepare a claim not recorded yet from its allocation ``results``. Lock held."""
         if len(self._prepared) >= self.max_claims:
             raise ClaimError(f"claim {ref}: {len(self._prepared)} claims are prepared, the limit is {self.max_claims}")
-        ours = [result for result in self.claims.allocated(ref) if result.driver == self.driver]
+        ours = [result for result in results if result.driver == self.driver]
         if len(ours) > MAX_DEVICES_PER_CLAIM:
             raise ClaimError(f"claim {ref} has {len(ours)} devices of {self.driver}, over {MAX_DEVICES_PER_CLAIM}")
         chosen = [self._lookup(ref, result) for result in ours]
@@ -200,10 +224,10 @@ class PrepareCore:
                 checkpoint.write_atomic(Path(path), text)
             self._prepared[ref.uid] = claim
             checkpoint.save(self.state_dir, self._prepared.values())
-        except OSError:
+        except OSError as exc:
             self._prepared.pop(ref.uid, None)
             self._delete_files(claim)
-            raise
+            raise ClaimError(f"claim {ref}: cannot write its files: {exc.strerror or exc}") from None
         log_event("dra_prepared", claim=str(ref), devices=[device.device for device in prepared], files=sorted(files))
         return claim.devices
 
