@@ -314,3 +314,17 @@ def test_cluster_side_gives_the_claims_and_the_publisher_on_one_client(server: F
     assert len(ours(server)) == 1
     server.add_claim(claim_object(REF, RESULTS))
     assert claims.allocated(REF) == RESULTS
+
+
+def test_a_recreated_node_owns_the_slices_written_after_it(server: FakeApiServer, api: KubeApi) -> None:
+    publisher = SlicePublisher(api, NODE)
+    publisher.sync(many_gpus(2))
+    server.add_node(NODE, "11111111-0000-4000-8000-000000000009")  # deleted and registered again
+    publisher.sync(many_gpus(3))
+    (obj,) = ours(server)
+    assert obj["metadata"]["ownerReferences"][0]["uid"] == "11111111-0000-4000-8000-000000000009"
+    server.clear_requests()
+    publisher.sync(many_gpus(3))  # unchanged: one LIST, no Node read, no write
+    assert [(request.method, request.path) for request in server.requests()] == [
+        ("GET", "/apis/resource.k8s.io/v1/resourceslices")
+    ]

@@ -240,7 +240,8 @@ class SlicePublisher:
         return self._pci_ids[1]
 
     def owner_reference(self) -> JSON:
-        """The Node as owner (read once: its UID); the slices go when the Node object does."""
+        """The Node as owner (its UID, read at the first sync and again before each write); the slices go when
+        the Node object does."""
         if self._owner is None:
             node = self._api.read_node(self._node_name)
             uid = _metadata(node).get("uid")
@@ -304,9 +305,13 @@ class SlicePublisher:
             )
         current = max((_generation(obj) for obj in existing), default=0)
         generation = current + 1
+        owner_known = self._owner is not None
         desired = self._desired(inventory, generation)
         if self._up_to_date(existing, desired):
             return PublishResult(current)
+        if owner_known:  # about to write: read the Node again (one deleted and re-created has a new UID)
+            self._owner = None
+            desired = self._desired(inventory, generation)
         # The pool name is immutable: a slice of ours naming another pool is deleted, never reused.
         reusable = sorted(
             (obj for obj in existing if _pool_name(obj) == self._node_name),
