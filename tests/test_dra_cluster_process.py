@@ -12,11 +12,12 @@ from pathlib import Path
 import yaml
 
 from plugin.dra.claims import AllocatedDevice, ClaimRef, claim_object
+from plugin.dra.kube import KubeApi, SlicePublisher
 from schemas.dra import CDI_KIND, DRIVER_NAME
 from simkit.fake_apiserver import running
 from simkit.fixture_nodes import NODE01
 from simkit.kubelet_dra_standin import KubeletDraStandIn
-from tests.dra_support import DraPaths
+from tests.dra_support import DraPaths, dra_runner, running_dra
 from tests.plugin_support import WAIT, build_tree, plugin_env, serve_command, short_dir, wait_until
 
 UID = "5d0e3a1c-7b6f-4e2a-9c1d-2f3e4a5b6c7d"
@@ -100,3 +101,24 @@ def test_serve_dra_without_cluster_credentials_is_a_clear_error(tmp_path: Path) 
         f"cannot configure the Kubernetes client from kubeconfig {str(tmp_path / 'no-such-kubeconfig')!r}"
         in done.stderr
     )
+
+
+def test_slices_deleted_under_the_plugin_come_back_at_the_resync() -> None:
+    """An unchanged inventory is offered to the publisher again after the runner's resync interval: slices
+    deleted by hand (or collected after the Node was re-created) are published again without a restart."""
+    with short_dir() as base, running() as api:
+        api.add_node("node01")
+        paths = DraPaths.under(base, build_tree(NODE01, base))
+        client = KubeApi.for_host(api.url, timeout=(2.0, 5.0))
+        runner = dra_runner(paths, sinks=[SlicePublisher(client, "node01")], pool="node01")
+        runner.sink_resync = 0.5
+        with running_dra(runner):
+            wait_until(lambda: len(api.slices()) == 1, what="the node's ResourceSlice")
+            (first,) = api.slices()
+            api.handle("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{first['metadata']['name']}", b"")
+            assert api.slices() == []
+            wait_until(lambda: len(api.slices()) == 1, what="the slice published again")
+        (again,) = api.slices()
+        assert again["spec"]["devices"] == first["spec"]["devices"]
+        assert again["metadata"]["name"] != first["metadata"]["name"]
+        client.close()

@@ -7,8 +7,8 @@ One thread, blocking on file descriptors like :class:`~plugin.manager.PluginMana
   sockets (:class:`~plugin.dra.service.DraServer`);
 - on a VFIO change, a uevent, or every ``scan_interval``: rescan (:func:`plugin.sysfs.scan`); the core
   prepares against the newest inventory, and each :class:`InventorySink` gets an inventory that differs from
-  the last one it took (or the same one again after it failed): the seam where the ResourceSlice
-  publisher (plugin/dra/kube.py) plugs in;
+  the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
+  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in;
 - a socket removed under us (a wiped registry directory) is served again, which makes the kubelet register
   us anew; a kubelet restart needs nothing from us (it re-reads the registry directory);
 - :meth:`request_stop` (SIGTERM) ends the loop: the registration socket goes first, so the kubelet
@@ -37,6 +37,12 @@ from schemas.errors import InputError
 DEFAULT_SCAN_INTERVAL = 5.0
 LIVENESS_SLACK = 10.0
 """Seconds a loop turn may take beyond the scan interval before ``/healthz`` calls the loop stuck."""
+
+
+SINK_RESYNC_INTERVAL = 300.0
+"""Seconds after which a sink is offered an unchanged inventory again: the ResourceSlice publisher then lists
+its slices (one call) and repairs any deleted under it (by hand, or by the garbage collector after the Node
+object was re-created)."""
 
 
 class InventorySink(Protocol):
@@ -77,7 +83,8 @@ class DraRunner:
         self._warnings = tuple(warnings)
         self._stop = threading.Event()
         self._serving = False
-        self._published: dict[int, Inventory] = {}
+        self.sink_resync = SINK_RESYNC_INTERVAL
+        self._published: dict[int, tuple[Inventory, float]] = {}
         state = config.node_agent_state
         agent_state = self.host_root / state.lstrip("/") if state else None
         self._watcher = NodeWatcher(self.host_root / "dev" / "vfio", registry_dir.absolute(), agent_state)
@@ -175,7 +182,8 @@ class DraRunner:
         self.inventory = inventory
         self.core.update_inventory(inventory)
         for index, sink in enumerate(self.sinks):
-            if self._published.get(index) == inventory:
+            last = self._published.get(index)
+            if last is not None and last[0] == inventory and time.monotonic() < last[1] + self.sink_resync:
                 continue
             try:
                 sink.publish(inventory)
@@ -183,7 +191,7 @@ class DraRunner:
                 log_event("dra_publish_failed", sink=type(sink).__name__, error=f"{type(exc).__name__}: {exc}")
                 self._published.pop(index, None)
                 continue
-            self._published[index] = inventory
+            self._published[index] = (inventory, time.monotonic())
 
     def _problem(self, problem: str | None) -> None:
         if problem is not None and problem != self._last_problem:
