@@ -1,7 +1,8 @@
 """The subset of a KubeVirt VirtualMachineInstance that decides which host devices a VM gets.
 
-virt-launcher hands hooks the VMI as JSON; only ``spec.domain.devices.gpus[]`` and ``hostDevices[]``, the
-metadata for logs and the project's own annotations (:data:`COMPANIONS_ANNOTATION`) matter here. Unknown
+virt-launcher hands hooks the VMI as JSON; only ``spec.domain.devices.gpus[]`` and ``hostDevices[]``,
+``spec.resourceClaims[]`` (the DRA claims those entries may name instead of a ``deviceName``), the metadata for
+logs and the project's own annotations (:data:`COMPANIONS_ANNOTATION`) matter here. Unknown
 fields are ignored so newer KubeVirt versions keep working; the fields read are type-checked strictly so that
 a wrong shape is an error, not a silent default.
 
@@ -47,19 +48,44 @@ class VGPUOptions:
 
 @dataclass(frozen=True, slots=True)
 class GPU:
-    """One ``spec.domain.devices.gpus[]`` entry."""
+    """One ``spec.domain.devices.gpus[]`` entry: a device-plugin resource (``deviceName``) or a DRA claim's
+    request (``claimName``/``requestName``, KubeVirt's inlined ``ClaimRequest``)."""
 
     name: str
     device_name: str | None = None
     virtual_gpu_options: VGPUOptions | None = None
+    claim_name: str | None = None
+    request_name: str | None = None
+
+    @property
+    def is_dra(self) -> bool:
+        """KubeVirt's ``IsGPUDRA``: no ``deviceName`` and a claim request (either field) given."""
+        return not self.device_name and (self.claim_name is not None or self.request_name is not None)
 
 
 @dataclass(frozen=True, slots=True)
 class HostDevice:
-    """One ``spec.domain.devices.hostDevices[]`` entry."""
+    """One ``spec.domain.devices.hostDevices[]`` entry (``deviceName`` or ``claimName``/``requestName``)."""
 
     name: str
     device_name: str | None = None
+    claim_name: str | None = None
+    request_name: str | None = None
+
+    @property
+    def is_dra(self) -> bool:
+        """KubeVirt's ``IsHostDeviceDRA``: no ``deviceName`` and a claim request given."""
+        return not self.device_name and (self.claim_name is not None or self.request_name is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceClaim:
+    """One ``spec.resourceClaims[]`` entry: the VMI's (and the pod's) name for a claim, and where the claim
+    comes from; KubeVirt's admission wants exactly one of the two sources."""
+
+    name: str
+    resource_claim_name: str | None = None
+    resource_claim_template_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +102,11 @@ class DomainSpec:
 @dataclass(frozen=True, slots=True)
 class VMISpec:
     domain: DomainSpec = field(default_factory=DomainSpec)
+    resource_claims: tuple[ResourceClaim, ...] = ()
+
+    def resource_claim(self, name: str) -> ResourceClaim | None:
+        """The ``resourceClaims[]`` entry called ``name`` (the first, as virt-launcher's lookup), or None."""
+        return next((claim for claim in self.resource_claims if claim.name == name), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +208,23 @@ class _Reader:
             self.text(document, "name", where, None) or "",
             self.text(document, "deviceName", where, None),
             self.child(document, "virtualGPUOptions", where, self.vgpu_options, True),
+            self.text(document, "claimName", where, None),
+            self.text(document, "requestName", where, None),
         )
 
     def host_device(self, document: dict[str, Any], where: str) -> HostDevice:
         return HostDevice(
-            self.text(document, "name", where, None) or "", self.text(document, "deviceName", where, None)
+            self.text(document, "name", where, None) or "",
+            self.text(document, "deviceName", where, None),
+            self.text(document, "claimName", where, None),
+            self.text(document, "requestName", where, None),
+        )
+
+    def resource_claim(self, document: dict[str, Any], where: str) -> ResourceClaim:
+        return ResourceClaim(
+            self.text(document, "name", where, None) or "",
+            self.text(document, "resourceClaimName", where, None),
+            self.text(document, "resourceClaimTemplateName", where, None),
         )
 
     def devices(self, document: dict[str, Any], where: str) -> Devices:
@@ -193,7 +236,10 @@ class _Reader:
         return DomainSpec(self.child(document, "devices", where, self.devices, False) or Devices())
 
     def spec(self, document: dict[str, Any], where: str) -> VMISpec:
-        return VMISpec(self.child(document, "domain", where, self.domain, False) or DomainSpec())
+        return VMISpec(
+            self.child(document, "domain", where, self.domain, False) or DomainSpec(),
+            tuple(self.items(document, "resourceClaims", where, self.resource_claim)),
+        )
 
     def metadata(self, document: dict[str, Any], where: str) -> ObjectMeta:
         return ObjectMeta(
@@ -276,13 +322,32 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
                 name, device_name = entry.get("name"), entry.get("deviceName")
                 if type(name) is not str or (device_name is not None and type(device_name) is not str):
                     return None
+                claim, request = entry.get("claimName"), entry.get("requestName")
+                if (claim is not None and type(claim) is not str) or (request is not None and type(request) is not str):
+                    return None
                 if key == "gpus":
                     options = _fast_vgpu_options(entry.get("virtualGPUOptions"))
                     if options is False:
                         return None
-                    gpus.append(GPU(name, device_name, options))  # type: ignore[arg-type]
+                    gpus.append(GPU(name, device_name, options, claim, request))  # type: ignore[arg-type]
                 else:
-                    host_devices.append(HostDevice(name, device_name))
+                    host_devices.append(HostDevice(name, device_name, claim, request))
+    claims: list[ResourceClaim] = []
+    entries = spec.get("resourceClaims", _Reader._MISSING)
+    if entries is not _Reader._MISSING:
+        if type(entries) is not list:
+            return None
+        for entry in entries:
+            if type(entry) is not dict:
+                return None
+            name, claim, template = (
+                entry.get("name"),
+                entry.get("resourceClaimName"),
+                entry.get("resourceClaimTemplateName"),
+            )
+            if type(name) is not str or any(v is not None and type(v) is not str for v in (claim, template)):
+                return None
+            claims.append(ResourceClaim(name, claim, template))
     metadata = document.get("metadata", _Reader._MISSING)
     meta = ObjectMeta()
     if metadata is not _Reader._MISSING:
@@ -299,7 +364,7 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
         if companions is None:
             return None
         meta = ObjectMeta(name, namespace, companions)
-    return VirtualMachineInstance(VMISpec(DomainSpec(Devices(gpus, host_devices))), meta)
+    return VirtualMachineInstance(VMISpec(DomainSpec(Devices(gpus, host_devices)), tuple(claims)), meta)
 
 
 def _read_vmi(document: dict[str, Any]) -> VirtualMachineInstance:

@@ -346,7 +346,8 @@ def test_parse_environ_reads_back_both_forms(soak: bool) -> None:
 vmi_keys = st.sampled_from(
     [
         "spec", "domain", "devices", "gpus", "hostDevices", "name", "deviceName", "virtualGPUOptions",
-        "display", "enabled", "ramFB", "kind", "metadata", "namespace", "template", "x",
+        "display", "enabled", "ramFB", "kind", "metadata", "namespace", "template", "x", "claimName",
+        "requestName", "resourceClaims", "resourceClaimName", "resourceClaimTemplateName",
     ]
 )  # fmt: skip
 json_scalars = (

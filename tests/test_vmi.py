@@ -7,7 +7,7 @@ import json
 import pytest
 
 from schemas import InputError
-from schemas.vmi import parse_vmi
+from schemas.vmi import ResourceClaim, parse_vmi
 from tests.conftest import EXAMPLES
 
 
@@ -104,7 +104,39 @@ _SHAPES: list[object] = [
             }
         },
     },
+    {
+        "spec": {
+            "resourceClaims": [
+                {"name": "c0", "resourceClaimName": "claim-a"},
+                {"name": "c1", "resourceClaimTemplateName": "tpl", "resourceClaimName": None},
+                {"name": "c2", "x": 1},
+            ],
+            "domain": {
+                "devices": {
+                    "gpus": [
+                        {"name": "g0", "claimName": "c0", "requestName": "gpu"},
+                        {"name": "g1", "claimName": "c1", "requestName": None, "virtualGPUOptions": {"display": {}}},
+                        {"name": "g2", "deviceName": "d", "claimName": "c0", "requestName": "gpu"},
+                    ],
+                    "hostDevices": [{"name": "h0", "claimName": "c1", "requestName": "r"}, {"name": "h1"}],
+                }
+            },
+        }
+    },
 ]
+
+
+def test_dra_fields_are_read_and_an_entry_is_dra_as_kubevirt_decides() -> None:
+    vmi = parse_vmi(json.dumps(_SHAPES[-1]).encode())
+    gpus, hosts = vmi.spec.domain.devices.gpus, vmi.spec.domain.devices.host_devices
+    assert (gpus[0].claim_name, gpus[0].request_name, gpus[0].is_dra) == ("c0", "gpu", True)
+    assert (gpus[1].request_name, gpus[1].is_dra) == (None, True)  # incomplete: the hook refuses it, naming it
+    assert gpus[2].is_dra is False  # deviceName wins, as in virt-launcher (KubeVirt's admission refuses both)
+    assert (hosts[0].claim_name, hosts[0].is_dra, hosts[1].is_dra) == ("c1", True, False)
+    claims = vmi.spec.resource_claims
+    assert claims[0] == ResourceClaim("c0", "claim-a", None)
+    assert claims[1] == ResourceClaim("c1", None, "tpl")
+    assert vmi.spec.resource_claim("c1") is claims[1] and vmi.spec.resource_claim("nope") is None
 
 
 @pytest.mark.parametrize("shape", _SHAPES)
@@ -144,6 +176,12 @@ _RAMFB_Y = {"ramFB": {"enabled": "y"}}
         {"spec": {}, "metadata": None},
         {"spec": {}, "metadata": {"name": None}},
         {"spec": {}, "metadata": {"namespace": 5}},
+        {"spec": {"domain": {"devices": {"gpus": [{"name": "g", "claimName": 1}]}}}},
+        {"spec": {"domain": {"devices": {"hostDevices": [{"name": "h", "requestName": []}]}}}},
+        {"spec": {"resourceClaims": {}}},
+        {"spec": {"resourceClaims": [1]}},
+        {"spec": {"resourceClaims": [{"resourceClaimName": "a"}]}},
+        {"spec": {"resourceClaims": [{"name": "c", "resourceClaimTemplateName": 2}]}},
     ],
 )
 def test_a_wrong_shape_leaves_the_one_pass_reader_for_the_checking_one(shape: dict[str, object]) -> None:
