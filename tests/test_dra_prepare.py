@@ -324,7 +324,8 @@ def test_a_subrequest_result_is_filed_under_its_request(tmp_path: Path) -> None:
     (mount,) = device["containerEdits"]["mounts"]
     assert device["name"] == f"{UID}-gpu" and "/resourceclaims/gpu-claim/gpu/" in mount["containerPath"]
     metadata = dra_metadata.parse_metadata(Path(mount["hostPath"]).read_bytes(), "m")
-    assert dra_metadata.claimed_device(metadata, "gpu", "m").id == GPU_86
+    assert [request.name for request in metadata.requests] == ["gpu/rtx"]  # the full name inside (Kubernetes)
+    assert dra_metadata.claimed_device(metadata, "gpu/rtx", "m").id == GPU_86
 
 
 def test_an_sriov_vgpu_vf_is_named_by_its_pci_address(tmp_path: Path) -> None:
