@@ -2,8 +2,8 @@
 
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
 pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
-PCI window come from the reader in ``BuildOptions.bars``) and either returns a whole document or raises
-``InputError``; there is no partial result.
+PCI window come from the reader in ``BuildOptions.bars``, DRA entries' devices from ``BuildOptions.claims``)
+and either returns a whole document or raises ``InputError``; there is no partial result.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher_hook.allocation import EnvAllocation, allocation_from_env
+from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey, dra_entries
 from launcher_hook.companions import Placement, place_companions, wanted_companions
 from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
 from launcher_hook.hostdev import HostdevSpec
@@ -36,6 +37,9 @@ class BuildOptions:
     (KubeVirt's lookups by alias then miss them; each renamed one is a warning)."""
     bars: BarSource | None = None
     """Where PCI BAR sizes are read (sysfs); None: no 64-bit MMIO window is written (docs/large-bar.md)."""
+    claims: ClaimResolver | None = None
+    """Where DRA entries' devices are read (KEP 5304 metadata files, docs/dra.md); None: DRA entries are left to
+    virt-launcher with a warning."""
 
 
 @dataclass(frozen=True)
@@ -64,17 +68,25 @@ def plan_hostdevs(
     graphics: bool = True,
     existing: DomainHostdevs = NO_HOSTDEVS,
     allocation: EnvAllocation | None = None,
+    claims: Mapping[EntryKey, ClaimOutcome] | None = None,
 ) -> tuple[list[HostdevSpec], list[str]]:
     """The hostdevs the VM gets and any warnings, without touching a domain (``graphics``: whether the
     domain has a ``<graphics>`` device, which a vGPU display needs; ``existing``: its hostdevs;
-    ``allocation``: ``env`` already read, when the caller has it)."""
+    ``allocation``: ``env`` already read, when the caller has it; ``claims``: the DRA entries' devices)."""
     if options.driver is not None and options.driver not in SUPPORTED_DRIVERS:
         raise ValueError(f"unsupported hostdev driver {options.driver!r}; supported: {', '.join(SUPPORTED_DRIVERS)}")
     allocation = allocation if allocation is not None else allocation_from_env(env)
     hostdev_options = HostdevOptions(options.managed, options.driver, graphics, options.force_gpu_aliases)
     if vmi is None:
         return match_all(allocation, hostdev_options, existing)
-    return match_vmi(vmi, allocation, hostdev_options, existing)
+    return match_vmi(vmi, allocation, hostdev_options, existing, claims)
+
+
+def _read_claims(vmi: VirtualMachineInstance | None, options: BuildOptions) -> Mapping[EntryKey, ClaimOutcome] | None:
+    """The DRA entries' devices from ``options.claims``; None without a reader (or a VMI)."""
+    if vmi is None or options.claims is None:
+        return None
+    return options.claims.resolve(vmi) if dra_entries(vmi) else {}
 
 
 def build_domain(
@@ -89,15 +101,18 @@ def build_domain(
     parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
     companions = vmi is None or vmi.metadata.companions  # on unless the VMI's annotation turns it off
     allocation = allocation_from_env(env)
+    claims = _read_claims(vmi, options)
     if parsed is None:
-        specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation)
+        specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation, claims=claims)
         if companions and wanted_companions(specs, allocation, warnings):
             warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
     # libvirt reads the devices of every <devices> element; so does the hook (graphics and hostdevs).
     graphics = parsed.root.find("devices/graphics") is not None
     existing = read_hostdevs(parsed)
-    specs, warnings = plan_hostdevs(vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation)
+    specs, warnings = plan_hostdevs(
+        vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation, claims=claims
+    )
     spliced = merge_hostdevs(parsed, specs, existing)
     domain, hostdevs, warnings = spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings
     placements: list[Placement] = []

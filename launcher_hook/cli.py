@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import click
 
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
+from launcher_hook.dra import MetadataFiles
 from launcher_hook.server import (
     DEFAULT_PLUGIN_SOCKET,
     DEFAULT_SOCKET,
@@ -42,6 +43,7 @@ from runtime.logs import configure_logging
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT, SysfsBars
 from runtime.signals import stop_on_signals
 from runtime.sockets import SocketInUse
+from schemas.dra_metadata import DEFAULT_ROOT as DEFAULT_DRA_METADATA_ROOT
 from schemas.logformat import LogFormat
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,6 +108,27 @@ def force_gpu_aliases_option(function: F) -> F:
 
 
 PCI_MMIO64_CHOICES = ("auto", "off")
+
+
+def dra_metadata_option(function: F) -> F:
+    """``--dra-metadata-root`` (``LAUNCHER_HOOK_DRA_METADATA_ROOT``), for ``serve``, the shim and ``xmlgen
+    render``: where DRA entries' KEP 5304 metadata files are read (docs/dra.md, "Hook side")."""
+    return click.option(
+        "--dra-metadata-root",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=DEFAULT_DRA_METADATA_ROOT,
+        show_default=True,
+        envvar=hook_env("dra_metadata_root"),
+        help="Where the devices of gpus[]/hostDevices[] entries with claimName/requestName are read: "
+        "<root>/resourceclaims/<claim>/<request>/<driver>-metadata.json (resourceclaimtemplates/<pod claim>/… "
+        "for a template), as virt-launcher reads them. In a sidecar, a path that shows the compute "
+        "container's files, e.g. /proc/<pid>/root/var/run/kubernetes.io/dra-device-attributes.",
+    )(function)
+
+
+def claim_reader(dra_metadata_root: Path) -> MetadataFiles:
+    """The DRA metadata reader the builder gets."""
+    return MetadataFiles(dra_metadata_root)
 
 
 def mmio_window_options(function: F) -> F:
@@ -195,6 +218,7 @@ def cli() -> None:
 @force_gpu_aliases_option
 @allocation_options
 @mmio_window_options
+@dra_metadata_option
 @log_format_option
 def serve(
     api: HookApi,
@@ -209,13 +233,17 @@ def serve(
     force_gpu_aliases: bool,
     pci_mmio64: str,
     sysfs_root: Path,
+    dra_metadata_root: Path,
 ) -> None:
     """Serve OnDefineDomain (hooks v1alpha1-v1alpha3) and/or MutateDomain (plugins v1alpha1) until Shutdown,
     SIGTERM or SIGINT."""
     flush_logs = configure_logging(COMPONENT, log_format, background=True)
     try:
         options = BuildOptions(
-            driver=driver, force_gpu_aliases=force_gpu_aliases, bars=bar_source(pci_mmio64, sysfs_root)
+            driver=driver,
+            force_gpu_aliases=force_gpu_aliases,
+            bars=bar_source(pci_mmio64, sysfs_root),
+            claims=claim_reader(dra_metadata_root),
         )
         sockets = {"hooks": (socket_path,), "plugins": (plugin_socket_path,), "both": (socket_path, plugin_socket_path)}
         _serve(api, sockets[api], socket_mode, pod_resources_socket, environ_file, container, options)

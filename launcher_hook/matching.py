@@ -13,6 +13,11 @@ would have refused the VMI (its device count check), and so does the hook, namin
 
 Aliases of hostdevs the hook creates are ``ua-gpuN`` / ``ua-hostdevN`` with N the entry's index in its list,
 so they never depend on user-chosen names (which may hold characters libvirt silently drops from aliases).
+
+Entries with ``claimName``/``requestName`` (DRA, docs/dra.md "Hook side") get the device their claim's metadata
+file names (:mod:`launcher_hook.dra` reads it before the match); the same rules apply: virt-launcher's rendering
+(``ua-dra-gpu-<name>`` / ``ua-dra-hostdevice-<name>``) is kept, an entry whose file the hook cannot find is left
+to virt-launcher when it rendered it and refused otherwise, display and ramfb as for any vGPU.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from launcher_hook.allocation import EnvAllocation, Pool, usb_env_var_for
+from launcher_hook.claims import ClaimOutcome, EntryKey
 from launcher_hook.hostdev import HostdevSpec
-from schemas import VM_KINDS, DeviceId, InputError, kind_info
-from schemas.vmi import GPU, VGPUOptions, VirtualMachineInstance
+from schemas import VM_KINDS, DeviceId, InputError, ResourceKind, kind_info
+from schemas.vmi import GPU, HostDevice, VGPUOptions, VirtualMachineInstance
 
 SourceKey = tuple[str, str]
 """What a hostdev passes through: ``("pci", "0000:86:00.0")`` or ``("mdev", "<uuid>")``."""
@@ -33,6 +39,10 @@ SourceKey = tuple[str, str]
 KUBEVIRT_ALIAS_PREFIX = {"gpus": "ua-gpu-", "hostDevices": "ua-hostdevice-"}
 """virt-launcher's alias for an entry: this prefix and the entry's name."""
 KUBEVIRT_USB_ALIAS_PREFIX = "ua-usb-host-"
+KUBEVIRT_DRA_ALIAS_PREFIX = {"gpus": "ua-dra-gpu-", "hostDevices": "ua-dra-hostdevice-"}
+"""virt-launcher's alias for a DRA entry (``dra-gpu-<name>``/``dra-hostdevice-<name>`` as a user alias)."""
+DRA_VARIABLE_PREFIX = "dra:"
+"""A DRA hostdev's ``variable`` (for messages and logs): ``dra:<claimName>/<requestName>``."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,14 @@ class DomainHostdevs:
 NO_HOSTDEVS = DomainHostdevs()
 
 
+class _Fixed(NamedTuple):
+    """A DRA entry's device, read from ``file``."""
+
+    kind: ResourceKind
+    source: DeviceId
+    file: str
+
+
 class _Request(NamedTuple):
     """One VMI entry that asks for a device: where it sits and which resource it names."""
 
@@ -69,6 +87,8 @@ class _Request(NamedTuple):
     name: str
     device_name: str
     gpu: GPU | None
+    claim: _Fixed | None = None
+    """A DRA entry's device (and ``device_name`` is ``dra:<claimName>/<requestName>``)."""
 
     @property
     def alias(self) -> str:
@@ -80,7 +100,64 @@ class _Request(NamedTuple):
 
     @property
     def label(self) -> str:
+        if self.claim is not None:
+            return _dra_label(self.list_name, self.position, self.name, self.device_name)
         return f"{self.list_name}[{self.position}] {self.name!r} (deviceName {self.device_name})"
+
+
+def _dra_label(list_name: str, position: int, name: str, variable: str) -> str:
+    claim, _, request = variable.removeprefix(DRA_VARIABLE_PREFIX).partition("/")
+    return f"{list_name}[{position}] {name!r} (claimName {claim}, requestName {request})"
+
+
+def _dra_requests(
+    vmi: VirtualMachineInstance,
+    claims: Mapping[EntryKey, ClaimOutcome] | None,
+    existing: DomainHostdevs,
+    warnings: list[str],
+) -> list[_Request]:
+    """The VMI's DRA entries with the device each gets; an entry virt-launcher rendered and the hook cannot
+    confirm is left as virt-launcher wrote it (a warning); an entry nobody can give a device is an error."""
+    devices = vmi.spec.domain.devices
+    entries: list[tuple[str, int, GPU | HostDevice]] = [("gpus", i, gpu) for i, gpu in enumerate(devices.gpus)]
+    entries += [("hostDevices", i, host) for i, host in enumerate(devices.host_devices)]
+    requests: list[_Request] = []
+    for list_name, position, entry in entries:
+        if not entry.is_dra:
+            continue
+        variable = f"{DRA_VARIABLE_PREFIX}{entry.claim_name or ''}/{entry.request_name or ''}"
+        label = _dra_label(list_name, position, entry.name, variable)
+        if not entry.claim_name or not entry.request_name:
+            raise InputError(f"{label}: a DRA entry needs both claimName and requestName")
+        if claims is None:
+            warnings.append(f"{label}: no DRA metadata root is configured for the hook; left to virt-launcher")
+            continue
+        if vmi.spec.resource_claim(entry.claim_name) is None:
+            names = ", ".join(repr(claim.name) for claim in vmi.spec.resource_claims) or "none"
+            raise InputError(f"{label}: claimName {entry.claim_name!r} is not in spec.resourceClaims (names: {names})")
+        outcome = claims.get((list_name, position))
+        rendered = KUBEVIRT_DRA_ALIAS_PREFIX[list_name] + entry.name
+        if outcome is None or outcome.kind is None or outcome.source is None:
+            why = outcome.missing if outcome is not None else "the hook's DRA metadata reader gave nothing for it"
+            if rendered in existing.alias_sources:
+                warnings.append(f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is left as it is")
+                continue
+            raise InputError(
+                f"{label}: {why} (is the DRA driver's metadata file visible to the hook? see --dra-metadata-root)"
+            )
+        key = (str(outcome.kind), str(outcome.source))
+        if rendered in existing.alias_sources and existing.alias_sources[rendered] != key:
+            passes = existing.alias_sources[rendered]
+            warnings.append(
+                f"{label}: virt-launcher's <hostdev> {rendered!r} passes "
+                f"{passes[1] if passes is not None else 'a device the hook does not read'}, but {outcome.file} "
+                f"names {outcome.source}; virt-launcher's is left as it is"
+            )
+            continue
+        gpu = entry if isinstance(entry, GPU) else None
+        fixed = _Fixed(outcome.kind, outcome.source, outcome.file)
+        requests.append(_Request(list_name, position, entry.name, variable, gpu, fixed))
+    return requests
 
 
 def _requests(vmi: VirtualMachineInstance) -> list[_Request]:
@@ -253,14 +330,16 @@ def match_vmi(
     allocation: EnvAllocation,
     options: HostdevOptions,
     existing: DomainHostdevs = NO_HOSTDEVS,
+    claims: Mapping[EntryKey, ClaimOutcome] | None = None,
 ) -> tuple[list[HostdevSpec], list[str]]:
     """Hostdev specs for the VMI's GPUs and host devices, in VMI order, and warnings for the user.
 
-    A pure function of what it reads: the VMI's ``gpus`` and ``hostDevices`` (every field of each entry), the
-    allocation, the options and the domain's hostdevs. The hook's allocation is the same on every call and
-    virt-launcher sends the same VMI each time, so a result is kept with the allocation
-    (``allocation.derived``), keyed by all of those, and handed out as fresh lists; a call that raises keeps
-    nothing.
+    A pure function of what it reads: the VMI's ``gpus`` and ``hostDevices`` (every field of each entry)
+    and ``resourceClaims``, the allocation, the options, the domain's hostdevs and the DRA entries' devices
+    (``claims``, read by :mod:`launcher_hook.dra`; None: no metadata root configured). The hook's allocation
+    is the same on every call and virt-launcher sends the same VMI each time, so a result is kept with the
+    allocation (``allocation.derived``), keyed by all of those, and handed out as fresh lists; a call that
+    raises keeps nothing.
     """
     devices = vmi.spec.domain.devices
     key = (
@@ -269,13 +348,15 @@ def match_vmi(
         options,
         tuple(existing.alias_sources.items()),
         tuple(existing.ramfb_on.items()),
+        vmi.spec.resource_claims,
+        tuple(claims.items()) if claims is not None else None,
     )
     kept: dict[object, tuple[list[HostdevSpec], list[str]]] | None = allocation.derived.get(_MATCHES)
     if kept is None:
         kept = allocation.derived[_MATCHES] = {}
     found = kept.get(key)
     if found is None:
-        found = _match_vmi(vmi, allocation, options, existing)
+        found = _match_vmi(vmi, allocation, options, existing, claims)
         if len(kept) >= MATCHES_KEPT:
             kept.clear()
         kept[key] = found
@@ -287,23 +368,14 @@ def _match_vmi(
     allocation: EnvAllocation,
     options: HostdevOptions,
     existing: DomainHostdevs,
+    claims: Mapping[EntryKey, ClaimOutcome] | None,
 ) -> tuple[list[HostdevSpec], list[str]]:
     warnings: list[str] = []
-    resources: dict[str, _Resource] = {}
-    served: list[_Request] = []
-    for request in _requests(vmi):
-        resource = resources.get(request.device_name)
-        if resource is None:
-            resource = resources[request.device_name] = _resource(request.device_name, allocation)
-        if resource.pools:
-            served.append(request)
-            continue
-        reason = _left_to_virt_launcher(request, allocation, existing)
-        if reason is None:
-            raise _no_variable(request)
-        warnings.append(reason)
+    dra = _dra_requests(vmi, claims, existing, warnings) if _has_dra(vmi) else []
+    served, resources = _served(vmi, allocation, existing, warnings)
     _check_supply(served, resources)
     used: set[DeviceId] = set()
+    _reserve(dra, used)
     claimed, kept = _claim_rendered(served, resources, existing, used, warnings)
     # One cursor per resource over its IDs, PCI pool first: each request takes the next one not yet used.
     cursors: dict[str, Iterator[tuple[Pool, DeviceId]]] = {
@@ -317,10 +389,12 @@ def _match_vmi(
     wants: dict[int, _Display] = {}
     labels: dict[int, str] = {}
     first_mdev_seen = False
-    for index, request in enumerate(served):
+    for index, request in _in_vmi_order(served, dra):
         if index in kept:
             continue
-        if index in claimed:
+        if request.claim is not None:
+            pool, device_id = Pool(request.device_name, request.claim.kind, ()), request.claim.source
+        elif index in claimed:
             pool, device_id = claimed[index]
         else:
             for pool, device_id in cursors[request.device_name]:  # noqa: B007 - pool is used after the break
@@ -365,6 +439,54 @@ def _match_vmi(
             )
         specs.append(spec)
     return _with_display(specs, wants, labels, existing, warnings), warnings
+
+
+def _served(
+    vmi: VirtualMachineInstance, allocation: EnvAllocation, existing: DomainHostdevs, warnings: list[str]
+) -> tuple[list[_Request], dict[str, _Resource]]:
+    """The device-plugin entries the hook serves (their resource has a variable) and those resources; the
+    others are left to virt-launcher (a warning) or refused."""
+    resources: dict[str, _Resource] = {}
+    served: list[_Request] = []
+    for request in _requests(vmi):
+        resource = resources.get(request.device_name)
+        if resource is None:
+            resource = resources[request.device_name] = _resource(request.device_name, allocation)
+        if resource.pools:
+            served.append(request)
+            continue
+        reason = _left_to_virt_launcher(request, allocation, existing)
+        if reason is None:
+            raise _no_variable(request)
+        warnings.append(reason)
+    return served, resources
+
+
+def _in_vmi_order(served: Sequence[_Request], dra: Sequence[_Request]) -> list[tuple[int, _Request]]:
+    """The served entries (with their index in ``served``) and the DRA ones (index -1) in VMI order: gpus, then
+    hostDevices, each by position."""
+    ordered: list[tuple[int, _Request]] = list(enumerate(served))
+    if dra:
+        ordered += [(-1, request) for request in dra]
+        ordered.sort(key=lambda item: (item[1].list_name != "gpus", item[1].position))
+    return ordered
+
+
+def _reserve(dra: Sequence[_Request], used: set[DeviceId]) -> None:
+    """A DRA entry's device is fixed: no other entry may take it (two DRA entries naming one is an error)."""
+    given_to: dict[DeviceId, str] = {}
+    for request in dra:
+        if request.claim is None:
+            continue
+        other = given_to.setdefault(request.claim.source, request.label)
+        if other != request.label:
+            raise InputError(f"{request.label}: {request.claim.source} is named by {other} too")
+        used.add(request.claim.source)
+
+
+def _has_dra(vmi: VirtualMachineInstance) -> bool:
+    devices = vmi.spec.domain.devices
+    return any(gpu.is_dra for gpu in devices.gpus) or any(host.is_dra for host in devices.host_devices)
 
 
 def _with_display(

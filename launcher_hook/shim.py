@@ -9,7 +9,7 @@ stdout.
 The shim passes no other arguments, so the allocation source and options are chosen by env variables
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
 ``LAUNCHER_HOOK_DRIVER``, ``LAUNCHER_HOOK_FORCE_GPU_ALIASES``, ``LAUNCHER_HOOK_PCI_MMIO64``,
-``LAUNCHER_HOOK_SYSFS_ROOT``), with the same precedence as
+``LAUNCHER_HOOK_SYSFS_ROOT``, ``LAUNCHER_HOOK_DRA_METADATA_ROOT``), with the same precedence as
 ``launcher-hook serve``; so is the log line format (``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or
 ``text``).
 """
@@ -26,6 +26,8 @@ from launcher_hook.builder import BuildOptions
 from launcher_hook.cli import (
     allocation_options,
     bar_source,
+    claim_reader,
+    dra_metadata_option,
     force_gpu_aliases_option,
     log_format_option,
     make_source,
@@ -42,6 +44,7 @@ from schemas.logformat import LogFormat
 @allocation_options
 @force_gpu_aliases_option
 @mmio_window_options
+@dra_metadata_option
 @log_format_option
 def on_define_domain(
     vmi_json: str,
@@ -53,6 +56,7 @@ def on_define_domain(
     force_gpu_aliases: bool,
     pci_mmio64: str,
     sysfs_root: Path,
+    dra_metadata_root: Path,
     log_format: LogFormat,
 ) -> None:
     """Print the --domain XML with the pod's GPUs added as <hostdev> elements (for KubeVirt's sidecar-shim)."""
@@ -61,7 +65,10 @@ def on_define_domain(
     try:
         # os.fsencode gives back the exact argv bytes, even ones that are not valid UTF-8 (the builder says so).
         options = BuildOptions(
-            driver=driver, force_gpu_aliases=force_gpu_aliases, bars=bar_source(pci_mmio64, sysfs_root)
+            driver=driver,
+            force_gpu_aliases=force_gpu_aliases,
+            bars=bar_source(pci_mmio64, sysfs_root),
+            claims=claim_reader(dra_metadata_root),
         )
         outcome = HookService(source, options).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"

@@ -34,6 +34,11 @@ def read_regular_file(path: Path, max_bytes: int, what: str, *, shown: str | Non
         raise InputError(f"{what} {name} cannot be read: it does not exist") from None
     except OSError as exc:
         raise InputError(f"{what} {name} cannot be read: {exc.strerror or exc}") from None
+    return read_open_file(fd, max_bytes, what, name)
+
+
+def read_open_file(fd: int, max_bytes: int, what: str, name: str) -> bytes:
+    """:func:`read_regular_file` for a descriptor the caller opened (``O_NONBLOCK``); closes it."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

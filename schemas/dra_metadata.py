@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import PurePath, PurePosixPath
 from typing import Any, Literal
 
 from schemas.dra import ATTR_MDEV_UUID, ATTR_PCI_BUS_ID
@@ -123,7 +123,7 @@ class ClaimedDevice:
     device: MetadataDevice
 
 
-def request_dir(root: str | PurePosixPath, source: SourceKind, claim_dir_name: str, request: str) -> PurePosixPath:
+def request_dir(root: str | PurePath, source: SourceKind, claim_dir_name: str, request: str) -> PurePosixPath:
     """The directory of one request's metadata files: ``claim_dir_name`` is the ResourceClaim's name for a
     ``"claim"`` source, the pod claim name for a ``"template"`` one. Names are checked to be one path component."""
     for what, name in (("claim directory name", claim_dir_name), ("request name", request)):
@@ -133,11 +133,20 @@ def request_dir(root: str | PurePosixPath, source: SourceKind, claim_dir_name: s
 
 
 def metadata_path(
-    root: str | PurePosixPath, source: SourceKind, claim_dir_name: str, request: str, driver: str
+    root: str | PurePath, source: SourceKind, claim_dir_name: str, request: str, driver: str
 ) -> PurePosixPath:
     """The file a driver writes for one request: ``<request_dir>/<driver>-metadata.json``."""
     _check_component(driver, "driver name")
     return request_dir(root, source, claim_dir_name, request) / f"{driver}{FILE_SUFFIX}"
+
+
+def claim_directory(claim_name: str, pod_claim_name: str | None) -> tuple[SourceKind, str]:
+    """Where a driver puts the files of the ResourceClaim ``claim_name``: a claim generated from a template
+    (its :data:`POD_CLAIM_NAME_ANNOTATION` is ``pod_claim_name``) under :data:`TEMPLATES_DIR` by that name, any
+    other under :data:`CLAIMS_DIR` by its own name. Pass the result to :func:`metadata_path`."""
+    if pod_claim_name:
+        return "template", pod_claim_name
+    return "claim", claim_name
 
 
 def _check_component(name: str, what: str) -> None:

@@ -16,14 +16,16 @@ What it does, as a 1.34 kubelet does:
   (the kubelet would call again), a claim's non-empty ``error`` is that claim's failure.
 - :meth:`restart`: the kubelet restarts: registrations are forgotten and the directory is walked again.
 
-Tests and benchmarks drive the real plugin (``plugin.dra``) with it. Thread-safe; waiting uses one condition
-variable; :meth:`stop` joins its thread and closes every channel.
+Tests and benchmarks drive the real plugin (``plugin.dra``) with it. Thread-safe; its watcher thread blocks
+in ``poll`` on the inotify descriptor and a wake-up pipe (no polling loop), callers wait on one condition
+variable; :meth:`stop` joins the thread and closes every channel.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import stat
 import threading
 import time
@@ -106,6 +108,7 @@ class KubeletDraStandIn:
         self._watch: DirectoryWatch | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake_read = self._wake_write = -1
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -115,6 +118,7 @@ class KubeletDraStandIn:
             raise DraStandInError("the stand-in is already running")
         self.registry_dir.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._watch = DirectoryWatch(self.registry_dir, ENTRIES_CHANGED)
         self.starts += 1
         self._thread = threading.Thread(target=self._run, name="kubelet-dra-standin", daemon=True)
@@ -125,7 +129,10 @@ class KubeletDraStandIn:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
+            os.write(self._wake_write, b"x")
             thread.join()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -250,8 +257,12 @@ class KubeletDraStandIn:
             self._consider(entry.name, gone=False)
         watch = self._watch
         assert watch is not None
+        poller = select.poll()
+        poller.register(watch.fileno(), select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
         while not self._stop.is_set():
-            for event in watch.read(0.05):
+            poller.poll()  # blocks until the directory changes or stop() wakes it
+            for event in watch.read(0):
                 if event.name:
                     self._consider(event.name, gone=bool(event.mask & (IN_DELETE | IN_MOVED_FROM)))
 

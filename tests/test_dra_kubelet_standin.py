@@ -68,13 +68,17 @@ def test_an_older_kubelet_gets_v1beta1(node01: DraPaths) -> None:
 
 
 def test_a_kubelet_that_speaks_neither_version_refuses_and_the_plugin_hears_why(node01: DraPaths) -> None:
+    runner = dra_runner(node01)
+    runner.reregister_after = 0.3
     with (
-        running_dra(dra_runner(node01)) as runner,
+        running_dra(runner),
         KubeletDraStandIn(node01.registry, services=("v2.DRAPlugin",)) as kubelet,
     ):
-        wait_until(lambda: runner.server.registration.status.registered is False, what="a refusal")
+        wait_until(lambda: runner.server.registration.status.calls >= 1, what="a refusal")
+        assert runner.server.registration.status.registered is not True
         assert "none of services supported by the plugin" in runner.server.registration.status.error
         assert kubelet.registered(DRIVER_NAME) is None
+        wait_until(lambda: len(kubelet.refusals) >= 2, what="the registration offered again after a refusal")
 
 
 def test_prepare_and_unprepare_over_the_sockets(node01: DraPaths) -> None:

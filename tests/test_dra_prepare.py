@@ -324,7 +324,8 @@ def test_a_subrequest_result_is_filed_under_its_request(tmp_path: Path) -> None:
     (mount,) = device["containerEdits"]["mounts"]
     assert device["name"] == f"{UID}-gpu" and "/resourceclaims/gpu-claim/gpu/" in mount["containerPath"]
     metadata = dra_metadata.parse_metadata(Path(mount["hostPath"]).read_bytes(), "m")
-    assert dra_metadata.claimed_device(metadata, "gpu", "m").id == GPU_86
+    assert [request.name for request in metadata.requests] == ["gpu/rtx"]  # the full name inside (Kubernetes)
+    assert dra_metadata.claimed_device(metadata, "gpu/rtx", "m").id == GPU_86
 
 
 def test_an_sriov_vgpu_vf_is_named_by_its_pci_address(tmp_path: Path) -> None:
@@ -366,3 +367,24 @@ def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) ->
         thread.join(10)
     assert len(answers) == 2 and answers[0] == answers[1] and outcomes == ["ok", "ok"]
     assert list(core.prepared()) == [UID]
+
+
+def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:
+    from plugin.dra.serve import claim_counter
+    from plugin.metrics import PluginMetrics
+
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    metrics = PluginMetrics()
+    core = PrepareCore(
+        StaticClaims.from_results(s.claims), s.root, s.state, s.cdi_dir, on_outcome=claim_counter(metrics)
+    )
+    core.update_inventory(discover(s.root))
+    core.start()
+    core.prepare([CLAIM, ClaimRef("vms", "unknown", UID2)])
+    core.unprepare([CLAIM])
+    text = metrics.exposition().decode()
+    assert 'gpu_device_plugin_dra_claims_total{operation="prepare",result="ok"} 1.0' in text
+    assert 'gpu_device_plugin_dra_claims_total{operation="prepare",result="error"} 1.0' in text
+    assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="ok"} 1.0' in text
+    assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="error"} 0.0' in text

@@ -1,8 +1,9 @@
 """Golden in/out cases: KubeVirt-shaped domain + VMI + allocation env → the exact domain we write.
 
-Each case folder holds ``domain.xml``, ``env`` (KEY=VALUE), optionally ``vmi.json`` and ``options.json``,
-and ``expected.xml``. ``pytest tests/test_golden.py --regen-golden`` rewrites ``expected.xml``; every
-expected document is also checked by real libvirt (RNG schema, test driver, QEMU argv for PCI).
+Each case folder holds ``domain.xml``, ``env`` (KEY=VALUE), optionally ``vmi.json``, ``options.json`` and
+``dra/`` (the KEP 5304 metadata tree the DRA entries' devices are read from, docs/dra.md), and
+``expected.xml``. ``pytest tests/test_golden.py --regen-golden`` rewrites ``expected.xml``; every expected
+document is also checked by real libvirt (RNG schema, test driver, QEMU argv for PCI).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import parse_environ
+from launcher_hook.dra import MetadataFiles
 from tests.conftest import FIXTURES
 from tests.libvirt_support import libvirt_verdict
 from xmlgen.libvirt_check import qemu_sources
@@ -21,14 +23,19 @@ from xmlgen.libvirt_check import qemu_sources
 CASES = sorted(path for path in (FIXTURES / "golden").iterdir() if path.is_dir())
 
 
+def _options(case: Path) -> BuildOptions:
+    options = json.loads((case / "options.json").read_text()) if (case / "options.json").exists() else {}
+    claims = MetadataFiles(case / "dra") if (case / "dra").is_dir() else None
+    return BuildOptions(**options, claims=claims)
+
+
 def _build(case: Path) -> tuple[bytes, dict[str, str]]:
     vmi = case / "vmi.json"
-    options = json.loads((case / "options.json").read_text()) if (case / "options.json").exists() else {}
     result = build_domain(
         (case / "domain.xml").read_bytes(),
         vmi.read_bytes() if vmi.exists() else None,
         parse_environ((case / "env").read_bytes()),
-        BuildOptions(**options),
+        _options(case),
     )
     return result.domain_xml, result.aliases
 
@@ -54,11 +61,10 @@ def test_golden_output_is_accepted_by_libvirt(case: Path) -> None:
 def test_building_twice_gives_the_same_document(case: Path) -> None:
     once, _ = _build(case)
     vmi = case / "vmi.json"
-    options = json.loads((case / "options.json").read_text()) if (case / "options.json").exists() else {}
     twice = build_domain(
         once,
         vmi.read_bytes() if vmi.exists() else None,
         parse_environ((case / "env").read_bytes()),
-        BuildOptions(**options),
+        _options(case),
     )
     assert twice.domain_xml == once

@@ -55,7 +55,7 @@ def test_pci_pool_is_used_before_the_mdev_pool() -> None:
 
 def test_alias_is_the_index_in_gpus_and_entries_without_device_name_are_left_alone() -> None:
     model = vmi(
-        [{"name": "dra", "claimName": "c"}, {"name": "weird name/!", "deviceName": TU106}],
+        [{"name": "nothing"}, {"name": "weird name/!", "deviceName": TU106}],
         [
             {"name": "x", "deviceName": "example.com/nic"},
             {"name": "dra2"},

@@ -20,6 +20,7 @@ from schemas.dra_metadata import (
     DeviceMetadata,
     MetadataDevice,
     MetadataRequest,
+    claim_directory,
     claimed_device,
     device_attributes,
     metadata_path,
@@ -213,3 +214,11 @@ def test_writer_refuses_what_the_reader_would_refuse() -> None:
         render_metadata(_metadata(k=Attribute.string("x" * 65)))
     with pytest.raises(InputError, match="malformed PCI address"):
         device_attributes(pci_bus_id="86:00.0")
+
+
+def test_a_generated_claim_goes_under_its_pod_claim_name_any_other_under_its_own() -> None:
+    assert claim_directory("virt-launcher-vm-abcde-gpu-x7k2q", "gpu") == ("template", "gpu")
+    assert claim_directory("a10-claim", None) == ("claim", "a10-claim")
+    assert str(metadata_path("/r", *claim_directory("c", ""), "req", DRIVER_NAME)).startswith(
+        "/r/resourceclaims/c/req/"
+    )

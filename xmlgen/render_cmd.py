@@ -9,7 +9,7 @@ import click
 
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
-from launcher_hook.cli import PCI_MMIO64_CHOICES, bar_source
+from launcher_hook.cli import PCI_MMIO64_CHOICES, bar_source, claim_reader, dra_metadata_option
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT
 from schemas.companions import is_companions_variable
 from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
@@ -59,6 +59,7 @@ from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_std
     show_default=True,
     help="Where BAR sizes are read: <root>/bus/pci/devices/<address>/resource (a fixture tree's sys/).",
 )
+@dra_metadata_option
 @max_input_bytes_option
 @user_errors
 def render(
@@ -70,6 +71,7 @@ def render(
     force_gpu_aliases: bool,
     pci_mmio64: str,
     sysfs_root: Path,
+    dra_metadata_root: Path,
     max_input_bytes: int,
 ) -> None:
     """Render the allocated GPUs as libvirt <hostdev> elements into a domain; the result goes to stdout."""
@@ -89,6 +91,7 @@ def render(
         max_input_bytes=max_input_bytes,
         force_gpu_aliases=force_gpu_aliases,
         bars=bar_source(pci_mmio64, sysfs_root),
+        claims=claim_reader(dra_metadata_root),
     )
     result = build_domain(domain, vmi, env, options)
     for warning in result.warnings:

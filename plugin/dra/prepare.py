@@ -271,30 +271,34 @@ class PrepareCore:
     def _metadata(
         self, ref: ClaimRef, request: str, members: Sequence[tuple[AllocatedDevice, Resource, Device]]
     ) -> tuple[Path, str, str]:
-        """Where the request's KEP 5304 file lives on the node and in the container, and its text."""
+        """Where the request's KEP 5304 file lives on the node and in the container, and its text.
+
+        The file sits in the directory of the top-level request; inside, each device is listed under its
+        result's full request name (``gpu/high-memory`` for a prioritized-list alternative), as Kubernetes'
+        device metadata protocol says."""
         pod_claim_name = members[0][0].pod_claim_name
-        devices = tuple(
-            dra_metadata.MetadataDevice(
-                driver=self.driver,
-                pool=result.pool,
-                name=result.device,
-                attributes=(
-                    dra_metadata.device_attributes(mdev_uuid=device.id)
-                    if resource.kind is ResourceKind.MDEV
-                    else dra_metadata.device_attributes(pci_bus_id=device.id)
-                ),
+        by_name: dict[str, list[dra_metadata.MetadataDevice]] = {}
+        for result, resource, device in members:
+            by_name.setdefault(result.request, []).append(
+                dra_metadata.MetadataDevice(
+                    driver=self.driver,
+                    pool=result.pool,
+                    name=result.device,
+                    attributes=(
+                        dra_metadata.device_attributes(mdev_uuid=device.id)
+                        if resource.kind is ResourceKind.MDEV
+                        else dra_metadata.device_attributes(pci_bus_id=device.id)
+                    ),
+                )
             )
-            for result, resource, device in members
-        )
         document = dra_metadata.DeviceMetadata(
             claim_name=ref.name,
             namespace=ref.namespace,
             uid=ref.uid,
             pod_claim_name=pod_claim_name,
-            requests=(dra_metadata.MetadataRequest(request, devices),),
+            requests=tuple(dra_metadata.MetadataRequest(name, tuple(devices)) for name, devices in by_name.items()),
         )
-        source: dra_metadata.SourceKind = "template" if pod_claim_name is not None else "claim"
-        directory = pod_claim_name if pod_claim_name is not None else ref.name
+        source, directory = dra_metadata.claim_directory(ref.name, pod_claim_name)
         container = dra_metadata.metadata_path(dra_metadata.DEFAULT_ROOT, source, directory, request, self.driver)
         host = self.metadata_dir / ref.uid / request / f"{self.driver}{dra_metadata.FILE_SUFFIX}"
         return host, str(container), dra_metadata.render_metadata(document).decode("utf-8")

@@ -10,7 +10,9 @@ One thread, blocking on file descriptors like :class:`~plugin.manager.PluginMana
   the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
   seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in;
 - a socket removed under us (a wiped registry directory) is served again, which makes the kubelet register
-  us anew; a kubelet restart needs nothing from us (it re-reads the registry directory);
+  us anew; a kubelet restart needs nothing from us (it re-reads the registry directory); after a refusal
+  (``NotifyRegistrationStatus`` with ``plugin_registered`` false, which the kubelet never retries) the
+  registration socket is offered again every :data:`REREGISTER_AFTER` seconds;
 - :meth:`request_stop` (SIGTERM) ends the loop: the registration socket goes first, so the kubelet
   deregisters before the endpoint disappears. Prepared claims stay prepared (their files and the checkpoint
   stay): a restarted plugin answers for them.
@@ -35,6 +37,9 @@ from runtime.pciids import PciIds
 from schemas.errors import InputError
 
 DEFAULT_SCAN_INTERVAL = 5.0
+REREGISTER_AFTER = 30.0
+"""Seconds after the kubelet refused us before the registration socket is offered again: a refusal may be
+transient (the kubelet had not yet seen the previous instance's socket go), and it never retries by itself."""
 LIVENESS_SLACK = 10.0
 """Seconds a loop turn may take beyond the scan interval before ``/healthz`` calls the loop stuck."""
 
@@ -66,6 +71,7 @@ class DraRunner:
         pci_ids: PciIds | None = None,
         warnings: Iterable[str] = (),
         sinks: Sequence[InventorySink] = (),
+        reregister_after: float = REREGISTER_AFTER,
     ) -> None:
         if scan_interval <= 0:
             raise ValueError("scan_interval must be positive")
@@ -76,6 +82,7 @@ class DraRunner:
         self.scan_interval = scan_interval
         self.pci_ids = pci_ids
         self.sinks = list(sinks)
+        self.reregister_after = reregister_after
         self.ready = threading.Event()
         """Set once the first scan is in the core and both sockets are served."""
         self.scans = 0
@@ -151,6 +158,9 @@ class DraRunner:
 
     def _timeout_ms(self) -> int:
         deadline = self._next_scan if self._serving else min(self._next_scan, time.monotonic() + 1.0)
+        status = self.server.registration.status
+        if status.registered is False:
+            deadline = min(deadline, status.at + self.reregister_after)
         return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
     def _serve(self) -> None:
@@ -158,8 +168,11 @@ class DraRunner:
             if not self._serving:
                 self.server.start()
                 self._serving = True
-            else:
-                self.server.ensure()
+            elif not self.server.ensure():
+                status = self.server.registration.status
+                if status.registered is False and time.monotonic() >= status.at + self.reregister_after:
+                    self.server.registration.forget_refusal()
+                    self.server.reregister()
         except (DraServeError, OSError) as exc:
             self._serving = False
             self._problem(f"cannot serve: {exc}")

@@ -19,8 +19,10 @@ only while it is still ours.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,8 @@ class RegistrationStatus:
     registered: bool | None = None
     error: str = ""
     calls: int = 0
+    at: float = 0.0
+    """``time.monotonic()`` of the kubelet's last word."""
 
 
 class RegistrationServicer:
@@ -139,13 +143,22 @@ class RegistrationServicer:
         self, request: reg.RegistrationStatus, context: grpc.ServicerContext
     ) -> reg.RegistrationStatusResponse:
         with self.changed:
-            self.status = RegistrationStatus(request.plugin_registered, request.error[:1000], self.status.calls + 1)
+            self.status = RegistrationStatus(
+                request.plugin_registered, request.error[:1000], self.status.calls + 1, time.monotonic()
+            )
             self.changed.notify_all()
         if request.plugin_registered:
             log_event("dra_registered", driver=DRIVER_NAME, endpoint=str(self.endpoint))
         else:
             log_event("registration_failed", driver=DRIVER_NAME, error=request.error[:1000])
         return reg.RegistrationStatusResponse()
+
+    def forget_refusal(self) -> None:
+        """Back to "no word yet" after a refusal (before offering the socket again)."""
+        with self.changed:
+            if self.status.registered is False:
+                self.status = dataclasses.replace(self.status, registered=None)
+            self.changed.notify_all()
 
     def wait_registered(self, timeout: float) -> bool:
         """Block until the kubelet said we are registered (tests, readiness)."""
@@ -277,6 +290,12 @@ class DraServer:
             self._registrar.start()
             again = True
         return again
+
+    def reregister(self) -> None:
+        """Offer the registration socket anew (a fresh socket: the kubelet's watcher registers it again)."""
+        log_event("dra_reregistering", socket=str(self.registration_socket))
+        self._registrar.stop(0)
+        self._registrar.start()
 
     def stop(self, grace: float | None = 1.0) -> None:
         self._registrar.stop(0)
