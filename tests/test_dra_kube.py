@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,3 +330,13 @@ def test_a_recreated_node_owns_the_slices_written_after_it(server: FakeApiServer
     assert [(request.method, request.path) for request in server.requests()] == [
         ("GET", "/apis/resource.k8s.io/v1/resourceslices")
     ]
+
+
+def test_the_device_plugin_path_never_loads_the_kubernetes_client() -> None:
+    """The client costs ~55 MiB resident: only serve --dra without --claims-dir may import it."""
+    code = (
+        "import sys, plugin.cli, plugin.dra.serve, xmlgen.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
