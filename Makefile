@@ -16,4 +16,4 @@ fuzz:   ## coverage-guided fuzzing (atheris) of the parsers and the builder, bou
 	.venv/bin/python -m tests.fuzz_atheris -runs=$(or $(FUZZ_RUNS),1000000) -max_total_time=$(or $(FUZZ_SECONDS),120) -artifact_prefix=.fuzz/
 
 bench:  ## every benchmark, printing ratios against floors measured in the same run
-	for b in bench_render hook_sidecar discovery_scale plugin_device node_agent; do .venv/bin/python -m bench.$$b || exit 1; done
+	for b in bench_render hook_sidecar discovery_scale plugin_device node_agent dra_prepare; do .venv/bin/python -m bench.$$b || exit 1; done

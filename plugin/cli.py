@@ -23,6 +23,8 @@ from pathlib import Path
 import click
 
 from plugin.config import load_config
+from plugin.dra.runner import DraRunner
+from plugin.dra.serve import DraOptions, build_runner, claim_counter, cluster_seams
 from plugin.log import COMPONENT, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
 from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
@@ -30,12 +32,16 @@ from plugin.server import DEFAULT_KUBELET_DIR
 from runtime.cli_options import log_format_option
 from runtime.env import plugin_env
 from runtime.logs import configure_logging
+from runtime.pciids import locate_pci_ids
 from runtime.signals import stop_on_signals
 from schemas.clirun import run_cli
 from schemas.errors import InputError
 from schemas.logformat import LogFormat
 
-PROCESS_ENV = tuple(plugin_env(flag) for flag in ("kubelet_dir", "scan_interval", "metrics_address", "log_format"))
+DRA_FLAGS = ("dra", "dra_plugin_dir", "plugins_registry", "cdi_dir", "claims_dir", "node_name")
+PROCESS_ENV = tuple(
+    plugin_env(flag) for flag in ("kubelet_dir", "scan_interval", "metrics_address", "log_format", *DRA_FLAGS)
+)
 """Variables for the process that :func:`plugin.config.load_config` must not see (it refuses unknown ones)."""
 
 
@@ -108,6 +114,54 @@ def cli() -> None:
     "any free port). [default: off]",
 )
 @log_format_option(plugin_env("LOG_FORMAT"))
+@click.option(
+    "--dra",
+    is_flag=True,
+    envvar=plugin_env("DRA"),
+    show_envvar=True,
+    help="Serve the devices through Dynamic Resource Allocation (a DRA kubelet plugin) instead of device-plugin "
+    "servers (docs/dra.md).",
+)
+@click.option(
+    "--dra-plugin-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DraOptions.plugin_dir,
+    show_default=True,
+    envvar=plugin_env("DRA_PLUGIN_DIR"),
+    show_envvar=True,
+    help="With --dra: dra.sock, the prepared-claims checkpoint and metadata files (same path as on the node).",
+)
+@click.option(
+    "--plugins-registry",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DraOptions.registry_dir,
+    show_default=True,
+    envvar=plugin_env("PLUGINS_REGISTRY"),
+    show_envvar=True,
+    help="With --dra: the kubelet's plugin registry directory (the registration socket goes there).",
+)
+@click.option(
+    "--cdi-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DraOptions.cdi_dir,
+    show_default=True,
+    envvar=plugin_env("CDI_DIR"),
+    show_envvar=True,
+    help="With --dra: where CDI spec files for prepared claims are written.",
+)
+@click.option(
+    "--claims-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar=plugin_env("CLAIMS_DIR"),
+    show_envvar=True,
+    help="With --dra: read allocated ResourceClaims from <namespace>_<name>.json files here (no API server).",
+)
+@click.option(
+    "--node-name",
+    envvar=plugin_env("NODE_NAME"),
+    show_envvar=True,
+    help="With --dra: the node's name, the pool its devices are published in; claims from another pool are refused.",
+)
 def serve(
     host_root: Path | None,
     kubelet_dir: Path,
@@ -116,11 +170,22 @@ def serve(
     scan_interval: float,
     metrics_address: tuple[str, int] | None,
     log_format: LogFormat,
+    dra: bool,
+    dra_plugin_dir: Path,
+    plugins_registry: Path,
+    cdi_dir: Path,
+    claims_dir: Path | None,
+    node_name: str | None,
 ) -> None:
-    """Serve one device plugin per GPU/vGPU resource and keep them registered until SIGTERM or SIGINT."""
+    """Serve one device plugin per GPU/vGPU resource (or, with --dra, a DRA kubelet plugin) until SIGTERM or SIGINT."""
     flush_logs = configure_logging(COMPONENT, log_format, background=True)
+    dra_options = (
+        DraOptions(dra_plugin_dir, plugins_registry, cdi_dir, claims_dir, node_name or None, scan_interval)
+        if dra
+        else None
+    )
     try:
-        _serve(host_root, kubelet_dir, pci_ids, config_file, scan_interval, metrics_address)
+        _serve(host_root, kubelet_dir, pci_ids, config_file, scan_interval, metrics_address, dra_options)
     finally:
         flush_logs()
 
@@ -132,6 +197,7 @@ def _serve(
     config_file: Path | None,
     scan_interval: float,
     metrics_address: tuple[str, int] | None,
+    dra: DraOptions | None = None,
 ) -> None:
     env = {key: value for key, value in os.environ.items() if key not in PROCESS_ENV}
     try:
@@ -150,7 +216,21 @@ def _serve(
             metrics = PluginMetrics()
             metrics.disable_created_series()
         recorder: MetricsRecorder = NO_METRICS if metrics is None else metrics
-        manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval, metrics=recorder)
+        manager: PluginManager | DraRunner
+        if dra is not None:
+            choice = locate_pci_ids(Path(config.pci_ids) if config.pci_ids else None, Path(config.host_root), Path("/"))
+            claims, sinks = cluster_seams(dra)
+            manager = build_runner(
+                config,
+                dra,
+                claims,
+                sinks=sinks,
+                pci_ids=choice.database,
+                warnings=choice.warnings,
+                on_outcome=None if metrics is None else claim_counter(metrics),
+            )
+        else:
+            manager = PluginManager.from_config(config, kubelet_dir, scan_interval=scan_interval, metrics=recorder)
     except InputError as exc:
         raise click.ClickException(str(exc)) from None
 

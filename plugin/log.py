@@ -29,6 +29,12 @@ LEVELS: dict[str, int] = {
     "list_and_watch_failed": logging.ERROR,
     "kubelet_dir_unusable": logging.ERROR,
     "metrics_failed": logging.ERROR,
+    "dra_prepare_refused": logging.WARNING,
+    "dra_unprepare_failed": logging.WARNING,
+    "dra_publish_failed": logging.WARNING,
+    "dra_restore_failed": logging.ERROR,
+    "dra_checkpoint_damaged": logging.ERROR,
+    "dra_internal_error": logging.ERROR,
 }
 """Events above INFO; every other event is INFO."""
 

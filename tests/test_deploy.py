@@ -157,8 +157,13 @@ on its own below, and its Plugin CR structurally in test_hook_deploy.py."""
 PLUGIN_API_OLDEST_KUBERNETES = "1.36"
 
 
+DRA = "dra"
+"""The DRA way (deploy/dra): resource.k8s.io/v1 needs Kubernetes 1.34, so it is validated on its own in
+test_dra_deploy.py."""
+
+
 def test_source_manifests_validate_strictly() -> None:
-    files = [path for path in manifest_files() if PLUGIN_API not in path.relative_to(DEPLOY).parts]
+    files = [path for path in manifest_files() if not {PLUGIN_API, DRA} & set(path.relative_to(DEPLOY).parts)]
     names = {path.relative_to(DEPLOY).as_posix() for path in files}
     assert {"device-plugin/daemonset.yaml", "kubevirt/kubevirt-cr.yaml", "hook-sidecar/vm-two-gpus.yaml"} <= names
     assert_validates(files, [doc for path in files for doc in load_all(path.read_text())])
@@ -255,9 +260,15 @@ def check_virtual_machine(vm: Doc) -> None:
         check_hook_sidecars(meta["annotations"][HOOK_ANNOTATION], f"{name} {HOOK_ANNOTATION}")
     vmi = keys(
         template["spec"], "spec.template.spec",
-        ["domain", "networks", "volumes", "terminationGracePeriodSeconds", "nodeSelector", "tolerations"],
+        ["domain", "networks", "volumes", "terminationGracePeriodSeconds", "nodeSelector", "tolerations",
+         "resourceClaims"],
         ["domain"],
     )  # fmt: skip
+    claim_names = set()
+    for i, claim in enumerate(named(vmi.get("resourceClaims", []), "resourceClaims")):
+        keys(claim, f"resourceClaims[{i}]", ["name", "resourceClaimName", "resourceClaimTemplateName"], ["name"])
+        assert len(claim) == 2, f"resourceClaims[{i}]: exactly one of resourceClaimName, resourceClaimTemplateName"
+        claim_names.add(claim["name"])
     domain = keys(vmi["domain"], "domain", ["cpu", "memory", "devices", "machine", "resources", "firmware"])
     keys(domain.get("cpu", {}), "domain.cpu", ["cores", "sockets", "threads"])
     assert all(isinstance(value, int) and value > 0 for value in domain.get("cpu", {}).values())
@@ -269,8 +280,15 @@ def check_virtual_machine(vm: Doc) -> None:
         ["gpus", "hostDevices", "disks", "interfaces", "autoattachGraphicsDevice"],
     )  # fmt: skip
     for i, gpu in enumerate(named(devices.get("gpus", []), "devices.gpus")):
-        keys(gpu, f"devices.gpus[{i}]", ["name", "deviceName", "virtualGPUOptions", "tag"], ["name", "deviceName"])
-        assert EXTENDED_RESOURCE.fullmatch(gpu["deviceName"]), gpu["deviceName"]
+        fields = ["name", "deviceName", "claimName", "requestName", "virtualGPUOptions", "tag"]
+        keys(gpu, f"devices.gpus[{i}]", fields, ["name"])
+        if "deviceName" in gpu:  # the device plugin's resource, or a DRA claim's request (GPUsWithDRA)
+            assert "claimName" not in gpu and "requestName" not in gpu, f"devices.gpus[{i}]: deviceName or a claim"
+            assert EXTENDED_RESOURCE.fullmatch(gpu["deviceName"]), gpu["deviceName"]
+        else:
+            keys(gpu, f"devices.gpus[{i}]", fields, ["claimName", "requestName"])
+            assert gpu["claimName"] in claim_names, f"devices.gpus[{i}]: claim {gpu['claimName']} is not declared"
+            assert DNS_LABEL.fullmatch(gpu["requestName"]), gpu["requestName"]
     volume_names = {volume["name"] for volume in named(vmi.get("volumes", []), "volumes")}
     for i, volume in enumerate(vmi.get("volumes", [])):
         sources = set(volume) - {"name"}

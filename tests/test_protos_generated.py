@@ -12,6 +12,9 @@ from google.protobuf import descriptor, descriptor_pb2
 
 from schemas import genproto
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as dp
+from schemas.generated.kubelet.dra.v1 import api_pb2 as dra_v1
+from schemas.generated.kubelet.dra.v1beta1 import api_pb2 as dra_v1beta1
+from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
 from schemas.generated.kubevirt.hooks import info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2
 from schemas.generated.kubevirt.hooks.plugins.v1alpha1 import api_pb2 as plugins
@@ -38,6 +41,9 @@ def test_every_proto_is_generated() -> None:
     names = {str(path) for path in genproto.proto_files()}
     assert names == {
         "kubelet/deviceplugin/v1beta1/api.proto",
+        "kubelet/dra/v1/api.proto",
+        "kubelet/dra/v1beta1/api.proto",
+        "kubelet/pluginregistration/v1/api.proto",
         "kubelet/podresources/v1/api.proto",
         "kubevirt/hooks/info.proto",
         "kubevirt/hooks/plugins/v1alpha1/api.proto",
@@ -232,3 +238,62 @@ def test_device_plugin_api_matches_facts() -> None:
 @pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, plugins, pr, dp])
 def test_generated_modules_import_as_a_package(module: object) -> None:
     assert getattr(module, "__name__", "").startswith("schemas.generated.")
+
+
+def test_plugin_registration_matches_kubernetes() -> None:
+    """staging/src/k8s.io/kubelet/pkg/apis/pluginregistration/v1/api.proto (docs/dra.md, "Node side")."""
+    assert reg.DESCRIPTOR.package == "pluginregistration"
+    service = reg.DESCRIPTOR.services_by_name["Registration"]
+    assert service.full_name == "pluginregistration.Registration"
+    assert _methods(service) == {
+        "GetInfo": ("pluginregistration.InfoRequest", "pluginregistration.PluginInfo", False),
+        "NotifyRegistrationStatus": (
+            "pluginregistration.RegistrationStatus",
+            "pluginregistration.RegistrationStatusResponse",
+            False,
+        ),
+    }
+    assert _fields(reg.PluginInfo.DESCRIPTOR) == {
+        "type": (1, S, False),
+        "name": (2, S, False),
+        "endpoint": (3, S, False),
+        "supported_versions": (4, S, True),
+    }
+    assert _fields(reg.RegistrationStatus.DESCRIPTOR) == {"plugin_registered": (1, BO, False), "error": (2, S, False)}
+    assert _fields(reg.RegistrationStatusResponse.DESCRIPTOR) == {}
+    assert _fields(reg.InfoRequest.DESCRIPTOR) == {}
+
+
+@pytest.mark.parametrize(("module", "version"), [(dra_v1, "v1"), (dra_v1beta1, "v1beta1")])
+def test_dra_plugin_api_matches_kubernetes(module: Any, version: str) -> None:
+    """staging/src/k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}/api.proto: one shape, two packages."""
+    package = f"k8s.io.kubelet.pkg.apis.dra.{version}"
+    assert module.DESCRIPTOR.package == package
+    service = module.DESCRIPTOR.services_by_name["DRAPlugin"]
+    assert service.full_name == f"{package}.DRAPlugin"
+    assert _methods(service) == {
+        "NodePrepareResources": (
+            f"{package}.NodePrepareResourcesRequest",
+            f"{package}.NodePrepareResourcesResponse",
+            False,
+        ),
+        "NodeUnprepareResources": (
+            f"{package}.NodeUnprepareResourcesRequest",
+            f"{package}.NodeUnprepareResourcesResponse",
+            False,
+        ),
+    }
+    assert _fields(module.Claim.DESCRIPTOR) == {"namespace": (1, S, False), "uid": (2, S, False), "name": (3, S, False)}
+    assert _fields(module.NodePrepareResourcesRequest.DESCRIPTOR) == {"claims": (1, M, True)}
+    assert _fields(module.NodeUnprepareResourcesRequest.DESCRIPTOR) == {"claims": (1, M, True)}
+    assert _fields(module.NodePrepareResourcesResponse.DESCRIPTOR) == {"claims": (1, M, True)}
+    assert module.NodePrepareResourcesResponse.DESCRIPTOR.fields_by_name["claims"].message_type.GetOptions().map_entry
+    assert _fields(module.NodeUnprepareResourcesResponse.DESCRIPTOR) == {"claims": (1, M, True)}
+    assert _fields(module.NodePrepareResourceResponse.DESCRIPTOR) == {"devices": (1, M, True), "error": (2, S, False)}
+    assert _fields(module.NodeUnprepareResourceResponse.DESCRIPTOR) == {"error": (1, S, False)}
+    assert _fields(module.Device.DESCRIPTOR) == {
+        "request_names": (1, S, True),
+        "pool_name": (2, S, False),
+        "device_name": (3, S, False),
+        "cdi_device_ids": (4, S, True),
+    }

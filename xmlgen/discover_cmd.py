@@ -1,7 +1,8 @@
 """``xmlgen discover``: what this node would offer KubeVirt, read from sysfs, before any plugin runs.
 
 The same discovery the device plugin runs (:func:`plugin.sysfs.discover_node`), printed as a table for
-people, as JSON for scripts, or as the KubeVirt CR's ``permittedHostDevices`` block to paste. Warnings
+people, as JSON for scripts, as the KubeVirt CR's ``permittedHostDevices`` block to paste, or as the
+ResourceSlices ``serve --dra`` would publish (``--dra-slices NODE``, offline: no API server needed). Warnings
 (no pci.ids, an ID it lacks) go to stderr; a bad ``--host-root``, ``--pci-ids`` or ``--config`` is an error
 naming it, with nothing on stdout.
 """
@@ -10,16 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
+import yaml
 
 from plugin import sources
 from plugin.config import load_config
+from plugin.dra.slices import build_slices
 from plugin.inventory import Device, Inventory
 from plugin.sysfs import discover_node
+from runtime.pciids import PciIds
 from schemas import InputError, kind_info
 from xmlgen.io import user_errors, write_stdout
 
@@ -105,6 +110,48 @@ def render_permitted_host_devices(inventory: Inventory) -> str:
     return "\n".join(lines) + "\n"
 
 
+_LOOKS_SCALAR = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.?(inf|Inf|INF)|\.(nan|NaN|NAN)")
+
+
+class _QuotingDumper(yaml.SafeDumper):
+    """Quotes a string any YAML reader could take for a number: PyYAML (YAML 1.1) writes ``1e04`` bare, and
+    kubectl's reader (YAML 1.2 rules) reads that as the float 10000, a device ID no more."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if _LOOKS_SCALAR.fullmatch(value) or value.lower() in {
+        "true",
+        "false",
+        "yes",
+        "no",
+        "on",
+        "off",
+        "null",
+        "~",
+        "y",
+        "n",
+    }:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
+    return dumper.represent_str(value)
+
+
+_QuotingDumper.add_representer(str, _represent_str)
+
+
+def render_dra_slices(inventory: Inventory, node_name: str, as_json: bool = False) -> str:
+    """The node's ResourceSlices at generation 1, productName from the pci.ids the inventory was named from."""
+    names = PciIds.load(Path(inventory.pci_ids_path)).device_name if inventory.pci_ids_path else None
+    slices = (
+        build_slices(inventory, node_name) if names is None else build_slices(inventory, node_name, product_names=names)
+    )
+    if as_json:
+        return json.dumps({"apiVersion": "v1", "kind": "List", "items": slices}, indent=2) + "\n"
+    if not slices:
+        return "# no GPUs or vGPUs to offer: no ResourceSlice\n"
+    header = f"# ResourceSlices of node {node_name} (kubectl create -f: they have generateName, not a name)\n"
+    return header + yaml.dump_all(slices, Dumper=_QuotingDumper, sort_keys=False)
+
+
 @click.command()
 @click.option(
     "--host-root",
@@ -126,6 +173,13 @@ def render_permitted_host_devices(inventory: Inventory) -> str:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option(
+    "--dra-slices",
+    "dra_node",
+    metavar="NODE",
+    help="Print the resource.k8s.io/v1 ResourceSlices serve --dra would publish for node NODE (YAML; a JSON "
+    "List with --json), to review or to write CEL selectors against.",
+)
+@click.option(
     "--permitted-host-devices",
     is_flag=True,
     help="Print the KubeVirt CR permittedHostDevices block for what this node has (YAML; JSON with --json).",
@@ -136,6 +190,7 @@ def discover(
     pci_ids: str | None,
     config_path: str | None,
     as_json: bool,
+    dra_node: str | None,
     permitted_host_devices: bool,
 ) -> None:
     """Discover the vfio-bound NVIDIA GPUs and vGPU mdevs of a node and the resources they become."""
@@ -145,7 +200,11 @@ def discover(
     inventory = discover_node(config)
     for warning in inventory.warnings:
         click.echo(f"warning: {warning}", err=True)
-    if permitted_host_devices:
+    if dra_node is not None and permitted_host_devices:
+        raise InputError("--dra-slices and --permitted-host-devices print different things: choose one")
+    if dra_node is not None:
+        text = render_dra_slices(inventory, dra_node, as_json)
+    elif permitted_host_devices:
         text = (
             json.dumps(sources.permitted_host_devices(inventory), indent=2) + "\n"
             if as_json

@@ -1,0 +1,382 @@
+"""The DRA plugin's Kubernetes API edge: publish the node's ResourceSlices, read ResourceClaims.
+
+Everything here goes through the official ``kubernetes`` client (its REST layer over urllib3), and nothing
+else in the project imports it: :class:`KubeApi` is the typed facade (the client is untyped; its objects
+never leave this module). Objects travel as plain JSON dicts (``_preload_content=False``): the slices
+:mod:`plugin.dra.slices` builds go out as they are, and what comes back is read with a size bound, parsed
+once and checked before use. Only ``serve --dra`` imports this module, so the device-plugin path never loads
+the client.
+
+- Every call has a timeout (connect, read) and no client-side retries: a failed sync is retried whole on the
+  next inventory (the serve loop calls :meth:`SlicePublisher.publish` on each new inventory; it logs
+  ``dra_slices_published`` when something changed). Errors are
+  :class:`KubeError` naming the operation, the object and the API server's answer.
+- :class:`SlicePublisher` brings the node's slices (field selector ``spec.nodeName`` + ``spec.driver``) to
+  the desired set as Kubernetes' own ResourceSlice controller does: nothing when they already say the same;
+  otherwise update the existing ones in place, create the missing ones (``generateName``), then delete the
+  surplus, all at a new pool ``generation`` (consumers ignore a pool's older generations, so a reader never
+  mixes old and new slices). Each slice is owned by the Node object (so it goes with the node).
+- :class:`KubeClaims` is the :class:`~plugin.dra.claims.ClaimSource` a running plugin uses: GET the
+  ``resource.k8s.io/v1`` ResourceClaim and read its allocation (:func:`~plugin.dra.claims.results_from_claim_object`
+  checks the UID, so a re-created claim is never prepared with the old one's devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import kubernetes.config
+import urllib3
+
+from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
+from plugin.dra.slices import API_VERSION, KIND, ProductNames, build_slices, check_node_name
+from plugin.inventory import Inventory
+from plugin.log import log_event
+from runtime.pciids import PciIds
+from schemas.dra import DRIVER_NAME
+from schemas.errors import InputError
+
+DEFAULT_TIMEOUT = (5.0, 15.0)
+"""Seconds to connect and to wait for the answer, for every call."""
+MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+"""Largest answer read (a list of our slices: a few hundred KiB at most; etcd's object limit is 1.5 MiB)."""
+MAX_SLICES = 64
+"""More slices of ours for one node than this is someone else's mess, not a pool we made (128 devices each)."""
+FIELD_MANAGER = "gpu-device-plugin"
+"""``fieldManager`` of our writes (``kubectl get -o yaml --show-managed-fields`` says who wrote what)."""
+
+JSON = dict[str, Any]
+
+
+class KubeError(InputError):
+    """A Kubernetes API call failed; the message names the call, the object and the server's answer."""
+
+
+def _reason(body: bytes | str | None) -> str:
+    """The ``message`` of a Kubernetes Status body, else the start of the body."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
+    try:
+        status = json.loads(text)
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and isinstance(status.get("message"), str):
+        return str(status["message"])[:300]
+    return text[:300].strip() or "(no body)"
+
+
+class KubeApi:
+    """The few calls the DRA plugin makes, with JSON dicts in and out (the typed face of the untyped client)."""
+
+    def __init__(self, configuration: Any, timeout: tuple[float, float] = DEFAULT_TIMEOUT) -> None:
+        configuration.retries = False  # no silent retries: a failed sync is retried whole, and logged
+        self._client = kubernetes.client.ApiClient(configuration)
+        self._resource = kubernetes.client.ResourceV1Api(self._client)
+        self._core = kubernetes.client.CoreV1Api(self._client)
+        self._timeout = timeout
+        self.host = str(configuration.host)
+
+    @classmethod
+    def for_host(cls, host: str, timeout: tuple[float, float] = DEFAULT_TIMEOUT) -> KubeApi:
+        """An unauthenticated client of ``host`` (``http://127.0.0.1:PORT``): tests and ``kubectl proxy``."""
+        configuration = kubernetes.client.Configuration()
+        configuration.host = host
+        return cls(configuration, timeout)
+
+    @classmethod
+    def from_environment(
+        cls, kubeconfig: Path | None = None, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+    ) -> KubeApi:
+        """The pod's service account when running in a cluster (``KUBERNETES_SERVICE_HOST`` set) and no
+        ``kubeconfig`` is given, else ``kubeconfig`` (default: ``$KUBECONFIG``, then ``~/.kube/config``)."""
+        configuration = kubernetes.client.Configuration()
+        in_cluster = kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        try:
+            if in_cluster:
+                kubernetes.config.load_incluster_config(client_configuration=configuration)
+            else:
+                kubernetes.config.load_kube_config(
+                    config_file=None if kubeconfig is None else str(kubeconfig), client_configuration=configuration
+                )
+        except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
+            shown = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            where = "the in-cluster service account" if in_cluster else f"kubeconfig {str(shown)!r}"
+            raise KubeError(f"cannot configure the Kubernetes client from {where}: {exc}") from None
+        return cls(configuration, timeout)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> JSON:
+        """Call ``method`` for the raw answer and return its JSON object; :class:`KubeError` naming ``what``."""
+        try:
+            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
+        except kubernetes.client.ApiException as exc:
+            raise KubeError(f"{what}: HTTP {exc.status} from {self.host}: {_reason(exc.body)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(f"{what}: no answer from {self.host}: {exc}") from None
+        try:
+            data = response.read(MAX_RESPONSE_BYTES + 1)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(f"{what}: reading the answer from {self.host}: {exc}") from None
+        finally:
+            response.release_conn()
+        if len(data) > MAX_RESPONSE_BYTES:
+            raise KubeError(f"{what}: the answer from {self.host} is over {MAX_RESPONSE_BYTES} bytes")
+        try:
+            obj = json.loads(data) if data else {}
+        except ValueError as exc:
+            raise KubeError(f"{what}: the answer from {self.host} is not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise KubeError(f"{what}: the answer from {self.host} is not a JSON object")
+        return obj
+
+    def list_slices(self, node_name: str, driver: str = DRIVER_NAME) -> list[JSON]:
+        """The ResourceSlices of ``driver`` on ``node_name`` (field selectors ``spec.nodeName``, ``spec.driver``)."""
+        what = f"list ResourceSlices of node {node_name} driver {driver}"
+        answer = self._call(
+            what,
+            self._resource.list_resource_slice,
+            field_selector=f"spec.nodeName={node_name},spec.driver={driver}",
+        )
+        items = answer.get("items")
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise KubeError(f"{what}: the answer has no list of objects in 'items'")
+        return items
+
+    def create_slice(self, obj: JSON) -> JSON:
+        return self._call(
+            "create a ResourceSlice", self._resource.create_resource_slice, obj, field_manager=FIELD_MANAGER
+        )
+
+    def replace_slice(self, name: str, obj: JSON) -> JSON:
+        return self._call(
+            f"update ResourceSlice {name}",
+            self._resource.replace_resource_slice,
+            name,
+            obj,
+            field_manager=FIELD_MANAGER,
+        )
+
+    def delete_slice(self, name: str) -> None:
+        try:
+            self._call(f"delete ResourceSlice {name}", self._resource.delete_resource_slice, name)
+        except KubeError as exc:
+            if "HTTP 404 " not in str(exc):  # already gone: what we wanted
+                raise
+
+    def read_node(self, name: str) -> JSON:
+        return self._call(f"read Node {name}", self._core.read_node, name)
+
+    def read_claim(self, namespace: str, name: str) -> JSON:
+        return self._call(
+            f"read ResourceClaim {namespace}/{name}", self._resource.read_namespaced_resource_claim, name, namespace
+        )
+
+
+def _metadata(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    metadata = obj.get("metadata")
+    return metadata if isinstance(metadata, Mapping) else {}
+
+
+def _spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = obj.get("spec")
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    pool = _spec(obj).get("pool")
+    value = pool.get("generation") if isinstance(pool, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _pool_name(obj: Mapping[str, Any]) -> object:
+    pool = _spec(obj).get("pool")
+    return pool.get("name") if isinstance(pool, Mapping) else None
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one sync did: the pool generation now published and the slices created, updated and deleted."""
+
+    generation: int
+    created: int = 0
+    updated: int = 0
+    deleted: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.updated or self.deleted)
+
+
+class SlicePublisher:
+    """Keeps ``node_name``'s ResourceSlices equal to what the latest inventory offers (see the module doc)."""
+
+    def __init__(self, api: KubeApi, node_name: str, product_names: ProductNames | None = None) -> None:
+        """``product_names``: pci.ids names for ``productName``; default: the pci.ids the inventory was named
+        from (``Inventory.pci_ids_path``), read once per path."""
+        self._api = api
+        self._node_name = check_node_name(node_name)
+        self._product_names = product_names
+        self._pci_ids: tuple[str | None, ProductNames | None] = (None, None)
+        self._owner: JSON | None = None
+
+    def _names_for(self, inventory: Inventory) -> ProductNames | None:
+        if self._product_names is not None:
+            return self._product_names
+        path = inventory.pci_ids_path
+        if path is None:
+            return None
+        if self._pci_ids[0] != path:
+            try:
+                self._pci_ids = (path, PciIds.load(Path(path)).device_name)
+            except InputError:  # gone since the scan: no productName this time, tried again next time
+                return None
+        return self._pci_ids[1]
+
+    def owner_reference(self) -> JSON:
+        """The Node as owner (its UID, read at the first sync and again before each write); the slices go when
+        the Node object does."""
+        if self._owner is None:
+            node = self._api.read_node(self._node_name)
+            uid = _metadata(node).get("uid")
+            if not isinstance(uid, str) or not uid:
+                raise KubeError(f"read Node {self._node_name}: the object has no metadata.uid")
+            self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node_name, "uid": uid, "controller": True}
+        return self._owner
+
+    def _desired(self, inventory: Inventory, generation: int) -> list[JSON]:
+        names = self._names_for(inventory)
+        slices = (
+            build_slices(inventory, self._node_name, generation)
+            if names is None
+            else build_slices(inventory, self._node_name, generation, names)
+        )
+        owner = self.owner_reference() if slices else None
+        for obj in slices:
+            obj["metadata"]["ownerReferences"] = [owner]
+        return slices
+
+    def _up_to_date(self, existing: list[JSON], desired: list[JSON]) -> bool:
+        """Whether the published slices already say what ``desired`` says (any generation, one for all)."""
+        if len(existing) != len(desired) or len({_generation(obj) for obj in existing}) > 1:
+            return False
+        ordered = sorted(existing, key=lambda obj: str(_metadata(obj).get("name", "")))
+        for have, want in zip(ordered, desired, strict=True):
+            have_spec, want_spec = _spec(have), _spec(want)
+            pool = have_spec.get("pool")
+            if (
+                not isinstance(pool, Mapping)
+                or _pool_name(have) != self._node_name
+                or pool.get("resourceSliceCount") != len(desired)
+                or have_spec.get("devices", []) != want_spec["devices"]
+                or _metadata(have).get("ownerReferences") != _metadata(want).get("ownerReferences")
+            ):
+                return False
+        return True
+
+    def publish(self, inventory: Inventory) -> None:
+        """:meth:`sync` and log what changed: the serve loop's inventory sink (``plugin.dra.runner``)."""
+        result = self.sync(inventory)
+        if result.changed:
+            log_event(
+                "dra_slices_published",
+                node=self._node_name,
+                generation=result.generation,
+                created=result.created,
+                updated=result.updated,
+                deleted=result.deleted,
+            )
+
+    def sync(self, inventory: Inventory) -> PublishResult:
+        """Bring the node's slices to ``inventory``'s devices; :class:`KubeError` when a call fails (the next
+        call starts over from what the server has)."""
+        existing = self._api.list_slices(self._node_name)
+        if len(existing) > MAX_SLICES:
+            raise KubeError(
+                f"node {self._node_name} has {len(existing)} ResourceSlices of driver {DRIVER_NAME}, over the "
+                f"{MAX_SLICES} this plugin would ever make; delete them (kubectl delete resourceslices "
+                f"--field-selector spec.nodeName={self._node_name},spec.driver={DRIVER_NAME})"
+            )
+        current = max((_generation(obj) for obj in existing), default=0)
+        generation = current + 1
+        owner_known = self._owner is not None
+        desired = self._desired(inventory, generation)
+        if self._up_to_date(existing, desired):
+            return PublishResult(current)
+        if owner_known:  # about to write: read the Node again (one deleted and re-created has a new UID)
+            self._owner = None
+            desired = self._desired(inventory, generation)
+        # The pool name is immutable: a slice of ours naming another pool is deleted, never reused.
+        reusable = sorted(
+            (obj for obj in existing if _pool_name(obj) == self._node_name),
+            key=lambda obj: str(_metadata(obj).get("name", "")),
+        )
+        stale = [obj for obj in existing if _pool_name(obj) != self._node_name]
+        created = updated = deleted = 0
+        for obj in desired:
+            if reusable:
+                old = reusable.pop(0)
+                name = str(_metadata(old).get("name", ""))
+                obj["metadata"] = {
+                    "name": name,
+                    "resourceVersion": _metadata(old).get("resourceVersion"),
+                    "ownerReferences": obj["metadata"]["ownerReferences"],
+                }
+                self._api.replace_slice(name, obj)
+                updated += 1
+            else:
+                self._api.create_slice(obj)
+                created += 1
+        for old in [*reusable, *stale]:
+            self._api.delete_slice(str(_metadata(old).get("name", "")))
+            deleted += 1
+        return PublishResult(generation, created, updated, deleted)
+
+    def withdraw(self) -> int:
+        """Delete every slice of ours on the node (the driver is being removed); how many there were."""
+        existing = self._api.list_slices(self._node_name)
+        for obj in existing:
+            self._api.delete_slice(str(_metadata(obj).get("name", "")))
+        return len(existing)
+
+
+def cluster_side(
+    node_name: str, kubeconfig: Path | None = None, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+) -> tuple[KubeClaims, SlicePublisher]:
+    """What ``serve --dra`` needs from the API server, on one client: the claim source and the slice publisher
+    for ``node_name`` (in-cluster credentials, or ``kubeconfig`` for a plugin run by hand)."""
+    api = KubeApi.from_environment(kubeconfig, timeout)
+    return KubeClaims(api), SlicePublisher(api, node_name)
+
+
+class KubeClaims:
+    """The :class:`~plugin.dra.claims.ClaimSource` of a plugin in a cluster: GET the v1 ResourceClaim."""
+
+    def __init__(self, api: KubeApi) -> None:
+        self._api = api
+
+    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        check_ref(claim)
+        try:
+            obj = self._api.read_claim(claim.namespace, claim.name)
+        except KubeError as exc:
+            raise ClaimError(f"claim {claim}: {exc}") from None
+        return results_from_claim_object(obj, claim)
+
+
+__all__ = [
+    "API_VERSION",
+    "KIND",
+    "KubeApi",
+    "KubeClaims",
+    "KubeError",
+    "PublishResult",
+    "SlicePublisher",
+    "cluster_side",
+]

@@ -1,0 +1,382 @@
+"""Preparing and unpreparing claims: the DRA plugin's policy, apart from gRPC (docs/dra.md, "Node side").
+
+:class:`PrepareCore` answers for one claim at a time; the servicers (:mod:`plugin.dra.service`) only translate
+messages. For a claim it:
+
+1. reads the claim's allocation from the :class:`~plugin.dra.claims.ClaimSource` (the UID checked) and keeps
+   the results of this driver (:data:`schemas.dra.DRIVER_NAME`); other drivers' results are theirs;
+2. maps each device name back to a device of the last scan (:func:`schemas.dra.device_id_of`), and re-checks
+   it with the device plugin's own rule (:func:`plugin.allocation.allocate`: healthy at the scan, IOMMU group
+   unchanged, still on VFIO, ``/dev/vfio`` nodes present), so DRA and the device plugin refuse the same
+   devices for the same reasons;
+3. writes, per claim request, the KEP 5304 metadata file (:mod:`schemas.dra_metadata`) and one CDI spec file for
+   the claim (:mod:`plugin.dra.cdi`) with one CDI device per request: the VFIO nodes and the metadata mount;
+4. records the claim in the checkpoint (:mod:`plugin.dra.checkpoint`) and only then answers.
+
+A refusal is the claim's own ``error`` string (naming the claim and the device), never an exception for the
+whole call: the kubelet retries the claim later. Bounds: :data:`MAX_CLAIMS_PER_CALL` claims per call,
+:data:`MAX_DEVICES_PER_CLAIM` devices of ours per claim, :data:`checkpoint.MAX_CLAIMS` prepared at once. A
+device already prepared for another claim is refused (the scheduler never allocates one device twice; a
+stale claim or a forged allocation would). One lock serialises the bookkeeping and file writes (milliseconds
+each); the claim source, perhaps an API server, is read outside it. A claim source that fails in an
+unexpected way fails that claim (``internal error: …``), not the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from plugin import allocation
+from plugin.allocation import AllocationError
+from plugin.dra import cdi, checkpoint
+from plugin.dra.checkpoint import PreparedClaim, PreparedDevice
+from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, ClaimSource, check_ref
+from plugin.health import UsabilityRule
+from plugin.inventory import Device, Inventory, Resource
+from plugin.log import log_event
+from schemas import dra_metadata
+from schemas.dra import DRIVER_NAME, device_id_of
+from schemas.errors import InputError
+from schemas.kinds import ResourceKind
+
+MAX_CLAIMS_PER_CALL = 256
+"""Claims in one NodePrepareResources/NodeUnprepareResources call (a pod has a few)."""
+MAX_DEVICES_PER_CLAIM = 32
+"""Devices of this driver in one claim (Kubernetes allows 32 allocation results per claim)."""
+METADATA_DIR = "metadata"
+"""Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
+
+_UID = checkpoint.UID_PATTERN
+_REQUEST = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A request name (a DNS label), the part before ``/`` of a subrequest's result."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOutcome:
+    """One claim's answer: its devices, or why it cannot be prepared (``error`` non-empty)."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class PrepareCore:
+    """Prepared claims of one node: prepare, unprepare, reconcile at start. Thread-safe."""
+
+    def __init__(
+        self,
+        claims: ClaimSource,
+        host_root: Path,
+        state_dir: Path,
+        cdi_dir: Path,
+        *,
+        rule: UsabilityRule = allocation.DEFAULT_RULE,
+        pool: str | None = None,
+        driver: str = DRIVER_NAME,
+        max_claims: int = checkpoint.MAX_CLAIMS,
+        on_outcome: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.claims = claims
+        self.host_root = host_root
+        self.state_dir = state_dir.absolute()
+        self.cdi_dir = cdi_dir.absolute()
+        self.metadata_dir = self.state_dir / METADATA_DIR
+        self.rule = rule
+        self.pool = pool
+        """The pool this node's devices are published in (ResourceSlice ``spec.pool.name``); None: any."""
+        self.driver = driver
+        self.max_claims = max_claims
+        self.on_outcome = on_outcome
+        """Called with (operation, result) per claim: ``("prepare", "ok" | "error")``... (metrics)."""
+        self._lock = threading.Lock()
+        self._prepared: dict[str, PreparedClaim] = {}
+        self._by_name: dict[tuple[str, str], tuple[Resource, Device]] = {}
+        self._inventory: Inventory | None = None
+
+    # -- state --------------------------------------------------------------------------------------------
+
+    def update_inventory(self, inventory: Inventory) -> None:
+        """Use ``inventory`` (the latest scan) for the next prepares."""
+        index: dict[tuple[str, str], tuple[Resource, Device]] = {}
+        for resource in inventory.resources:
+            for device in resource.devices:
+                tag = "mdev" if resource.kind is ResourceKind.MDEV else "pci"
+                index[(tag, device.id)] = (resource, device)
+        with self._lock:
+            self._inventory, self._by_name = inventory, index
+
+    def prepared(self) -> dict[str, PreparedClaim]:
+        """The prepared claims by UID (a copy)."""
+        with self._lock:
+            return dict(self._prepared)
+
+    def start(self) -> None:
+        """Load the checkpoint and reconcile the files: restore a recorded claim's missing file, remove files
+        of ours no recorded claim owns. A damaged checkpoint is set aside (``.damaged``) and counts as empty:
+        the kubelet prepares again what it still needs."""
+        with self._lock:
+            try:
+                self._prepared = checkpoint.load(self.state_dir, (self.cdi_dir, self.metadata_dir))
+            except InputError as exc:
+                log_event("dra_checkpoint_damaged", error=str(exc))
+                path = self.state_dir / checkpoint.FILE_NAME
+                with contextlib.suppress(OSError):
+                    os.replace(path, path.with_name(path.name + ".damaged"))
+                self._prepared = {}
+            restored = sum(self._restore(claim) for claim in self._prepared.values())
+            removed = self._remove_orphans()
+            log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
+
+    # -- prepare ------------------------------------------------------------------------------------------
+
+    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimOutcome]:
+        """Prepare each claim; the answer by UID (every claim of ``refs`` has one)."""
+        if len(refs) > MAX_CLAIMS_PER_CALL:
+            raise InputError(f"{len(refs)} claims in one call, over the limit of {MAX_CLAIMS_PER_CALL}")
+        answers: dict[str, ClaimOutcome] = {}
+        for ref in refs:
+            try:
+                outcome = ClaimOutcome(devices=self._prepare_one(ref))
+            except (ClaimError, InputError, AllocationError, ValueError) as exc:
+                text = exc.message if isinstance(exc, AllocationError) else str(exc)
+                if not text.startswith("claim "):
+                    text = f"claim {ref}: {text}"
+                outcome = ClaimOutcome(error=text)
+                log_event("dra_prepare_refused", claim=str(ref), error=text)
+            except Exception as exc:  # the claim source's or our own bug: this claim fails, the others go on
+                outcome = ClaimOutcome(error=f"claim {ref}: internal error: {type(exc).__name__}: {exc}")
+                log_event("dra_internal_error", claim=str(ref), error=outcome.error)
+            answers[ref.uid] = outcome
+            if self.on_outcome is not None:
+                self.on_outcome("prepare", "error" if outcome.error else "ok")
+        return answers
+
+    def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        """The claim's devices: the recorded answer, or a new prepare. The claim source (perhaps an API GET)
+        is asked outside the lock, so a slow one does not hold up other claims."""
+        check_ref(ref)
+        if not _UID.match(ref.uid):
+            raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
+        with self._lock:
+            known = self._known(ref)
+        if known is not None:
+            return known
+        try:
+            results = self.claims.allocated(ref)
+        except InputError:
+            raise
+        except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
+            raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
+        with self._lock:
+            known = self._known(ref)  # prepared meanwhile by a concurrent call
+            return known if known is not None else self._prepare_new(ref, results)
+
+    def _known(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | None:
+        """The recorded answer for ``ref`` (its missing files rewritten), None when not prepared. Lock held."""
+        known = self._prepared.get(ref.uid)
+        if known is None:
+            return None
+        if (known.namespace, known.name) != (ref.namespace, ref.name):
+            raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
+        self._restore(known)
+        return known.devices
+
+    def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
+        """Prepare a claim not recorded yet from its allocation ``results``. Lock held."""
+        if len(self._prepared) >= self.max_claims:
+            raise ClaimError(f"claim {ref}: {len(self._prepared)} claims are prepared, the limit is {self.max_claims}")
+        ours = [result for result in results if result.driver == self.driver]
+        if len(ours) > MAX_DEVICES_PER_CLAIM:
+            raise ClaimError(f"claim {ref} has {len(ours)} devices of {self.driver}, over {MAX_DEVICES_PER_CLAIM}")
+        chosen = [self._lookup(ref, result) for result in ours]
+        self._check_not_taken(ref, ours)
+        by_request: dict[str, list[tuple[AllocatedDevice, Resource, Device]]] = defaultdict(list)
+        for result, (resource, device) in zip(ours, chosen, strict=True):
+            base = result.request.partition("/")[0]
+            if not _REQUEST.match(base):
+                raise ClaimError(f"claim {ref}: request {result.request[:80]!r} is not a request name")
+            by_request[base].append((result, resource, device))
+        files: dict[str, str] = {}
+        cdi_devices: list[cdi.CdiDevice] = []
+        prepared: list[PreparedDevice] = []
+        for request, members in sorted(by_request.items()):
+            nodes = self._device_nodes(members)
+            host_path, container_path, text = self._metadata(ref, request, members)
+            files[str(host_path)] = text
+            name = cdi.device_name(ref.uid, request)
+            cdi_devices.append(cdi.CdiDevice(name, nodes, (cdi.Mount(str(host_path), container_path),)))
+            prepared += [
+                PreparedDevice((result.request,), result.pool, result.device, (cdi.device_id(name),))
+                for result, _, _ in members
+            ]
+        if cdi_devices:
+            files[str(self.cdi_dir / cdi.spec_file_name(ref.uid))] = cdi.render_spec(cdi_devices)
+        claim = PreparedClaim(ref.namespace, ref.name, ref.uid, tuple(prepared), files)
+        try:
+            for path, text in files.items():
+                checkpoint.write_atomic(Path(path), text)
+            self._prepared[ref.uid] = claim
+            checkpoint.save(self.state_dir, self._prepared.values())
+        except OSError as exc:
+            self._prepared.pop(ref.uid, None)
+            self._delete_files(claim)
+            raise ClaimError(f"claim {ref}: cannot write its files: {exc.strerror or exc}") from None
+        log_event("dra_prepared", claim=str(ref), devices=[device.device for device in prepared], files=sorted(files))
+        return claim.devices
+
+    def _lookup(self, ref: ClaimRef, result: AllocatedDevice) -> tuple[Resource, Device]:
+        if self.pool is not None and result.pool != self.pool:
+            raise ClaimError(f"claim {ref}: device {result.device!r} is from pool {result.pool!r}, not {self.pool!r}")
+        try:
+            tag, device_id = device_id_of(result.device)
+        except InputError as exc:
+            raise ClaimError(f"claim {ref}: {exc}") from None
+        found = self._by_name.get((tag, device_id))
+        if found is None:
+            scanned = "no scan yet" if self._inventory is None else "not in the node's last scan"
+            raise ClaimError(f"claim {ref}: device {result.device} ({device_id}) is not on this node ({scanned})")
+        return found
+
+    def _check_not_taken(self, ref: ClaimRef, ours: Sequence[AllocatedDevice]) -> None:
+        names = [result.device for result in ours]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise ClaimError(f"claim {ref}: device {twice} is allocated twice in it")
+        for other in self._prepared.values():
+            taken = {device.device for device in other.devices}.intersection(names)
+            if taken:
+                raise ClaimError(
+                    f"claim {ref}: device {sorted(taken)[0]} is prepared for claim "
+                    f"{other.namespace}/{other.name} (uid {other.uid})"
+                )
+
+    def _device_nodes(self, members: Sequence[tuple[AllocatedDevice, Resource, Device]]) -> tuple[str, ...]:
+        """The VFIO nodes of one request's devices, re-checked as Allocate does (per resource)."""
+        by_resource: dict[str, tuple[Resource, list[str]]] = {}
+        for _, resource, device in members:
+            by_resource.setdefault(resource.name, (resource, []))[1].append(device.id)
+        nodes: list[str] = []
+        for resource, ids in by_resource.values():
+            answer = allocation.allocate(resource, ids, self.host_root, self.rule)
+            nodes += [spec.host_path for spec in answer.device_specs if spec.host_path not in nodes]
+        return tuple(nodes)
+
+    def _metadata(
+        self, ref: ClaimRef, request: str, members: Sequence[tuple[AllocatedDevice, Resource, Device]]
+    ) -> tuple[Path, str, str]:
+        """Where the request's KEP 5304 file lives on the node and in the container, and its text.
+
+        The file sits in the directory of the top-level request; inside, each device is listed under its
+        result's full request name (``gpu/high-memory`` for a prioritized-list alternative), as Kubernetes'
+        device metadata protocol says."""
+        pod_claim_name = members[0][0].pod_claim_name
+        by_name: dict[str, list[dra_metadata.MetadataDevice]] = {}
+        for result, resource, device in members:
+            by_name.setdefault(result.request, []).append(
+                dra_metadata.MetadataDevice(
+                    driver=self.driver,
+                    pool=result.pool,
+                    name=result.device,
+                    attributes=(
+                        dra_metadata.device_attributes(mdev_uuid=device.id)
+                        if resource.kind is ResourceKind.MDEV
+                        else dra_metadata.device_attributes(pci_bus_id=device.id)
+                    ),
+                )
+            )
+        document = dra_metadata.DeviceMetadata(
+            claim_name=ref.name,
+            namespace=ref.namespace,
+            uid=ref.uid,
+            pod_claim_name=pod_claim_name,
+            requests=tuple(dra_metadata.MetadataRequest(name, tuple(devices)) for name, devices in by_name.items()),
+        )
+        source, directory = dra_metadata.claim_directory(ref.name, pod_claim_name)
+        container = dra_metadata.metadata_path(dra_metadata.DEFAULT_ROOT, source, directory, request, self.driver)
+        host = self.metadata_dir / ref.uid / request / f"{self.driver}{dra_metadata.FILE_SUFFIX}"
+        return host, str(container), dra_metadata.render_metadata(document).decode("utf-8")
+
+    # -- unprepare ----------------------------------------------------------------------------------------
+
+    def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """Unprepare each claim: by UID, ``""`` when done (an unknown claim is done), else why not."""
+        if len(refs) > MAX_CLAIMS_PER_CALL:
+            raise InputError(f"{len(refs)} claims in one call, over the limit of {MAX_CLAIMS_PER_CALL}")
+        answers: dict[str, str] = {}
+        with self._lock:
+            for ref in refs:
+                claim = self._prepared.pop(ref.uid, None)
+                error = ""
+                if claim is not None:
+                    try:
+                        checkpoint.save(self.state_dir, self._prepared.values())
+                    except OSError as exc:
+                        self._prepared[ref.uid] = claim
+                        error = f"claim {ref}: cannot record the unprepare: {exc.strerror or exc}"
+                    else:
+                        self._delete_files(claim)  # a file left behind goes at the next start
+                        log_event("dra_unprepared", claim=str(ref))
+                answers[ref.uid] = error
+                if error:
+                    log_event("dra_unprepare_failed", claim=str(ref), error=error)
+                if self.on_outcome is not None:
+                    self.on_outcome("unprepare", "error" if error else "ok")
+        return answers
+
+    # -- files --------------------------------------------------------------------------------------------
+
+    def _restore(self, claim: PreparedClaim) -> int:
+        """Rewrite the claim's files that are missing; how many were."""
+        count = 0
+        for path, text in claim.files.items():
+            if not os.path.lexists(path):
+                try:
+                    checkpoint.write_atomic(Path(path), text)
+                    count += 1
+                except OSError as exc:
+                    log_event("dra_restore_failed", claim=claim.uid, file=path, error=exc.strerror or str(exc))
+        return count
+
+    def _delete_files(self, claim: PreparedClaim) -> None:
+        for path in claim.files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        shutil.rmtree(self.metadata_dir / claim.uid, ignore_errors=True)
+
+    def _remove_orphans(self) -> list[str]:
+        """Remove our spec files and metadata directories of claims not prepared; their names."""
+        removed: list[str] = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.cdi_dir):
+                if entry.name.startswith("." + cdi.SPEC_PREFIX) and entry.name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)  # a write cut short by a crash
+                    continue
+                uid = cdi.claim_uid_of_spec(entry.name)
+                if uid is not None and uid not in self._prepared and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                        removed.append(entry.path)
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.metadata_dir):
+                if entry.name not in self._prepared:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)
+                    removed.append(entry.path)
+        return removed
+
+
+def outcome_counts(outcomes: Mapping[str, ClaimOutcome]) -> tuple[int, int]:
+    """(prepared, refused) among ``outcomes``."""
+    refused = sum(1 for outcome in outcomes.values() if outcome.error)
+    return len(outcomes) - refused, refused

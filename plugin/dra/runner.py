@@ -1,0 +1,212 @@
+"""``gpu-device-plugin serve --dra``'s loop: the same discovery as the device plugin, served through DRA.
+
+One thread, blocking on file descriptors like :class:`~plugin.manager.PluginManager` (inotify on
+``/dev/vfio`` and the plugin registry, the kernel's uevents, a wake-up pipe; :class:`~plugin.watching.NodeWatcher`):
+
+- at start: reconcile the checkpoint (:meth:`PrepareCore.start`), scan, serve the DRAPlugin and registration
+  sockets (:class:`~plugin.dra.service.DraServer`);
+- on a VFIO change, a uevent, or every ``scan_interval``: rescan (:func:`plugin.sysfs.scan`); the core
+  prepares against the newest inventory, and each :class:`InventorySink` gets an inventory that differs from
+  the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
+  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in;
+- a socket removed under us (a wiped registry directory) is served again, which makes the kubelet register
+  us anew; a kubelet restart needs nothing from us (it re-reads the registry directory); after a refusal
+  (``NotifyRegistrationStatus`` with ``plugin_registered`` false, which the kubelet never retries) the
+  registration socket is offered again every :data:`REREGISTER_AFTER` seconds;
+- :meth:`request_stop` (SIGTERM) ends the loop: the registration socket goes first, so the kubelet
+  deregisters before the endpoint disappears. Prepared claims stay prepared (their files and the checkpoint
+  stay): a restarted plugin answers for them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from plugin.config import PluginConfig
+from plugin.dra.prepare import PrepareCore
+from plugin.dra.service import DraServeError, DraServer
+from plugin.inventory import Inventory
+from plugin.log import log_event
+from plugin.sysfs import scan
+from plugin.watching import NodeWatcher
+from runtime.pciids import PciIds
+from schemas.errors import InputError
+
+DEFAULT_SCAN_INTERVAL = 5.0
+REREGISTER_AFTER = 30.0
+"""Seconds after the kubelet refused us before the registration socket is offered again: a refusal may be
+transient (the kubelet had not yet seen the previous instance's socket go), and it never retries by itself."""
+LIVENESS_SLACK = 10.0
+"""Seconds a loop turn may take beyond the scan interval before ``/healthz`` calls the loop stuck."""
+
+
+SINK_RESYNC_INTERVAL = 300.0
+"""Seconds after which a sink is offered an unchanged inventory again: the ResourceSlice publisher then lists
+its slices (one call) and repairs any deleted under it (by hand, or by the garbage collector after the Node
+object was re-created)."""
+
+
+class InventorySink(Protocol):
+    """Takes each new inventory of the node (e.g. publishes it as ResourceSlices). May raise: the error is
+    logged and the same inventory is offered again at the next scan."""
+
+    def publish(self, inventory: Inventory) -> None: ...
+
+
+class DraRunner:
+    """Runs the DRA plugin: :meth:`run` blocks until :meth:`request_stop`; safe to drive from a thread."""
+
+    def __init__(
+        self,
+        config: PluginConfig,
+        core: PrepareCore,
+        server: DraServer,
+        *,
+        registry_dir: Path,
+        scan_interval: float = DEFAULT_SCAN_INTERVAL,
+        pci_ids: PciIds | None = None,
+        warnings: Iterable[str] = (),
+        sinks: Sequence[InventorySink] = (),
+        reregister_after: float = REREGISTER_AFTER,
+    ) -> None:
+        if scan_interval <= 0:
+            raise ValueError("scan_interval must be positive")
+        self.config = config
+        self.core = core
+        self.server = server
+        self.host_root = Path(config.host_root).absolute()
+        self.scan_interval = scan_interval
+        self.pci_ids = pci_ids
+        self.sinks = list(sinks)
+        self.reregister_after = reregister_after
+        self.ready = threading.Event()
+        """Set once the first scan is in the core and both sockets are served."""
+        self.scans = 0
+        self.inventory: Inventory | None = None
+        self._warnings = tuple(warnings)
+        self._stop = threading.Event()
+        self._serving = False
+        self.sink_resync = SINK_RESYNC_INTERVAL
+        self._published: dict[int, tuple[Inventory, float]] = {}
+        state = config.node_agent_state
+        agent_state = self.host_root / state.lstrip("/") if state else None
+        self._watcher = NodeWatcher(self.host_root / "dev" / "vfio", registry_dir.absolute(), agent_state)
+        self._next_scan = 0.0
+        self._last_problem: str | None = None
+        self._heartbeat: float | None = None
+        self._finished = False
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop; safe from any thread and from a signal handler."""
+        self._stop.set()
+        self._watcher.wake()
+
+    def liveness(self) -> str | None:
+        """None while the loop runs and turned within ``2 * scan_interval + 10 s`` (``/healthz``); else why not."""
+        heartbeat = self._heartbeat
+        if self._finished:
+            return "stopped: the DRA plugin's loop has ended"
+        if heartbeat is None:
+            return "not started: the DRA plugin's loop has not run yet"
+        age, bound = time.monotonic() - heartbeat, 2 * self.scan_interval + LIVENESS_SLACK
+        if age > bound:
+            return f"stuck: the DRA plugin's loop last turned {age:.1f} s ago (bound {bound:.1f} s)"
+        return None
+
+    def readiness(self) -> str | None:
+        """None once scanned, served and registered by the kubelet (``/readyz``); else why not."""
+        problem = self.liveness()
+        if problem is not None:
+            return problem
+        if not self.ready.is_set():
+            return f"starting: {self._last_problem or 'the first scan is not served yet'}"
+        status = self.server.registration.status
+        if status.registered is not True:
+            why = f": {status.error}" if status.error else " yet"
+            return f"not registered with the kubelet{why} ({self.server.registration_socket})"
+        return None
+
+    def run(self) -> None:
+        log_event("dra_starting", host_root=str(self.host_root), scan_interval=self.scan_interval)
+        self._finished = False
+        self._heartbeat = time.monotonic()
+        try:
+            self.core.start()
+            self._watcher.ensure()
+            self._rescan()
+            self._serve()
+            while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
+                if self._serving and self.inventory is not None:
+                    self.ready.set()
+                rescan = self._watcher.wait(self._timeout_ms())
+                if self._stop.is_set():
+                    break
+                self._watcher.ensure()
+                if rescan or time.monotonic() >= self._next_scan:
+                    self._rescan()
+                self._serve()
+        finally:
+            self._finished = True
+            self.ready.clear()
+            self.server.stop()
+            self._watcher.close()
+
+    def _timeout_ms(self) -> int:
+        deadline = self._next_scan if self._serving else min(self._next_scan, time.monotonic() + 1.0)
+        status = self.server.registration.status
+        if status.registered is False:
+            deadline = min(deadline, status.at + self.reregister_after)
+        return max(0, int((deadline - time.monotonic()) * 1000) + 1)
+
+    def _serve(self) -> None:
+        try:
+            if not self._serving:
+                self.server.start()
+                self._serving = True
+            elif not self.server.ensure():
+                status = self.server.registration.status
+                if status.registered is False and time.monotonic() >= status.at + self.reregister_after:
+                    self.server.registration.forget_refusal()
+                    self.server.reregister()
+        except (DraServeError, OSError) as exc:
+            self._serving = False
+            self._problem(f"cannot serve: {exc}")
+
+    def _rescan(self) -> None:
+        self._next_scan = time.monotonic() + self.scan_interval
+        self.scans += 1
+        try:
+            inventory = scan(self.host_root, self.config, self.pci_ids, self._warnings)
+        except InputError as exc:
+            self._problem(str(exc))
+            return
+        except Exception as exc:  # a half-written sysfs must not end the plugin: keep the last truth
+            self._problem(f"scan failed: {type(exc).__name__}: {exc}")
+            return
+        self._problem(None)
+        if inventory != self.inventory:
+            devices = {device.id: device.health for resource in inventory.resources for device in resource.devices}
+            log_event("dra_inventory", devices=devices)
+        self.inventory = inventory
+        self.core.update_inventory(inventory)
+        for index, sink in enumerate(self.sinks):
+            last = self._published.get(index)
+            if last is not None and last[0] == inventory and time.monotonic() < last[1] + self.sink_resync:
+                continue
+            try:
+                sink.publish(inventory)
+            except Exception as exc:  # the publisher's trouble (API server down...) never stops the node side
+                log_event("dra_publish_failed", sink=type(sink).__name__, error=f"{type(exc).__name__}: {exc}")
+                self._published.pop(index, None)
+                continue
+            self._published[index] = (inventory, time.monotonic())
+
+    def _problem(self, problem: str | None) -> None:
+        if problem is not None and problem != self._last_problem:
+            log_event("scan_problem", error=problem)
+        self._last_problem = problem
