@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,3 +217,17 @@ def test_a_second_plugin_for_the_same_sockets_is_refused(node01: DraPaths) -> No
         second = dra_runner(dataclasses.replace(node01))
         with pytest.raises(Exception, match="another server is listening"):
             second.server.start()
+
+
+def test_a_socket_path_too_long_is_a_readiness_problem_not_a_crash(node01: DraPaths) -> None:
+    deep = dataclasses.replace(node01, registry=node01.base / ("r" * 100))
+    runner = dra_runner(deep)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: "longer than 107 bytes" in (runner.readiness() or ""), what="the readiness problem")
+        assert runner.liveness() is None  # the loop lives on and retries
+    finally:
+        runner.request_stop()
+        thread.join(WAIT)
+    assert not thread.is_alive()

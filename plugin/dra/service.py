@@ -264,7 +264,10 @@ class DraServer:
 
     def start(self) -> None:
         for socket in (self.plugin_socket, self.registration_socket):
-            sockets.check_socket_path_length(socket)
+            try:
+                sockets.check_socket_path_length(socket)
+            except sockets.SocketInUse as exc:
+                raise DraServeError(str(exc)) from None
         self._plugin.start()
         try:
             self._registrar.start()
