@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -378,11 +379,40 @@ def _read_vmi(document: dict[str, Any]) -> VirtualMachineInstance:
     return vmi
 
 
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays and objects a VMI document may have (a real one is about 10 deep). Checked before
+parsing, not left to Python's recursion limit: that is process-wide and other code may raise it (cel-python's
+``Environment`` sets 2500), which would let a deeper document through to the parser and the reader."""
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_OPENERS = str.maketrans("[{]}", "(())")
+
+
+def _check_depth(text: str) -> None:
+    """Refuse ``text`` if its arrays and objects nest deeper than :data:`MAX_JSON_DEPTH` (strings skipped).
+
+    Nesting can only be as deep as there are openers, so a document with few of them (every real VMI) costs
+    two ``str.count`` calls. Otherwise the brackets outside strings are kept and innermost pairs removed
+    ``MAX_JSON_DEPTH`` times; anything left is deeper (unbalanced text is the parser's to refuse)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).translate(_OPENERS)
+    for _ in range(MAX_JSON_DEPTH):
+        shorter = brackets.replace("()", "")
+        if shorter == brackets:
+            return
+        brackets = shorter
+    if "()" in brackets:
+        raise InputError(f"VMI JSON is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+
+
 def parse_vmi(data: bytes, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> VirtualMachineInstance:
     """Parse VMI JSON (a VirtualMachine's template is accepted too); refuse bad input with a clear error."""
     text = check_utf8(data, "VMI JSON", max_bytes)
     if data.startswith(codecs.BOM_UTF8):  # a UTF-8 BOM is allowed (README, Input limits); JSON parsers refuse it
         text = text[1:]
+    _check_depth(text)
     try:
         document: Any = json.loads(text)
     except json.JSONDecodeError as exc:

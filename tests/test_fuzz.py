@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ from runtime.hook_api import HOOK_API_VERSIONS
 from runtime.status import MAX_STATUS_MESSAGE
 from schemas import InputError, PciAddress, parse_mdev_uuid
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
-from schemas.vmi import VirtualMachineInstance, parse_vmi
+from schemas.vmi import MAX_JSON_DEPTH, VirtualMachineInstance, parse_vmi
 from tests.conftest import scaled
 from tests.hook_support import (
     RTX,
@@ -423,6 +424,23 @@ def test_deeply_nested_vmi_json_is_refused_quickly(depth: int) -> None:
         with pytest.raises(InputError, match=r"nested too deeply|not valid JSON|expected shape"):
             parse_vmi(document)
         assert time.perf_counter() - started < 10
+
+
+def test_the_depth_bound_does_not_rest_on_the_recursion_limit() -> None:
+    """cel-python's Environment raises the process's recursion limit to 2500 (found when the DRA tests ran
+    first): the VMI's depth bound must hold whatever the limit is, and a real VMI's depth must pass."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        for depth in (MAX_JSON_DEPTH + 1, 1_000, 4_000):
+            document = b'{"spec": {"x": ' + b"[" * depth + b"1" + b"]" * depth + b"}}"
+            with pytest.raises(InputError, match="nested too deeply"):
+                parse_vmi(document)
+    finally:
+        sys.setrecursionlimit(limit)
+    inner = MAX_JSON_DEPTH - 2  # the document's own object and "spec" take two levels
+    deep_enough = b'{"spec": {"x": ' + b"[" * inner + b'"]{["' + b"]" * inner + b', "y": [' + b"[]," * 300 + b"[]]}}"
+    assert parse_vmi(deep_enough) is not None
 
 
 # --- the domain builder and splicer ---------------------------------------------------------------------------
