@@ -183,10 +183,12 @@ class Scheduler:
             raise AllocationError(f"{where}: DeviceClass {class_name!r} does not exist (known: {sorted(self.classes)})")
         if self.compiler is not None:
             compiled = [self.compiler(item["cel"]["expression"]) for item in device_class["spec"].get("selectors", [])]
-            return lambda device: all([selector(device.variable) for selector in compiled])
+            return lambda device: all(selector(device.variable) for selector in compiled)
         kind = next((KIND_VALUES[k] for k, name in DEVICE_CLASSES.items() if name == class_name), None)
         if kind is None:
-            raise AllocationError(f"{where}: DeviceClass {class_name!r} is not one of ours; without CEL it cannot be read")
+            raise AllocationError(
+                f"{where}: DeviceClass {class_name!r} is not one of ours; without CEL it cannot be read"
+            )
         return lambda device: (
             device.driver == DRIVER_NAME and device.attribute("kind") == kind and device.attribute("healthy") is True
         )
@@ -196,11 +198,11 @@ class Scheduler:
         own: list[Selector] = []
         if self.compiler is not None:
             own = [self.compiler(item["cel"]["expression"]) for item in spec.get("selectors", []) or []]
-        # every selector on every device, no short cut: an error on any device fails the allocation
+        # the class's selectors, then the request's, in order, on every device (an error fails the allocation)
         return tuple(
             device
             for device in self.devices
-            if all([class_filter(device), *(selector(device.variable) for selector in own)])
+            if class_filter(device) and all(selector(device.variable) for selector in own)
         )
 
     def _count(self, spec: Mapping[str, Any], where: str) -> int | None:
@@ -356,8 +358,14 @@ def claim_from_template(
             "uid": claim_uid(namespace, name),
             "annotations": {POD_CLAIM_NAME_ANNOTATION: pod_claim_name},
             "ownerReferences": [
-                {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": claim_uid(namespace, f"pod/{pod}"),
-                 "controller": True, "blockOwnerDeletion": True}
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod,
+                    "uid": claim_uid(namespace, f"pod/{pod}"),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
             ],
         },
         "spec": dict(spec),

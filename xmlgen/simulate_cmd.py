@@ -99,7 +99,8 @@ def simulate_command(
             fail(f"libvirt check: {exc}")
             return
         _log(
-            f"{8 if dra else 5}. libvirt: the RNG schema and the test driver accept the domain; aliases and sources read back as written"
+            f"{8 if dra else 5}. libvirt: the RNG schema and the test driver accept the domain; aliases and sources "
+            "read back as written"
         )
         if report.qemu_unavailable:
             _log(f"  QEMU argv not shown: {report.qemu_unavailable}")

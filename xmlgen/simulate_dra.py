@@ -31,6 +31,7 @@ import yaml
 
 from launcher_hook.builder import BuildOptions
 from launcher_hook.claims import dra_entries
+from launcher_hook.domain import hostdev_source_key, parse_domain
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
@@ -45,10 +46,12 @@ from plugin.sysfs import discover_node
 from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from runtime.pciids import PciIds, locate_pci_ids
+from schemas import InputError, PciAddress
 from schemas.dra import DRIVER_NAME
 from schemas.dra_metadata import DEFAULT_ROOT, claimed_device, parse_metadata
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 from simkit.dra_scheduler import AllocationError, Scheduler, claim_from_template, claim_uid
 from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn
@@ -267,6 +270,168 @@ def _apply_cdi(
     return spec_path, metadata_files
 
 
+def _report_companions(domain: bytes, sysfs: Path, log: Callable[[str], None]) -> None:
+    """Name the functions of claimed cards the guest does not get: the hook places companions for
+    device-plugin GPUs (their ``PCI_COMPANIONS_*`` variable), not yet for DRA GPUs (docs/dra.md)."""
+    keys = [
+        hostdev_source_key(h) for h in parse_domain(domain, DEFAULT_MAX_INPUT_BYTES).root.iterfind("devices/hostdev")
+    ]
+    passed = {PciAddress.parse(key[1]) for key in keys if key is not None and key[0] == "pci"}
+    reader = SysfsCompanions(sysfs)
+    for gpu in sorted(passed):
+        try:
+            functions = reader.read(gpu, passed)
+        except InputError:
+            continue
+        left = [str(function) for function in functions if function not in passed]
+        if left:
+            log(
+                f"  companions of {gpu} not passed: {', '.join(left)} (same card and IOMMU group, reachable through "
+                "the claim's /dev/vfio group; the hook places companions for device-plugin GPUs only)"
+            )
+
+
+def _start_plugin(
+    config: PluginConfig,
+    options: DraOptions,
+    host_root: Path,
+    sink: _Slices,
+    stack: contextlib.ExitStack,
+    log: Callable[[str], None],
+) -> KubeletDraStandIn:
+    """Step 2: the kubelet stand-in, then the plugin's runner in a thread; the registration told."""
+    standin = KubeletDraStandIn(options.registry_dir)
+    standin.start()
+    stack.callback(standin.stop)
+    choice = locate_pci_ids(None, host_root, Path("/"))  # as serve --dra finds pci.ids
+    runner = build_runner(
+        config, options, claim_source(options), sinks=(sink,), pci_ids=choice.database, warnings=choice.warnings
+    )
+    thread = threading.Thread(target=runner.run, name="dra-plugin", daemon=True)
+    thread.start()
+    stack.callback(thread.join, _WAIT_SECONDS)
+    stack.callback(runner.request_stop)
+    if not runner.ready.wait(_WAIT_SECONDS):
+        raise SimulationError("the DRA plugin did not start serving within 10 s")
+    try:
+        registration = standin.wait_for_registration(DRIVER_NAME, timeout=_WAIT_SECONDS)
+    except DraStandInError as exc:
+        raise SimulationError(f"the kubelet did not register the DRA plugin: {exc}") from None
+    info = _registration_info(registration.socket)
+    log(
+        f"  GetInfo at {registration.socket}: type {info.type}, name {info.name}, endpoint {info.endpoint}, "
+        f"versions {', '.join(info.supported_versions)}"
+    )
+    log(f"  kubelet registered {registration.driver}; it speaks {registration.service} at {registration.endpoint}")
+    return standin
+
+
+def _schedule(
+    vmi: VirtualMachineInstance,
+    pod_claims: list[tuple[str, dict[str, Any]]],
+    scheduler: Scheduler,
+    claims_dir: Path,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Step 4: each claim allocated and stored where the plugin's claim source reads it."""
+    if scheduler.cel:
+        log("  selectors: each request's DeviceClass CEL, then its own, evaluated on every device (cel-python)")
+    else:
+        log(
+            "  selectors: cel-python is not installed, so a simplification: a device matches its class by the "
+            "'kind' attribute and 'healthy'; the requests' own selectors are NOT evaluated (a real scheduler "
+            "evaluates the class's and the request's CEL)"
+        )
+    allocated = []
+    for pod_claim, obj in pod_claims:
+        try:
+            allocation = scheduler.allocate(obj)
+        except AllocationError as exc:
+            raise SimulationError(f"the scheduler cannot allocate claim {pod_claim!r}: {exc}") from None
+        meta = allocation.claim["metadata"]
+        entry = vmi.spec.resource_claim(pod_claim)
+        template = entry.resource_claim_template_name if entry is not None else None
+        origin = f"made from ResourceClaimTemplate {template}" if template else "existing"
+        log(f"  ResourceClaim {meta['namespace']}/{meta['name']} ({origin}; pod claim {pod_claim}, uid {meta['uid']}):")
+        for request, device in allocation.results:
+            bus = device.attribute("resource.kubernetes.io/pciBusID") or device.attribute("mdevUUID")
+            log(f"    status.allocation.devices.results: {request} → {device.pool}/{device.name} ({bus})")
+        name = claim_file_name(meta["namespace"], meta["name"])
+        (claims_dir / name).write_text(json.dumps(allocation.claim, indent=2))
+        allocated.append(allocation.claim)
+    return allocated
+
+
+def _prepare(
+    standin: KubeletDraStandIn,
+    refs: list[tuple[str, str, str]],
+    cdi_dir: Path,
+    container: Path,
+    result: DraSimulationResult,
+    log: Callable[[str], None],
+) -> None:
+    """Step 5: NodePrepareResources, and the CDI devices applied to the compute container."""
+    try:
+        answers = standin.prepare(DRIVER_NAME, refs)
+    except DraStandInError as exc:
+        raise SimulationError(f"NodePrepareResources failed: {exc}") from None
+    for namespace, name, uid in refs:
+        devices, error = answers[uid]
+        if error:
+            raise SimulationError(f"NodePrepareResources refused claim {namespace}/{name}: {error}")
+        ids = sorted({cdi for device in devices for cdi in device.cdi_ids})
+        log(f"  claim {namespace}/{name}: CDI devices {', '.join(ids)}")
+        spec_path, metadata_files = _apply_cdi(cdi_dir, uid, ids, container, log)
+        result.cdi_ids[name] = ids
+        result.files += [spec_path, *metadata_files]
+
+
+def _unprepare(
+    standin: KubeletDraStandIn, refs: list[tuple[str, str, str]], files: list[Path], log: Callable[[str], None]
+) -> None:
+    """Step 7: NodeUnprepareResources; every file the plugin wrote must be gone."""
+    try:
+        errors = standin.unprepare(DRIVER_NAME, refs)
+    except DraStandInError as exc:
+        raise SimulationError(f"NodeUnprepareResources failed: {exc}") from None
+    for namespace, name, uid in refs:
+        if errors[uid]:
+            raise SimulationError(f"NodeUnprepareResources refused claim {namespace}/{name}: {errors[uid]}")
+    left = [str(path) for path in files if path.exists()]
+    if left:
+        raise SimulationError(f"NodeUnprepareResources left {', '.join(left)}")
+    log(f"  claims unprepared; removed {len(files)} files (CDI specs and metadata)")
+
+
+def _hook(
+    work: Path,
+    host_root: Path,
+    container: Path,
+    domain_xml: bytes,
+    vmi_json: bytes,
+    hook_api: Literal["hooks", "plugins"],
+    stack: contextlib.ExitStack,
+    log: Callable[[str], None],
+) -> tuple[bytes, str]:
+    """Step 6: the real hook server, reading the metadata files where the compute container sees them."""
+    if hook_api == "plugins":
+        log("6. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar (KubeVirt plugin API)")
+    else:
+        log("6. hook sidecar: OnDefineDomain as virt-launcher calls it")
+    metadata_root = container / DEFAULT_ROOT.lstrip("/")
+    log(f"  --dra-metadata-root {metadata_root} (the compute container's {DEFAULT_ROOT})")
+    bars = SysfsBars(host_root / "sys")
+    build = BuildOptions(bars=bars, claims=MetadataFiles(metadata_root))
+    hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource({}), build), api=hook_api)
+    hook.start()
+    stack.callback(hook.stop)
+    call = call_plugin if hook_api == "plugins" else call_hook
+    domain, version = call(work / "hook.sock", domain_xml, vmi_json, log)
+    report_domain(domain_xml, domain, version, bars, log)
+    _report_companions(domain, host_root / "sys", log)
+    return domain, version
+
+
 def simulate_dra(
     node: str,
     vmi_json: bytes,
@@ -278,7 +443,8 @@ def simulate_dra(
     hook_api: Literal["hooks", "plugins"] = "hooks",
     use_cel: bool = True,
 ) -> DraSimulationResult:
-    """Run the DRA path for ``node`` (a bundled node name or a host root) and return the final domain."""
+    """Run the DRA path for ``node`` (a bundled node name or a host root) and return the final domain;
+    ``use_cel=False`` allocates as without cel-python."""
     vmi = parse_vmi(vmi_json)
     if not dra_entries(vmi):
         raise SimulationError(
@@ -288,6 +454,8 @@ def simulate_dra(
     templates, objects = parse_claim_objects(claims_data)
     node_name = _node_name(node)
     pod = f"virt-launcher-{vmi.metadata.name or 'vmi'}-abcde"
+    pod_claims = _pod_claims(vmi, templates, objects, pod)
+    _check_requests(vmi, pod_claims)
     with host_root_of(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
@@ -301,39 +469,18 @@ def simulate_dra(
         report_inventory(discover_node(config), log)
 
         log(f"2. DRA kubelet plugin (serve --dra --claims-dir) registering with the kubelet stand-in in {work}")
+        claims_dir = work / "claims"
+        claims_dir.mkdir()
         options = DraOptions(
             plugin_dir=work / "plugin",
             registry_dir=work / "registry",
             cdi_dir=work / "cdi",
-            claims_dir=work / "claims",
+            claims_dir=claims_dir,
             pool=node_name,
             scan_interval=scan_interval,
         )
-        options.claims_dir.mkdir()  # type: ignore[union-attr]
-        standin = KubeletDraStandIn(options.registry_dir)
-        standin.start()
-        stack.callback(standin.stop)
         sink = _Slices(node_name)
-        choice = locate_pci_ids(None, host_root, Path("/"))  # as serve --dra finds pci.ids
-        runner = build_runner(
-            config, options, claim_source(options), sinks=(sink,), pci_ids=choice.database, warnings=choice.warnings
-        )
-        thread = threading.Thread(target=runner.run, name="dra-plugin", daemon=True)
-        thread.start()
-        stack.callback(thread.join, _WAIT_SECONDS)
-        stack.callback(runner.request_stop)
-        if not runner.ready.wait(_WAIT_SECONDS):
-            raise SimulationError("the DRA plugin did not start serving within 10 s")
-        try:
-            registration = standin.wait_for_registration(DRIVER_NAME, timeout=_WAIT_SECONDS)
-        except DraStandInError as exc:
-            raise SimulationError(f"the kubelet did not register the DRA plugin: {exc}") from None
-        info = _registration_info(registration.socket)
-        log(
-            f"  GetInfo at {registration.socket}: type {info.type}, name {info.name}, endpoint {info.endpoint}, "
-            f"versions {', '.join(info.supported_versions)}"
-        )
-        log(f"  kubelet registered {registration.driver}; it speaks {registration.service} at {registration.endpoint}")
+        standin = _start_plugin(config, options, host_root, sink, stack, log)
 
         log(f"3. ResourceSlices the plugin publishes for node {node_name} (resource.k8s.io/v1)")
         if not sink.published.wait(_WAIT_SECONDS):
@@ -344,83 +491,19 @@ def simulate_dra(
 
         log(f"4. scheduler: allocating the ResourceClaims of VMI {vmi.display_name}'s pod {pod}")
         scheduler = Scheduler(node_name, sink.slices, use_cel=use_cel)
-        if scheduler.cel:
-            log("  selectors: each request's DeviceClass CEL, then its own, evaluated on every device (cel-python)")
-        else:
-            log(
-                "  selectors: cel-python is not installed, so a simplification: a device matches its class by the "
-                "'kind' attribute and 'healthy'; the requests' own selectors are NOT evaluated (a real scheduler "
-                "evaluates the class's and the request's CEL)"
-            )
-        pod_claims = _pod_claims(vmi, templates, objects, pod)
-        _check_requests(vmi, pod_claims)
-        allocated: list[tuple[str, dict[str, Any]]] = []
-        for pod_claim, obj in pod_claims:
-            try:
-                allocation = scheduler.allocate(obj)
-            except AllocationError as exc:
-                raise SimulationError(f"the scheduler cannot allocate claim {pod_claim!r}: {exc}") from None
-            meta = allocation.claim["metadata"]
-            origin = (
-                f"from ResourceClaimTemplate {vmi.spec.resource_claim(pod_claim).resource_claim_template_name}"  # type: ignore[union-attr]
-                if "annotations" in meta and pod_claim == meta["annotations"].get("resource.kubernetes.io/pod-claim-name")
-                else "existing"
-            )
-            log(f"  ResourceClaim {meta['namespace']}/{meta['name']} ({origin}; pod claim {pod_claim}, uid {meta['uid']}):")
-            for request, device in allocation.results:
-                bus = device.attribute("resource.kubernetes.io/pciBusID") or device.attribute("mdevUUID")
-                log(f"    status.allocation.devices.results: {request} → {device.pool}/{device.name} ({bus})")
-            name = claim_file_name(meta["namespace"], meta["name"])
-            (options.claims_dir / name).write_text(json.dumps(allocation.claim, indent=2))  # type: ignore[operator]
-            allocated.append((pod_claim, allocation.claim))
+        allocated = _schedule(vmi, pod_claims, scheduler, claims_dir, log)
+        result = DraSimulationResult(b"", allocated, cel=scheduler.cel)
 
         log("5. kubelet: NodePrepareResources; the container runtime applies the CDI devices to the compute container")
-        refs = [(o["metadata"]["namespace"], o["metadata"]["name"], o["metadata"]["uid"]) for _, o in allocated]
-        try:
-            answers = standin.prepare(DRIVER_NAME, refs)
-        except DraStandInError as exc:
-            raise SimulationError(f"NodePrepareResources failed: {exc}") from None
+        refs = [(o["metadata"]["namespace"], o["metadata"]["name"], o["metadata"]["uid"]) for o in allocated]
         container = work / "compute"
-        result = DraSimulationResult(b"", [o for _, o in allocated], cel=scheduler.cel)
-        for (namespace, name, uid), (pod_claim, _) in zip(refs, allocated, strict=True):
-            devices, error = answers[uid]
-            if error:
-                raise SimulationError(f"NodePrepareResources refused claim {namespace}/{name}: {error}")
-            ids = sorted({cdi for device in devices for cdi in device.cdi_ids})
-            log(f"  claim {namespace}/{name}: CDI devices {', '.join(ids)}")
-            spec_path, metadata_files = _apply_cdi(options.cdi_dir, uid, ids, container, log)
-            result.cdi_ids[name] = ids
-            result.files += [spec_path, *metadata_files]
+        _prepare(standin, refs, options.cdi_dir, container, result, log)
 
-        if hook_api == "plugins":
-            log("6. hook sidecar: MutateDomain as virt-launcher calls a Plugin's sidecar (KubeVirt plugin API)")
-        else:
-            log("6. hook sidecar: OnDefineDomain as virt-launcher calls it")
-        metadata_root = container / DEFAULT_ROOT.lstrip("/")
-        log(f"  --dra-metadata-root {metadata_root} (the compute container's {DEFAULT_ROOT})")
-        bars = SysfsBars(host_root / "sys")
-        build = BuildOptions(
-            bars=bars, claims=MetadataFiles(metadata_root), companion_reader=SysfsCompanions(host_root / "sys")
+        result.domain_xml, result.hook_version = _hook(
+            work, host_root, container, domain_xml, vmi_json, hook_api, stack, log
         )
-        hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource({}), build), api=hook_api)
-        hook.start()
-        stack.callback(hook.stop)
-        call = call_plugin if hook_api == "plugins" else call_hook
-        domain, version = call(work / "hook.sock", domain_xml, vmi_json, log)
-        report_domain(domain_xml, domain, version, bars, log)
-        result.domain_xml, result.hook_version = domain, version
 
-        log("7. kubelet: the pod is gone; NodeUnprepareResources")
+        log("7. kubelet: the pod is gone (its container view removed); NodeUnprepareResources")
         shutil.rmtree(container, ignore_errors=True)
-        try:
-            errors = standin.unprepare(DRIVER_NAME, refs)
-        except DraStandInError as exc:
-            raise SimulationError(f"NodeUnprepareResources failed: {exc}") from None
-        for (namespace, name, uid) in refs:
-            if errors[uid]:
-                raise SimulationError(f"NodeUnprepareResources refused claim {namespace}/{name}: {errors[uid]}")
-        left = [str(path) for path in result.files if path.exists()]
-        if left:
-            raise SimulationError(f"NodeUnprepareResources left {', '.join(left)}")
-        log(f"  claims unprepared; removed {len(result.files)} files (CDI specs and metadata)")
+        _unprepare(standin, refs, result.files, log)
         return result
