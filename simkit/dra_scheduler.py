@@ -333,8 +333,20 @@ class Scheduler:
                     f"{label}: request {name!r} wants {wanted}, but node {self.node} has {matching} matching "
                     f"device(s) not already allocated: the pod would stay Pending"
                 )
-        which = ", ".join(attribute for _, attribute in constraints)
-        return f"{label}: the requests cannot be met together under the constraints ({which}) on node {self.node}"
+        total = sum(min(a.count or 1 for a in alternatives) for alternatives in options)
+        free = {
+            (d.driver, d.pool, d.name)
+            for alternatives in options
+            for a in alternatives
+            for d in a.candidates
+            if (d.driver, d.pool, d.name) not in self.taken
+        }
+        which = ", ".join(f"matchAttribute {attribute}" for _, attribute in constraints)
+        return (
+            f"{label}: requests {', '.join(map(repr, names))} cannot be met together on node {self.node}: "
+            f"{total} device(s) wanted, {len(free)} matching not already allocated"
+            + (f", under the constraints ({which})" if which else "")
+        )
 
 
 def claim_uid(namespace: str, name: str) -> str:
