@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +11,12 @@ import pytest
 import yaml
 from lxml import etree
 
-from simkit.dra_scheduler import AllocationError, Scheduler, device_class_objects
+from simkit.dra_scheduler import AllocationError, Scheduler, cel_compiler, device_class_objects
 from simkit.fixture_nodes import NODE01
 from simkit.sysfs_fixture import build
 from tests.conftest import EXAMPLES
 from tests.dra_support import validate_cdi_spec
+from tests.test_deploy import kubernetes_validate
 from tests.test_xmlgen_simulate import hostdevs, qemu_devices, simulate
 from xmlgen.simulate_dra import default_dra_claims, default_dra_domain, default_dra_vmi, simulate_dra
 
@@ -293,3 +295,25 @@ def test_a_selector_error_on_any_device_fails_the_allocation() -> None:
         )
     with pytest.raises(AllocationError, match="DeviceClass 'nope' does not exist"):
         scheduler.allocate(_claim([{"name": "x", "exactly": {"deviceClassName": "nope"}}]))
+
+
+@pytest.mark.parametrize("node", ["node01", "vgpu", "sriov-vgpu"])
+def test_the_example_claims_and_the_allocated_claims_are_valid_kubernetes_objects(node: str, tmp_path: Path) -> None:
+    result, _ = _run(node)
+    examples = [doc for doc in yaml.safe_load_all(default_dra_claims(node)) if doc]
+    path = tmp_path / "objects.yaml"
+    path.write_text(yaml.safe_dump_all([*examples, *result.claims]))
+    for version in ("1.34", None):
+        lines = kubernetes_validate([path], version)
+        assert set(lines) <= {"INFO", "WARN"}, lines
+        passed = " ".join(lines.get("INFO", []))
+        for doc in [*examples, *result.claims]:
+            assert f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']}" in passed
+
+
+def test_without_cel_python_installed_the_scheduler_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "celpy", None)  # as in the image: no dev dependencies
+    assert cel_compiler() is None
+    result, lines = _run()
+    assert not result.cel
+    assert any("cel-python is not installed" in line for line in lines)
