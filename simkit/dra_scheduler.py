@@ -234,7 +234,19 @@ class Scheduler:
         ]
 
     def allocate(self, claim: Mapping[str, Any]) -> Allocation:
-        """``claim`` allocated on this node, or :class:`AllocationError` saying which request cannot be met."""
+        """``claim`` allocated on this node, or :class:`AllocationError` saying which request cannot be met
+        (or that the claim is malformed)."""
+        try:
+            return self._allocate(claim)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, AllocationError):
+                raise
+            name = claim.get("metadata", {}).get("name") if isinstance(claim, Mapping) else None
+            raise AllocationError(
+                f"ResourceClaim {name!r} is malformed (not the resource.k8s.io/v1 shape): {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _allocate(self, claim: Mapping[str, Any]) -> Allocation:
         metadata = claim.get("metadata", {})
         label = f"ResourceClaim {metadata.get('namespace', '')}/{metadata.get('name', '')}"
         devices_spec = claim.get("spec", {}).get("devices", {})

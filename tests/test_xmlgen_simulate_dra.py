@@ -317,3 +317,30 @@ def test_without_cel_python_installed_the_scheduler_falls_back(monkeypatch: pyte
     result, lines = _run()
     assert not result.cel
     assert any("cel-python is not installed" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("claims", "message"),
+    [
+        (b"a: &x [1]\nb: *x\n", "YAML aliases (*name) are not accepted in a claims file"),
+        (
+            b"kind: Pod\nmetadata: {name: p}\n",
+            "claims file object 0 is not a named ResourceClaim or ResourceClaimTemplate",
+        ),
+        (
+            b"kind: ResourceClaimTemplate\nmetadata: {name: tu106-pair}\nspec: {spec: {devices: {requests: [7]}}}\n",
+            "is malformed (not the resource.k8s.io/v1 shape): AttributeError",
+        ),
+        (
+            b"kind: ResourceClaimTemplate\nmetadata: {name: tu106-pair}\n"
+            b"spec: {spec: {devices: {requests: [{name: gpu0, exactly: 3}, {name: gpu1}]}}}\n",
+            "error: the scheduler cannot allocate claim 'gpus': "
+            "ResourceClaim 'virt-launcher-vm-with-dra-gpus-abcde-gpus-x7k2q' is malformed",
+        ),
+    ],
+)
+def test_a_bad_claims_file_is_a_clear_error(claims: bytes, message: str, tmp_path: Path) -> None:
+    (tmp_path / "claims.yaml").write_bytes(claims)
+    done = simulate("--dra", "--claims", str(tmp_path / "claims.yaml"))
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr

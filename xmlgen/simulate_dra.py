@@ -105,10 +105,20 @@ class DraSimulationResult:
     cel: bool = False
 
 
+class _NoAliases(yaml.SafeLoader):
+    """YAML without anchors' aliases: a claims file has no use for them, and a few nested aliases would expand
+    to gigabytes once the objects are copied or printed (the "billion laughs")."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("YAML aliases (*name) are not accepted in a claims file")
+        return super().compose_node(parent, index)
+
+
 def parse_claim_objects(data: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """(ResourceClaimTemplates, ResourceClaims) by name, from a YAML or JSON stream (a ``List`` is opened)."""
     try:
-        documents = [doc for doc in yaml.safe_load_all(data.decode("utf-8")) if doc is not None]
+        documents = [doc for doc in yaml.load_all(data.decode("utf-8"), Loader=_NoAliases) if doc is not None]
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
         raise SimulationError(f"the claims file is not YAML or JSON: {exc}") from None
     objects: list[Any] = []
@@ -454,8 +464,13 @@ def simulate_dra(
     templates, objects = parse_claim_objects(claims_data)
     node_name = _node_name(node)
     pod = f"virt-launcher-{vmi.metadata.name or 'vmi'}-abcde"
-    pod_claims = _pod_claims(vmi, templates, objects, pod)
-    _check_requests(vmi, pod_claims)
+    try:
+        pod_claims = _pod_claims(vmi, templates, objects, pod)
+        _check_requests(vmi, pod_claims)
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise SimulationError(
+            f"a claim in the claims file is malformed (not the resource.k8s.io/v1 shape): {type(exc).__name__}: {exc}"
+        ) from None
     with host_root_of(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
