@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,16 @@ def test_a_bad_claims_file_is_a_clear_error(claims: bytes, message: str, tmp_pat
     done = simulate("--dra", "--claims", str(tmp_path / "claims.yaml"))
     assert (done.returncode, done.stdout) == (1, ""), done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_simulate_dra_never_loads_the_kubernetes_client() -> None:
+    """It runs serve --dra with a claims directory, as the CLI does: the API client stays unloaded."""
+    code = (
+        "import sys\n"
+        "from xmlgen.simulate_dra import *\n"
+        "simulate_dra('node01', default_dra_vmi('node01'), default_dra_domain('node01'), "
+        "default_dra_claims('node01'), lambda line: None)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
