@@ -243,7 +243,7 @@ def _check_requests(vmi: VirtualMachineInstance, claims: list[tuple[str, dict[st
 
 
 def _apply_cdi(
-    cdi_dir: Path, uid: str, ids: list[str], container: Path, log: Callable[[str], None]
+    cdi_dir: Path, plugin_dir: Path, uid: str, ids: list[str], container: Path, log: Callable[[str], None]
 ) -> tuple[Path, list[Path]]:
     """As the container runtime applies the CDI devices ``ids``: each mount of the claim's spec file made
     visible under ``container`` (a hard link: the same file, as a bind mount shows it). Returns the spec file
@@ -264,6 +264,11 @@ def _apply_cdi(
         log(f"      {cdi_id}: device nodes {nodes}")
         for mount in edits.get("mounts", []):
             host, inside = Path(mount["hostPath"]), Path(mount["containerPath"])
+            if not host.is_relative_to(plugin_dir) or not inside.is_relative_to(DEFAULT_ROOT) or ".." in inside.parts:
+                raise SimulationError(
+                    f"CDI device {cdi_id} mounts {str(host)!r} at {str(inside)!r}: not a metadata file of the "
+                    f"plugin's ({plugin_dir}) at virt-launcher's root ({DEFAULT_ROOT})"
+                )
             target = container / inside.relative_to("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -376,6 +381,7 @@ def _prepare(
     standin: KubeletDraStandIn,
     refs: list[tuple[str, str, str]],
     cdi_dir: Path,
+    plugin_dir: Path,
     container: Path,
     result: DraSimulationResult,
     log: Callable[[str], None],
@@ -391,7 +397,7 @@ def _prepare(
             raise SimulationError(f"NodePrepareResources refused claim {namespace}/{name}: {error}")
         ids = sorted({cdi for device in devices for cdi in device.cdi_ids})
         log(f"  claim {namespace}/{name}: CDI devices {', '.join(ids)}")
-        spec_path, metadata_files = _apply_cdi(cdi_dir, uid, ids, container, log)
+        spec_path, metadata_files = _apply_cdi(cdi_dir, plugin_dir, uid, ids, container, log)
         result.cdi_ids[name] = ids
         result.files += [spec_path, *metadata_files]
 
@@ -512,7 +518,7 @@ def simulate_dra(
         log("5. kubelet: NodePrepareResources; the container runtime applies the CDI devices to the compute container")
         refs = [(o["metadata"]["namespace"], o["metadata"]["name"], o["metadata"]["uid"]) for o in allocated]
         container = work / "compute"
-        _prepare(standin, refs, options.cdi_dir, container, result, log)
+        _prepare(standin, refs, options.cdi_dir, options.plugin_dir, container, result, log)
 
         result.domain_xml, result.hook_version = _hook(
             work, host_root, container, domain_xml, vmi_json, hook_api, stack, log
