@@ -108,7 +108,7 @@ class SimulationError(InputError):
 
 
 @contextlib.contextmanager
-def _host_root(node: str) -> Iterator[Path]:
+def host_root_of(node: str) -> Iterator[Path]:
     if node in BUNDLED_NODES:
         directory = Path(tempfile.mkdtemp(prefix="xmlgen-node-"))
         try:
@@ -129,7 +129,7 @@ def _describe(device: Device) -> str:
     return f"{device.id} ({where}, IOMMU group {device.iommu_group}): {health}"
 
 
-def _report_inventory(inventory: Inventory, log: Callable[[str], None]) -> None:
+def report_inventory(inventory: Inventory, log: Callable[[str], None]) -> None:
     if not inventory.resources:
         log("  no resources: no vfio-bound NVIDIA GPU and no vGPU")
     for resource in inventory.resources:
@@ -195,7 +195,7 @@ def _allocate(
     return allocations
 
 
-def _call_hook(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
+def call_hook(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         info = info_pb2_grpc.InfoStub(channel).Info(info_pb2.InfoParams(), timeout=_WAIT_SECONDS)
         version = next((name for name in _NEWEST_FIRST if name in info.versions), None)
@@ -212,7 +212,7 @@ def _call_hook(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[
     return bytes(result.domainXML), version
 
 
-def _call_plugin(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
+def call_plugin(socket: Path, domain_xml: bytes, vmi_json: bytes, log: Callable[[str], None]) -> tuple[bytes, str]:
     """As virt-launcher calls a Plugin CR's sidecar: no Info, one MutateDomain (domain type libvirt, Boot)."""
     request = plugins_pb2.MutateDomainRequest(
         domain_type="libvirt",
@@ -241,7 +241,7 @@ def simulate(
     """Run the whole path for ``node`` (a bundled node name or a host root) and return the final domain;
     ``hook_api`` is how the hook is called: the hook sidecar API or KubeVirt's plugin API."""
     vmi = parse_vmi(vmi_json)
-    with _host_root(node) as host_root, contextlib.ExitStack() as stack:
+    with host_root_of(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xs", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         config = PluginConfig(host_root=str(host_root))
@@ -252,7 +252,7 @@ def simulate(
                 log(line)
         log(f"1. node {node}: discovering under {host_root}")
         inventory = discover_node(config)
-        _report_inventory(inventory, log)
+        report_inventory(inventory, log)
 
         log(f"2. device plugin serving {work / 'plugins'} to the kubelet stand-in")
         standin = KubeletStandIn(work / "plugins")
@@ -285,20 +285,25 @@ def simulate(
         hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource(env), BuildOptions(bars=bars)), api=hook_api)
         hook.start()
         stack.callback(hook.stop)
-        call = _call_plugin if hook_api == "plugins" else _call_hook
+        call = call_plugin if hook_api == "plugins" else call_hook
         domain, version = call(work / "hook.sock", domain_xml, vmi_json, log)
-        log(f"  hostdevs written ({version}):")
-        for hostdev in parse_domain(domain, DEFAULT_MAX_INPUT_BYTES).root.iterfind("devices/hostdev"):
-            alias = hostdev.find("alias")
-            kind, source = hostdev_source_key(hostdev) or ("?", "?")
-            log(f"    {alias.get('name') if alias is not None else '(no alias)'} → {kind} {source}")
-        slots = slot_account(domain, DEFAULT_MAX_INPUT_BYTES)
-        if slots:
-            log("  GPUs with their companion functions, one guest slot each (guest function: host device):")
-            for line in slots:
-                log(f"    {line}")
-        log(f"  mmio64: {_window_account(domain_xml, domain, bars).describe()}")
+        report_domain(domain_xml, domain, version, bars, log)
         return SimulationResult(domain, allocations, version)
+
+
+def report_domain(before: bytes, domain: bytes, version: str, bars: SysfsBars, log: Callable[[str], None]) -> None:
+    """The account of the hook's result: its hostdevs, the companions' guest slots, the 64-bit window."""
+    log(f"  hostdevs written ({version}):")
+    for hostdev in parse_domain(domain, DEFAULT_MAX_INPUT_BYTES).root.iterfind("devices/hostdev"):
+        alias = hostdev.find("alias")
+        kind, source = hostdev_source_key(hostdev) or ("?", "?")
+        log(f"    {alias.get('name') if alias is not None else '(no alias)'} → {kind} {source}")
+    slots = slot_account(domain, DEFAULT_MAX_INPUT_BYTES)
+    if slots:
+        log("  GPUs with their companion functions, one guest slot each (guest function: host device):")
+        for line in slots:
+            log(f"    {line}")
+    log(f"  mmio64: {_window_account(before, domain, bars).describe()}")
 
 
 def _window_account(before: bytes, after: bytes, bars: SysfsBars) -> WindowOutcome:
