@@ -9,6 +9,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ UID2 = "1a2b3c4d-0000-4000-8000-00000000abcd"
 CLAIM = ClaimRef("vms", "gpu-claim", UID)
 
 
-def gpu(name: str, request: str = "gpu", pool: str = "node01", **kw: str) -> AllocatedDevice:
+def gpu(name: str, request: str = "gpu", pool: str = "node01", **kw: Any) -> AllocatedDevice:
     return AllocatedDevice(request, DRIVER_NAME, pool, name, **kw)
 
 
@@ -224,6 +225,20 @@ def test_a_device_prepared_for_another_claim_is_refused(tmp_path: Path) -> None:
     core = s.core()
     assert core.prepare([CLAIM])[UID].error == ""
     assert "prepared for claim vms/gpu-claim" in core.prepare([other])[UID2].error
+
+
+def test_admin_access_is_refused_and_does_not_take_the_device(tmp_path: Path) -> None:
+    # The scheduler gives a device with adminAccess whether or not another claim holds it, and never counts it
+    # as in use: prepared, it would take the VFIO device from the claim the scheduler did give it to.
+    s = setup(tmp_path)
+    monitor = ClaimRef("monitoring", "watch-gpu", UID2)
+    s.claims[monitor] = [gpu("pci-0000-86-00-0", admin_access=True)]
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    error = core.prepare([monitor])[UID2].error
+    assert "monitoring/watch-gpu" in error and "pci-0000-86-00-0 is allocated with adminAccess" in error
+    assert core.prepared() == {} and (not s.cdi_dir.exists() or list(s.cdi_dir.iterdir()) == [])
+    assert core.prepare([CLAIM])[UID].error == ""
 
 
 def test_other_drivers_devices_are_left_alone(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ messages. For a claim it:
    the claim (:mod:`plugin.dra.cdi`) with one CDI device per request: the VFIO nodes and the metadata mount;
 4. records the claim in the checkpoint (:mod:`plugin.dra.checkpoint`) and only then answers.
 
-A refusal is the claim's own ``error`` string (naming the claim and the device), never an exception for the
+A result with ``adminAccess`` is refused: the scheduler gives such a device even while another claim holds it,
+and a VFIO device cannot be shared with a VM (preparing it would take the device from the claim the scheduler
+did count). A refusal is the claim's own ``error`` string (naming the claim and the device), never an exception for the
 whole call: the kubelet retries the claim later. Bounds: :data:`MAX_CLAIMS_PER_CALL` claims per call,
 :data:`MAX_DEVICES_PER_CLAIM` devices of ours per claim, :data:`checkpoint.MAX_CLAIMS` prepared at once. A
 device already prepared for another claim is refused (the scheduler never allocates one device twice; a
@@ -195,6 +197,12 @@ class PrepareCore:
         ours = [result for result in results if result.driver == self.driver]
         if len(ours) > MAX_DEVICES_PER_CLAIM:
             raise ClaimError(f"claim {ref} has {len(ours)} devices of {self.driver}, over {MAX_DEVICES_PER_CLAIM}")
+        admin = next((result for result in ours if result.admin_access), None)
+        if admin is not None:
+            raise ClaimError(
+                f"claim {ref}: device {admin.device} is allocated with adminAccess; a VFIO device is given to one "
+                "VM alone, so admin access to it is not supported"
+            )
         chosen = [self._lookup(ref, result) for result in ours]
         self._check_not_taken(ref, ours)
         by_request: dict[str, list[tuple[AllocatedDevice, Resource, Device]]] = defaultdict(list)
