@@ -88,6 +88,9 @@ def test_static_claims_read_a_directory_when_asked(tmp_path: Path) -> None:
     (tmp_path / claim_file_name(REF.namespace, REF.name)).write_text("{not json")
     with pytest.raises(ClaimError, match="not JSON"):
         source.allocated(REF)
+    (tmp_path / claim_file_name(REF.namespace, REF.name)).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ClaimError, match="not JSON"):
+        source.allocated(REF)
 
 
 @pytest.mark.parametrize(

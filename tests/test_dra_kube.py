@@ -13,8 +13,10 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +227,31 @@ def test_a_silent_server_times_out() -> None:
         with pytest.raises(KubeError, match="no answer from"):
             api.list_slices(NODE)
         assert time.monotonic() - started < 10
+
+
+def test_an_answer_nested_too_deep_is_a_kube_error_naming_the_call() -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+
+    class Deep(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Deep) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            api = KubeApi.for_host(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=(2.0, 5.0))
+            with pytest.raises(KubeError, match=r"read ResourceClaim vms/c: the answer .* is not JSON"):
+                api.read_claim("vms", "c")
+        finally:
+            httpd.shutdown()
 
 
 def test_too_many_slices_of_ours_is_refused(server: FakeApiServer, api: KubeApi) -> None:

@@ -403,3 +403,34 @@ def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> No
     assert 'gpu_device_plugin_dra_claims_total{operation="prepare",result="error"} 1.0' in text
     assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="ok"} 1.0' in text
     assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="error"} 0.0' in text
+
+
+def test_a_checkpoint_naming_another_vendors_cdi_spec_is_damaged_and_that_spec_survives(tmp_path: Path) -> None:
+    # /var/run/cdi holds every vendor's specs: a record naming one (inside the CDI directory, but not a file a
+    # prepare writes) must never make an unprepare delete it.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    assert s.core().prepare([CLAIM])[UID].error == ""
+    foreign = s.cdi_dir.absolute() / "nvidia.com-gpu.json"
+    foreign.write_text('{"cdiVersion": "0.5.0"}')
+    path = s.state / checkpoint.FILE_NAME
+    obj = json.loads(path.read_text())
+    obj["claims"][UID]["files"][str(foreign)] = "replaced"
+    path.write_text(json.dumps(obj))
+    core = s.core()
+    assert core.prepared() == {}
+    assert (s.state / "checkpoint.json.damaged").exists()
+    core.unprepare([CLAIM])
+    assert foreign.read_text() == '{"cdiVersion": "0.5.0"}'
+    assert not (s.cdi_dir / cdi.spec_file_name(UID)).exists()
+
+
+@pytest.mark.parametrize(
+    "text", ['{"version": 1, "claims": ' + "[" * 100_000 + "]" * 100_000 + "}", '{"version": true, "claims": {}}']
+)
+def test_a_checkpoint_nested_too_deep_or_of_no_version_is_set_aside(tmp_path: Path, text: str) -> None:
+    s = setup(tmp_path)
+    s.state.mkdir()
+    (s.state / checkpoint.FILE_NAME).write_text(text)
+    assert s.core().prepared() == {}
+    assert (s.state / "checkpoint.json.damaged").exists()

@@ -216,7 +216,7 @@ class StaticClaims:
             obj = json.loads(data)
         except InputError as exc:
             raise ClaimError(f"claim {claim}: {exc}") from None
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ClaimError(f"claim {claim}: ResourceClaim file {str(path)!r} is not JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise ClaimError(f"claim {claim}: ResourceClaim file {str(path)!r} does not hold an object")

@@ -130,7 +130,7 @@ class KubeApi:
             raise KubeError(f"{what}: the answer from {self.host} is over {MAX_RESPONSE_BYTES} bytes")
         try:
             obj = json.loads(data) if data else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise KubeError(f"{what}: the answer from {self.host} is not JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise KubeError(f"{what}: the answer from {self.host} is not a JSON object")

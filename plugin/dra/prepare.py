@@ -126,6 +126,8 @@ class PrepareCore:
         with self._lock:
             try:
                 self._prepared = checkpoint.load(self.state_dir, (self.cdi_dir, self.metadata_dir))
+                for claim in self._prepared.values():
+                    self._check_own_files(claim)
             except InputError as exc:
                 log_event("dra_checkpoint_damaged", error=str(exc))
                 path = self.state_dir / checkpoint.FILE_NAME
@@ -135,6 +137,20 @@ class PrepareCore:
             restored = sum(self._restore(claim) for claim in self._prepared.values())
             removed = self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
+
+    def _check_own_files(self, claim: PreparedClaim) -> None:
+        """InputError unless every file recorded for ``claim`` is one a prepare of it writes: its own CDI spec
+        or a file below its own metadata directory. ``/var/run/cdi`` holds other vendors' specs too, and an
+        unprepare deletes what the record names."""
+        spec = self.cdi_dir / cdi.spec_file_name(claim.uid)
+        metadata = self.metadata_dir / claim.uid
+        for name in claim.files:
+            path = Path(name)
+            if path != spec and not (path.is_relative_to(metadata) and path != metadata):
+                raise InputError(
+                    f"DRA checkpoint: claim {claim.uid}: file {name[:120]!r} is not one of the claim's own "
+                    f"({spec} or below {metadata})"
+                )
 
     # -- prepare ------------------------------------------------------------------------------------------
 
