@@ -90,6 +90,21 @@ def test_an_unchanged_inventory_writes_nothing(server: FakeApiServer, api: KubeA
     assert writes(server) == []
 
 
+def test_slices_whose_random_names_sort_against_their_order_are_still_up_to_date(
+    server: FakeApiServer, api: KubeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # generateName appends random characters, so the created slices' name order is not the order their device
+    # runs were written in; the pool is the same all the same, and rewriting it bumps the generation for nothing.
+    suffixes = iter(["ffffff", "aaaaaa", "555555"])
+    monkeypatch.setattr("simkit.fake_apiserver.secrets.token_hex", lambda _: next(suffixes))
+    publisher = SlicePublisher(api, NODE)
+    assert publisher.sync(many_gpus(300)).created == 3
+    server.clear_requests()
+    again = publisher.sync(many_gpus(300))
+    assert not again.changed and again.generation == 1
+    assert writes(server) == []
+
+
 def test_a_change_updates_in_place_at_a_new_generation(server: FakeApiServer, api: KubeApi, tmp_path: Path) -> None:
     inventory, _ = node_inventory(NODE01, tmp_path)
     publisher = SlicePublisher(api, NODE)
