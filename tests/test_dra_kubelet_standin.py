@@ -22,7 +22,7 @@ from schemas.dra import DRIVER_NAME
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from simkit.fixture_nodes import MIXED_NODE, NODE01
-from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn
+from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn, container_cdi_devices
 from simkit.sysfs_fixture import Node
 from tests.dra_support import DraPaths, dra_runner, load_cdi_spec, running_dra, write_claim
 from tests.plugin_support import WAIT, build_tree, short_dir, wait_until
@@ -254,3 +254,15 @@ def test_each_registration_the_kubelet_confirms_offers_the_sinks_the_inventory_a
         kubelet.wait_for_registration(DRIVER_NAME, count=2)
         wait_until(lambda: len(seen) >= count + 2, what="the inventory again after the kubelet's restart")
     assert all(inventory == seen[0] for inventory in seen)
+
+
+def test_a_container_asking_for_a_request_met_by_a_subrequest_gets_its_cdi_device(node01: DraPaths) -> None:
+    # A prioritized-list request "gpu" is allocated as "gpu/<alternative>"; the container names "gpu", and the
+    # kubelet matches that name exactly against the answer's request_names.
+    write_claim(node01, CLAIM, [gpu("pci-0000-86-00-0", request="gpu/rtx")])
+    with running_dra(dra_runner(node01)), KubeletDraStandIn(node01.registry) as kubelet:
+        kubelet.wait_for_registration(DRIVER_NAME)
+        devices, error = kubelet.prepare(DRIVER_NAME, [KEY])[UID]
+        assert error == ""
+        assert container_cdi_devices(devices, "gpu") == [f"{cdi.device_id(f'{UID}-gpu')}"]
+        assert container_cdi_devices(devices, "other") == []

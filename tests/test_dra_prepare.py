@@ -334,7 +334,7 @@ def test_a_subrequest_result_is_filed_under_its_request(tmp_path: Path) -> None:
     s = setup(tmp_path)
     s.claims[CLAIM] = [gpu("pci-0000-86-00-0", request="gpu/rtx")]
     answer = s.core().prepare([CLAIM])[UID]
-    assert answer.devices[0].requests == ("gpu/rtx",)  # the kubelet matches the container's "gpu" to it
+    assert answer.devices[0].requests == ("gpu",)  # the kubelet matches the container's "gpu" exactly
     (device,) = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))["devices"]
     (mount,) = device["containerEdits"]["mounts"]
     assert device["name"] == f"{UID}-gpu" and "/resourceclaims/gpu-claim/gpu/" in mount["containerPath"]

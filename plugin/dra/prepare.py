@@ -236,8 +236,11 @@ class PrepareCore:
             files[str(host_path)] = text
             name = cdi.device_name(ref.uid, request)
             cdi_devices.append(cdi.CdiDevice(name, nodes, (cdi.Mount(str(host_path), container_path),)))
+            # The kubelet hands a container the devices whose request_names hold the request the container
+            # names, compared exactly, and a container names only top-level requests: so the base request, never
+            # "req/subrequest" (Kubernetes' kubelet-plugin helper strips it the same way).
             prepared += [
-                PreparedDevice((result.request,), result.pool, result.device, (cdi.device_id(name),))
+                PreparedDevice((request,), result.pool, result.device, (cdi.device_id(name),))
                 for result, _, _ in members
             ]
         if cdi_devices:
