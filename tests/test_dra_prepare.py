@@ -384,6 +384,39 @@ def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) ->
     assert list(core.prepared()) == [UID]
 
 
+def test_an_unprepare_while_the_claim_is_read_wins_and_nothing_is_left_prepared(tmp_path: Path) -> None:
+    # The kubelet gives up on a slow prepare (45 s), and once the pod is gone unprepares the claim, while the
+    # first call is still reading it: the unprepare is answered "done", so the late prepare must not record the
+    # claim (its devices would be held for a claim the kubelet never unprepares again).
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    static = StaticClaims.from_results(s.claims)
+    reading, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+            reading.set()
+            assert release.wait(10)
+            return static.allocated(claim)
+
+    core = PrepareCore(Slow(), s.root, s.state, s.cdi_dir)
+    core.update_inventory(discover(s.root))
+    core.start()
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(core.prepare([CLAIM])[UID]))
+    thread.start()
+    assert reading.wait(10)
+    assert core.unprepare([CLAIM]) == {UID: ""}
+    release.set()
+    thread.join(10)
+    assert "unprepared while it was being prepared" in answers[0].error
+    assert core.prepared() == {}
+    assert not s.cdi_dir.exists() or list(s.cdi_dir.iterdir()) == []
+    reading.clear()
+    release.set()
+    assert core.prepare([CLAIM])[UID].error == ""  # asked again later, it is prepared
+
+
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:
     from plugin.dra.serve import claim_counter
     from plugin.metrics import PluginMetrics

@@ -19,7 +19,9 @@ did count). A refusal is the claim's own ``error`` string (naming the claim and 
 whole call: the kubelet retries the claim later. Bounds: :data:`MAX_CLAIMS_PER_CALL` claims per call,
 :data:`MAX_DEVICES_PER_CLAIM` devices of ours per claim, :data:`checkpoint.MAX_CLAIMS` prepared at once. A
 device already prepared for another claim is refused (the scheduler never allocates one device twice; a
-stale claim or a forged allocation would). One lock serialises the bookkeeping and file writes (milliseconds
+stale claim or a forged allocation would). An unprepare that comes while a prepare of the same claim is still reading it
+(the kubelet gave up on a slow prepare, then the pod went) wins: that prepare fails instead of recording a
+claim the kubelet believes gone. One lock serialises the bookkeeping and file writes (milliseconds
 each); the claim source, perhaps an API server, is read outside it. A claim source that fails in an
 unexpected way fails that claim (``internal error: …``), not the call.
 """
@@ -101,6 +103,10 @@ class PrepareCore:
         self._prepared: dict[str, PreparedClaim] = {}
         self._by_name: dict[tuple[str, str], tuple[Resource, Device]] = {}
         self._inventory: Inventory | None = None
+        self._reading: dict[str, int] = {}
+        """Claim UID → prepares reading its allocation right now (outside the lock)."""
+        self._withdrawn: set[str] = set()
+        """UIDs unprepared while a prepare of them was reading: that prepare must not record them."""
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -184,17 +190,33 @@ class PrepareCore:
             raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
         with self._lock:
             known = self._known(ref)
-        if known is not None:
-            return known
+            if known is not None:
+                return known
+            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
         try:
-            results = self.claims.allocated(ref)
-        except InputError:
-            raise
-        except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
-            raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
-        with self._lock:
-            known = self._known(ref)  # prepared meanwhile by a concurrent call
-            return known if known is not None else self._prepare_new(ref, results)
+            try:
+                results = self.claims.allocated(ref)
+            except InputError:
+                raise
+            except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
+                raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
+            with self._lock:
+                known = self._known(ref)  # prepared meanwhile by a concurrent call
+                if known is not None:
+                    return known
+                if ref.uid in self._withdrawn:
+                    raise ClaimError(
+                        f"claim {ref} was unprepared while it was being prepared; not prepared (the kubelet asks "
+                        "again if it still needs it)"
+                    )
+                return self._prepare_new(ref, results)
+        finally:
+            with self._lock:
+                left = self._reading.pop(ref.uid) - 1
+                if left:
+                    self._reading[ref.uid] = left
+                else:
+                    self._withdrawn.discard(ref.uid)
 
     def _known(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | None:
         """The recorded answer for ``ref`` (its missing files rewritten), None when not prepared. Lock held."""
@@ -339,6 +361,8 @@ class PrepareCore:
         answers: dict[str, str] = {}
         with self._lock:
             for ref in refs:
+                if ref.uid in self._reading:
+                    self._withdrawn.add(ref.uid)  # a prepare reading it now must not record it afterwards
                 claim = self._prepared.pop(ref.uid, None)
                 error = ""
                 if claim is not None:
