@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -415,6 +416,24 @@ def test_an_unprepare_while_the_claim_is_read_wins_and_nothing_is_left_prepared(
     reading.clear()
     release.set()
     assert core.prepare([CLAIM])[UID].error == ""  # asked again later, it is prepared
+
+
+def test_a_re_prepare_whose_missing_file_cannot_be_written_again_fails_the_claim(tmp_path: Path) -> None:
+    # The runtime resolves the answer's CDI IDs from the spec file: answering "prepared" without it fails the
+    # container later with an unresolvable CDI device, where a claim error makes the kubelet ask again.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    shutil.rmtree(s.cdi_dir)
+    s.cdi_dir.write_text("not a directory")
+    error = core.prepare([CLAIM])[UID].error
+    assert "vms/gpu-claim" in error and cdi.spec_file_name(UID) in error and "cannot be written again" in error
+    assert list(core.prepared()) == [UID]  # still recorded: the unprepare to come removes it
+    s.cdi_dir.unlink()
+    assert core.prepare([CLAIM])[UID] == first
+    assert (s.cdi_dir / cdi.spec_file_name(UID)).is_file()
 
 
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:

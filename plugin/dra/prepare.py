@@ -140,7 +140,7 @@ class PrepareCore:
                 with contextlib.suppress(OSError):
                     os.replace(path, path.with_name(path.name + ".damaged"))
                 self._prepared = {}
-            restored = sum(self._restore(claim) for claim in self._prepared.values())
+            restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
             removed = self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
 
@@ -225,7 +225,10 @@ class PrepareCore:
             return None
         if (known.namespace, known.name) != (ref.namespace, ref.name):
             raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
-        self._restore(known)
+        failed = self._restore(known)[1]
+        if failed:
+            path, why = failed[0]
+            raise ClaimError(f"claim {ref}: its file {path} is missing and cannot be written again: {why}")
         return known.devices
 
     def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
@@ -383,17 +386,19 @@ class PrepareCore:
 
     # -- files --------------------------------------------------------------------------------------------
 
-    def _restore(self, claim: PreparedClaim) -> int:
-        """Rewrite the claim's files that are missing; how many were."""
+    def _restore(self, claim: PreparedClaim) -> tuple[int, list[tuple[str, str]]]:
+        """Rewrite the claim's files that are missing: how many were, and (path, why) of those that could not be."""
         count = 0
+        failed: list[tuple[str, str]] = []
         for path, text in claim.files.items():
             if not os.path.lexists(path):
                 try:
                     checkpoint.write_atomic(Path(path), text)
                     count += 1
                 except OSError as exc:
+                    failed.append((path, exc.strerror or str(exc)))
                     log_event("dra_restore_failed", claim=claim.uid, file=path, error=exc.strerror or str(exc))
-        return count
+        return count, failed
 
     def _delete_files(self, claim: PreparedClaim) -> None:
         for path in claim.files:
