@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -267,6 +269,18 @@ def test_an_answer_nested_too_deep_is_a_kube_error_naming_the_call() -> None:
                 api.read_claim("vms", "c")
         finally:
             httpd.shutdown()
+
+
+def test_the_fake_api_server_refuses_field_selectors_kubernetes_does_not_support(server: FakeApiServer) -> None:
+    # Kubernetes converts only metadata.name, spec.nodeName and spec.driver for ResourceSlices; a fake that
+    # also filtered on spec.pool.name would let a query pass here that a real API server refuses.
+    response = urllib.request.urlopen
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        response(f"{server.url}/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.pool.name%3Dnode01")
+    assert refused.value.code == 400
+    assert "field label not supported" in refused.value.read().decode()
+    with response(f"{server.url}/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3Dn") as ok:
+        assert ok.status == 200
 
 
 def test_too_many_slices_of_ours_is_refused(server: FakeApiServer, api: KubeApi) -> None:
