@@ -8,10 +8,10 @@ for what the plugin does, with the server-side rules the plugin relies on:
 - ``resource.k8s.io/v1`` ResourceSlices (cluster-scoped): LIST with ``fieldSelector`` on ``metadata.name``,
   ``spec.nodeName`` and ``spec.driver``, the only field labels Kubernetes supports for them (any other,
   ``spec.pool.name`` included, is a 400, as there); GET; POST with ``generateName`` (five random characters
-  appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale ``resourceVersion``
-  is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` are the
-  server's; an immutable field changed by a PUT (``spec.driver``, ``spec.nodeName``, ``spec.pool.name``) is a
-  422, as Kubernetes' validation answers.
+  appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale
+  ``resourceVersion`` is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and
+  ``creationTimestamp`` are the server's; an immutable field changed by a PUT (``spec.driver``,
+  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers.
 - ResourceClaims (namespaced): GET.
 - Nodes: GET.
 
