@@ -8,17 +8,20 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from plugin.dra import cdi, checkpoint
+from plugin.dra import cdi, checkpoint, prepare
 from plugin.dra.claims import AllocatedDevice, ClaimRef, StaticClaims
 from plugin.dra.prepare import PrepareCore
 from schemas import dra_metadata
 from schemas.dra import CDI_KIND, DRIVER_NAME, device_name
+from schemas.errors import InputError
 from schemas.kinds import ResourceKind
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE
 from simkit.sysfs_fixture import Node
@@ -434,6 +437,35 @@ def test_a_re_prepare_whose_missing_file_cannot_be_written_again_fails_the_claim
     s.cdi_dir.unlink()
     assert core.prepare([CLAIM])[UID] == first
     assert (s.cdi_dir / cdi.spec_file_name(UID)).is_file()
+
+
+def test_a_second_plugin_process_on_the_same_state_is_refused_at_start(tmp_path: Path) -> None:
+    # Two processes on one checkpoint: the second would reconcile under the first's feet and later serve from a
+    # stale record. The lock is per process (POSIX), so cores of one process (the restarts above) share it.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(s.state / prepare.LOCK_FILE)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(InputError, match=r"another DRA plugin process holds .*state/lock"):
+            s.core()
+        assert not s.cdi_dir.exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert s.core().prepare([CLAIM])[UID].error == ""
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
 
 
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:

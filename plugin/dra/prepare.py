@@ -29,6 +29,8 @@ unexpected way fails that claim (``internal error: …``), not the call.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
 import shutil
@@ -55,6 +57,8 @@ MAX_CLAIMS_PER_CALL = 256
 """Claims in one NodePrepareResources/NodeUnprepareResources call (a pod has a few)."""
 MAX_DEVICES_PER_CLAIM = 32
 """Devices of this driver in one claim (Kubernetes allows 32 allocation results per claim)."""
+LOCK_FILE = "lock"
+"""Under the state directory: held (a POSIX lock) by the one plugin process that owns the checkpoint and files."""
 METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
@@ -103,6 +107,7 @@ class PrepareCore:
         self._prepared: dict[str, PreparedClaim] = {}
         self._by_name: dict[tuple[str, str], tuple[Resource, Device]] = {}
         self._inventory: Inventory | None = None
+        self._state_lock_fd: int | None = None
         self._reading: dict[str, int] = {}
         """Claim UID → prepares reading its allocation right now (outside the lock)."""
         self._withdrawn: set[str] = set()
@@ -130,6 +135,7 @@ class PrepareCore:
         of ours no recorded claim owns. A damaged checkpoint is set aside (``.damaged``) and counts as empty:
         the kubelet prepares again what it still needs."""
         with self._lock:
+            self._take_state_lock()
             try:
                 self._prepared = checkpoint.load(self.state_dir, (self.cdi_dir, self.metadata_dir))
                 for claim in self._prepared.values():
@@ -143,6 +149,31 @@ class PrepareCore:
             restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
             removed = self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
+
+    def _take_state_lock(self) -> None:
+        """Hold ``<state dir>/lock`` for the life of the process; InputError when another process holds it.
+
+        A second plugin on the same directories (a surge pod of a rolling update, one started by hand) would
+        otherwise reconcile under the first one's feet (removing the files of a prepare not yet recorded) and,
+        once the first is gone, serve from a checkpoint read long before and overwrite the newer one."""
+        if self._state_lock_fd is not None:
+            return  # held since an earlier start (closing a second descriptor would drop a POSIX lock)
+        path = self.state_dir / LOCK_FILE
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise InputError(f"cannot open the DRA plugin's lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise InputError(
+                    f"another DRA plugin process holds {path}: its claims and files are that process's; stop it first"
+                ) from None
+            raise InputError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        self._state_lock_fd = fd
 
     def _check_own_files(self, claim: PreparedClaim) -> None:
         """InputError unless every file recorded for ``claim`` is one a prepare of it writes: its own CDI spec
