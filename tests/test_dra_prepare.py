@@ -468,6 +468,38 @@ time.sleep(60)
 """
 
 
+def test_a_re_prepare_after_the_iommu_groups_changed_is_refused(tmp_path: Path) -> None:
+    # After a reboot the recorded spec is written again from the record; if the groups were renumbered at boot
+    # it would give the container another device's /dev/vfio/<group>.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0"), gpu("pci-0000-af-00-0", request="second")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    assert core.prepare([CLAIM])[UID] == first  # unchanged groups: the recorded answer
+    inventory = discover(s.root)
+    renumbered = dataclasses.replace(
+        inventory,
+        resources=tuple(
+            dataclasses.replace(
+                resource,
+                devices=tuple(
+                    dataclasses.replace(device, iommu_group=96 if device.id == GPU_86 else 74)
+                    if device.id in (GPU_86, GPU_AF)
+                    else device
+                    for device in resource.devices
+                ),
+            )
+            for resource in inventory.resources
+        ),
+    )
+    core.update_inventory(renumbered)
+    error = core.prepare([CLAIM])[UID].error
+    assert "vms/gpu-claim" in error and "IOMMU groups changed" in error and "/dev/vfio/74" in error
+    core.update_inventory(inventory)
+    assert core.prepare([CLAIM])[UID] == first
+
+
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:
     from plugin.dra.serve import claim_counter
     from plugin.metrics import PluginMetrics

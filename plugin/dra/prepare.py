@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -63,6 +64,8 @@ METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
 _UID = checkpoint.UID_PATTERN
+_GROUP_NODE = re.compile(r"^/dev/vfio/[0-9]+$")
+"""A VFIO group node (not ``/dev/vfio/vfio``, ``/dev/iommu`` or a ``/dev/vfio/devices/vfioN`` cdev)."""
 _REQUEST = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 """A request name (a DNS label), the part before ``/`` of a subrequest's result."""
 
@@ -256,11 +259,55 @@ class PrepareCore:
             return None
         if (known.namespace, known.name) != (ref.namespace, ref.name):
             raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
+        self._check_groups(ref, known)
         failed = self._restore(known)[1]
         if failed:
             path, why = failed[0]
             raise ClaimError(f"claim {ref}: its file {path} is missing and cannot be written again: {why}")
         return known.devices
+
+    def _check_groups(self, ref: ClaimRef, claim: PreparedClaim) -> None:
+        """ClaimError when the ``/dev/vfio/<group>`` nodes recorded for ``claim`` are no longer its devices' groups
+        as the last scan sees them. IOMMU groups are numbered at boot: after a reboot with hardware or firmware
+        changed, the recorded spec (rewritten to the emptied ``/var/run/cdi``) would hand the container the group
+        of another device, perhaps one prepared for another claim. Lock held."""
+        if self._inventory is None:
+            return
+        text = claim.files.get(str(self.cdi_dir / cdi.spec_file_name(claim.uid)))
+        if text is None:
+            return
+        try:
+            spec = json.loads(text)
+            recorded = {
+                device["name"]: {
+                    node["path"]
+                    for node in device["containerEdits"].get("deviceNodes", [])
+                    if _GROUP_NODE.match(node["path"])
+                }
+                for device in spec["devices"]
+            }
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ClaimError(
+                f"claim {ref}: its recorded CDI spec cannot be read; unprepare it and prepare again"
+            ) from None
+        expected: dict[str, set[str]] = {name: set() for name in recorded}
+        for prepared in claim.devices:
+            try:
+                found = self._by_name.get(device_id_of(prepared.device))
+            except InputError:
+                found = None
+            if found is None:
+                raise ClaimError(f"claim {ref}: device {prepared.device} is no longer on this node (last scan)")
+            group = found[1].iommu_group
+            for cdi_id in prepared.cdi_ids:
+                if group is not None:
+                    expected.setdefault(cdi_id.partition("=")[2], set()).add(f"/dev/vfio/{group}")
+        if expected != recorded:
+            raise ClaimError(
+                f"claim {ref}: its devices' IOMMU groups changed since it was prepared (recorded "
+                f"{sorted(set().union(*recorded.values()))}, now {sorted(set().union(*expected.values()))}); "
+                "its CDI spec would give the container other devices' groups"
+            )
 
     def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
         """Prepare a claim not recorded yet from its allocation ``results``. Lock held."""
