@@ -495,9 +495,29 @@ def test_a_re_prepare_after_the_iommu_groups_changed_is_refused(tmp_path: Path) 
     )
     core.update_inventory(renumbered)
     error = core.prepare([CLAIM])[UID].error
-    assert "vms/gpu-claim" in error and "IOMMU groups changed" in error and "/dev/vfio/74" in error
+    # sysfs (unchanged here) disagrees with the renumbered scan: the re-check refuses, naming the group
+    assert "vms/gpu-claim" in error and "IOMMU group changed from 96 to 74" in error
     core.update_inventory(inventory)
     assert core.prepare([CLAIM])[UID] == first
+
+
+def test_a_re_prepare_after_the_vfio_cdev_was_renumbered_is_refused(tmp_path: Path) -> None:
+    # /dev/vfio/devices/vfioN is numbered at each bind to vfio-pci: a rebind (or a reboot) gives the device
+    # another number, and the old one may be another device's now.
+    s = setup(tmp_path, dataclasses.replace(NODE01, iommufd=True))
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    spec = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))
+    (old,) = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"] if "/devices/" in n["path"]]
+    sysfs = s.root / "sys/bus/pci/devices" / GPU_86 / "vfio-dev"
+    (entry,) = list(sysfs.iterdir())
+    assert old.endswith("/" + entry.name)
+    entry.rename(sysfs / "vfio99")
+    (s.root / old.lstrip("/")).rename(s.root / "dev/vfio/devices/vfio99")
+    error = core.prepare([CLAIM])[UID].error
+    assert "VFIO nodes changed" in error and old in error and "/dev/vfio/devices/vfio99" in error
 
 
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:

@@ -64,8 +64,6 @@ METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
 _UID = checkpoint.UID_PATTERN
-_GROUP_NODE = re.compile(r"^/dev/vfio/[0-9]+$")
-"""A VFIO group node (not ``/dev/vfio/vfio``, ``/dev/iommu`` or a ``/dev/vfio/devices/vfioN`` cdev)."""
 _REQUEST = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 """A request name (a DNS label), the part before ``/`` of a subrequest's result."""
 
@@ -259,18 +257,19 @@ class PrepareCore:
             return None
         if (known.namespace, known.name) != (ref.namespace, ref.name):
             raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
-        self._check_groups(ref, known)
+        self._check_nodes(ref, known)
         failed = self._restore(known)[1]
         if failed:
             path, why = failed[0]
             raise ClaimError(f"claim {ref}: its file {path} is missing and cannot be written again: {why}")
         return known.devices
 
-    def _check_groups(self, ref: ClaimRef, claim: PreparedClaim) -> None:
-        """ClaimError when the ``/dev/vfio/<group>`` nodes recorded for ``claim`` are no longer its devices' groups
-        as the last scan sees them. IOMMU groups are numbered at boot: after a reboot with hardware or firmware
-        changed, the recorded spec (rewritten to the emptied ``/var/run/cdi``) would hand the container the group
-        of another device, perhaps one prepared for another claim. Lock held."""
+    def _check_nodes(self, ref: ClaimRef, claim: PreparedClaim) -> None:
+        """ClaimError when the device nodes recorded for ``claim`` are no longer the ones its devices need now (the
+        device plugin's rule on the last scan, each device re-checked). IOMMU groups are numbered at boot and
+        VFIO cdevs (``/dev/vfio/devices/vfioN``) at each bind to vfio-pci: after a reboot or a rebind, the
+        recorded spec (rewritten to the emptied ``/var/run/cdi``) would hand the container another device's
+        node, perhaps one prepared for another claim. Lock held."""
         if self._inventory is None:
             return
         text = claim.files.get(str(self.cdi_dir / cdi.spec_file_name(claim.uid)))
@@ -279,18 +278,14 @@ class PrepareCore:
         try:
             spec = json.loads(text)
             recorded = {
-                device["name"]: {
-                    node["path"]
-                    for node in device["containerEdits"].get("deviceNodes", [])
-                    if _GROUP_NODE.match(node["path"])
-                }
+                device["name"]: {node["path"] for node in device["containerEdits"].get("deviceNodes", [])}
                 for device in spec["devices"]
             }
         except (ValueError, TypeError, KeyError, AttributeError):
             raise ClaimError(
                 f"claim {ref}: its recorded CDI spec cannot be read; unprepare it and prepare again"
             ) from None
-        expected: dict[str, set[str]] = {name: set() for name in recorded}
+        members: dict[str, list[tuple[Resource, Device]]] = {}
         for prepared in claim.devices:
             try:
                 found = self._by_name.get(device_id_of(prepared.device))
@@ -298,15 +293,15 @@ class PrepareCore:
                 found = None
             if found is None:
                 raise ClaimError(f"claim {ref}: device {prepared.device} is no longer on this node (last scan)")
-            group = found[1].iommu_group
             for cdi_id in prepared.cdi_ids:
-                if group is not None:
-                    expected.setdefault(cdi_id.partition("=")[2], set()).add(f"/dev/vfio/{group}")
+                members.setdefault(cdi_id.partition("=")[2], []).append(found)
+        expected = {name: set(self._device_nodes(found)) for name, found in members.items()}
         if expected != recorded:
+            was, now = sorted(set().union(*recorded.values())), sorted(set().union(*expected.values()))
             raise ClaimError(
-                f"claim {ref}: its devices' IOMMU groups changed since it was prepared (recorded "
-                f"{sorted(set().union(*recorded.values()))}, now {sorted(set().union(*expected.values()))}); "
-                "its CDI spec would give the container other devices' groups"
+                f"claim {ref}: its devices' VFIO nodes changed since it was prepared (recorded {was}, now {now}: "
+                "IOMMU groups renumbered or a device bound again); its CDI spec would give the container other "
+                "devices' nodes"
             )
 
     def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
@@ -334,7 +329,7 @@ class PrepareCore:
         cdi_devices: list[cdi.CdiDevice] = []
         prepared: list[PreparedDevice] = []
         for request, members in sorted(by_request.items()):
-            nodes = self._device_nodes(members)
+            nodes = self._device_nodes([(resource, device) for _, resource, device in members])
             host_path, container_path, text = self._metadata(ref, request, members)
             files[str(host_path)] = text
             name = cdi.device_name(ref.uid, request)
@@ -387,10 +382,10 @@ class PrepareCore:
                     f"{other.namespace}/{other.name} (uid {other.uid})"
                 )
 
-    def _device_nodes(self, members: Sequence[tuple[AllocatedDevice, Resource, Device]]) -> tuple[str, ...]:
+    def _device_nodes(self, members: Sequence[tuple[Resource, Device]]) -> tuple[str, ...]:
         """The VFIO nodes of one request's devices, re-checked as Allocate does (per resource)."""
         by_resource: dict[str, tuple[Resource, list[str]]] = {}
-        for _, resource, device in members:
+        for resource, device in members:
             by_resource.setdefault(resource.name, (resource, []))[1].append(device.id)
         nodes: list[str] = []
         for resource, ids in by_resource.values():
