@@ -5,12 +5,13 @@ would test our idea of the client, not the client. This is a real HTTP server (`
 127.0.0.1, a bounded number of requests and body sizes) that speaks just enough of the Kubernetes REST API
 for what the plugin does, with the server-side rules the plugin relies on:
 
-- ``resource.k8s.io/v1`` ResourceSlices (cluster-scoped): LIST with ``fieldSelector`` on ``spec.nodeName``,
-  ``spec.driver`` and ``spec.pool.name``; GET; POST with ``generateName`` (five random characters appended, the
-  base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale ``resourceVersion``
-  is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` are the
-  server's; an immutable field changed by a PUT (``spec.driver``, ``spec.nodeName``, ``spec.pool.name``) is a
-  422, as Kubernetes' validation answers.
+- ``resource.k8s.io/v1`` ResourceSlices (cluster-scoped): LIST with ``fieldSelector`` on ``metadata.name``,
+  ``spec.nodeName`` and ``spec.driver``, the only field labels Kubernetes supports for them (any other,
+  ``spec.pool.name`` included, is a 400, as there); GET; POST with ``generateName`` (five random characters
+  appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale
+  ``resourceVersion`` is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and
+  ``creationTimestamp`` are the server's; an immutable field changed by a PUT (``spec.driver``,
+  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers.
 - ResourceClaims (namespaced): GET.
 - Nodes: GET.
 
@@ -90,17 +91,17 @@ def _get(obj: JSON, path: tuple[str, ...]) -> Any:
 
 
 def _field_selector(text: str) -> list[tuple[tuple[str, ...], str]]:
-    """``spec.nodeName=x,spec.driver=y`` as (path, value) pairs; only the fields ResourceSlices index."""
+    """``spec.nodeName=x,spec.driver=y`` as (path, value) pairs; only the field labels Kubernetes converts for
+    ResourceSlices (``metadata.name``, ``spec.nodeName``, ``spec.driver``: pkg/apis/resource/v1 conversion)."""
     terms = []
     for term in filter(None, text.split(",")):
         key, sep, value = term.partition("=")
         key = key.rstrip("=")
-        if not sep or key not in ("spec.nodeName", "spec.driver", "spec.pool.name", "metadata.name"):
+        if not sep or key not in ("spec.nodeName", "spec.driver", "metadata.name"):
             raise _ApiError(
                 400,
                 "BadRequest",
-                f'"{term}" is not a known field selector: only spec.nodeName, '
-                "spec.driver, spec.pool.name, metadata.name",
+                f"field label not supported for resource.k8s.io/v1, Kind=ResourceSlice: {key or term}",
             )
         terms.append((tuple(key.split(".")), value.lstrip("=")))
     return terms

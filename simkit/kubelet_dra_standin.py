@@ -96,6 +96,20 @@ class PreparedDevice:
     cdi_ids: tuple[str, ...]
 
 
+def container_cdi_devices(devices: list[PreparedDevice], request: str = "") -> list[str]:
+    """The CDI device IDs the kubelet hands a container whose ``resources.claims[]`` entry names this claim and
+    ``request`` (``""``: the whole claim), as Kubernetes' ``ClaimInfo.cdiDevicesAsList`` picks them
+    (pkg/kubelet/cm/dra/claiminfo.go): a device with no ``request_names``, or one naming ``request`` exactly.
+    A container can only name a top-level request, so a device answered under ``req/subrequest`` reaches no
+    container that asked for ``req`` (Kubernetes' kubelet-plugin helper strips the subrequest for that)."""
+    return [
+        cdi_id
+        for device in devices
+        if not request or not device.request_names or request in device.request_names
+        for cdi_id in device.cdi_ids
+    ]
+
+
 class KubeletDraStandIn:
     """The kubelet's plugin watcher and DRA manager for one plugin registry directory."""
 

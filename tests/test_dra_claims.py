@@ -59,6 +59,10 @@ def test_an_unallocated_claim_is_refused_naming_it() -> None:
             "over the limit",
         ),
         (lambda o: o["metadata"].update(namespace="kube-system"), "namespace 'kube-system'"),
+        (
+            lambda o: o["status"]["allocation"]["devices"]["results"][0].update(adminAccess="yes"),
+            r"results\[0\]\.adminAccess is 'yes', not a bool",
+        ),
     ],
 )
 def test_malformed_claims_are_refused_naming_the_field(mutate: Any, message: str) -> None:
@@ -82,6 +86,9 @@ def test_static_claims_read_a_directory_when_asked(tmp_path: Path) -> None:
     (tmp_path / claim_file_name(REF.namespace, REF.name)).write_text(json.dumps(claim_object(REF, DEVICES)))
     assert source.allocated(REF) == DEVICES
     (tmp_path / claim_file_name(REF.namespace, REF.name)).write_text("{not json")
+    with pytest.raises(ClaimError, match="not JSON"):
+        source.allocated(REF)
+    (tmp_path / claim_file_name(REF.namespace, REF.name)).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ClaimError, match="not JSON"):
         source.allocated(REF)
 
@@ -108,3 +115,12 @@ def test_a_template_claim_carries_the_pods_name_for_it() -> None:
     obj["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"] = ""
     with pytest.raises(ClaimError, match="pod-claim-name"):
         results_from_claim_object(obj, REF)
+
+
+def test_admin_access_is_read_from_each_result() -> None:
+    obj = claim_object(REF, DEVICES)
+    obj["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    obj["status"]["allocation"]["devices"]["results"][1]["adminAccess"] = None
+    first, second = results_from_claim_object(obj, REF)
+    assert (first.admin_access, second.admin_access) == (True, False)
+    assert results_from_claim_object(claim_object(REF, [first]), REF) == [first]

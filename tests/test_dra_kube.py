@@ -13,8 +13,12 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,21 @@ def test_an_unchanged_inventory_writes_nothing(server: FakeApiServer, api: KubeA
     publisher.sync(inventory)
     server.clear_requests()
     again = SlicePublisher(api, NODE).sync(inventory)  # a restarted plugin too
+    assert not again.changed and again.generation == 1
+    assert writes(server) == []
+
+
+def test_slices_whose_random_names_sort_against_their_order_are_still_up_to_date(
+    server: FakeApiServer, api: KubeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # generateName appends random characters, so the created slices' name order is not the order their device
+    # runs were written in; the pool is the same all the same, and rewriting it bumps the generation for nothing.
+    suffixes = iter(["ffffff", "aaaaaa", "555555"])
+    monkeypatch.setattr("simkit.fake_apiserver.secrets.token_hex", lambda _: next(suffixes))
+    publisher = SlicePublisher(api, NODE)
+    assert publisher.sync(many_gpus(300)).created == 3
+    server.clear_requests()
+    again = publisher.sync(many_gpus(300))
     assert not again.changed and again.generation == 1
     assert writes(server) == []
 
@@ -225,6 +244,43 @@ def test_a_silent_server_times_out() -> None:
         with pytest.raises(KubeError, match="no answer from"):
             api.list_slices(NODE)
         assert time.monotonic() - started < 10
+
+
+def test_an_answer_nested_too_deep_is_a_kube_error_naming_the_call() -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+
+    class Deep(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Deep) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            api = KubeApi.for_host(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=(2.0, 5.0))
+            with pytest.raises(KubeError, match=r"read ResourceClaim vms/c: the answer .* is not JSON"):
+                api.read_claim("vms", "c")
+        finally:
+            httpd.shutdown()
+
+
+def test_the_fake_api_server_refuses_field_selectors_kubernetes_does_not_support(server: FakeApiServer) -> None:
+    # Kubernetes converts only metadata.name, spec.nodeName and spec.driver for ResourceSlices; a fake that
+    # also filtered on spec.pool.name would let a query pass here that a real API server refuses.
+    response = urllib.request.urlopen
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        response(f"{server.url}/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.pool.name%3Dnode01")
+    assert refused.value.code == 400
+    assert "field label not supported" in refused.value.read().decode()
+    with response(f"{server.url}/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3Dn") as ok:
+        assert ok.status == 200
 
 
 def test_too_many_slices_of_ours_is_refused(server: FakeApiServer, api: KubeApi) -> None:

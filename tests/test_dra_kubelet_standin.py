@@ -22,7 +22,7 @@ from schemas.dra import DRIVER_NAME
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from simkit.fixture_nodes import MIXED_NODE, NODE01
-from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn
+from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn, container_cdi_devices
 from simkit.sysfs_fixture import Node
 from tests.dra_support import DraPaths, dra_runner, load_cdi_spec, running_dra, write_claim
 from tests.plugin_support import WAIT, build_tree, short_dir, wait_until
@@ -231,3 +231,38 @@ def test_a_socket_path_too_long_is_a_readiness_problem_not_a_crash(node01: DraPa
         runner.request_stop()
         thread.join(WAIT)
     assert not thread.is_alive()
+
+
+def test_each_registration_the_kubelet_confirms_offers_the_sinks_the_inventory_again(node01: DraPaths) -> None:
+    # A starting kubelet deletes every ResourceSlice of its node (and a driver's slices once no plugin of it has
+    # been connected for a while); the plugin must not wait for its periodic resync to publish them again.
+    seen: list[Inventory] = []
+
+    class Sink:
+        def publish(self, inventory: Inventory) -> None:
+            seen.append(inventory)
+
+    runner = dra_runner(node01, sinks=[Sink()])
+    runner.registration_resync_delay = 0.5
+    with running_dra(runner), KubeletDraStandIn(node01.registry) as kubelet:
+        kubelet.wait_for_registration(DRIVER_NAME)
+        wait_until(lambda: len(seen) >= 3, what="the inventory at start, at registration and once more after it")
+        count, scans = len(seen), runner.scans
+        wait_until(lambda: runner.scans >= scans + 3, what="more scans")
+        assert len(seen) == count  # unchanged, and no registration since: not offered again
+        kubelet.restart()
+        kubelet.wait_for_registration(DRIVER_NAME, count=2)
+        wait_until(lambda: len(seen) >= count + 2, what="the inventory again after the kubelet's restart")
+    assert all(inventory == seen[0] for inventory in seen)
+
+
+def test_a_container_asking_for_a_request_met_by_a_subrequest_gets_its_cdi_device(node01: DraPaths) -> None:
+    # A prioritized-list request "gpu" is allocated as "gpu/<alternative>"; the container names "gpu", and the
+    # kubelet matches that name exactly against the answer's request_names.
+    write_claim(node01, CLAIM, [gpu("pci-0000-86-00-0", request="gpu/rtx")])
+    with running_dra(dra_runner(node01)), KubeletDraStandIn(node01.registry) as kubelet:
+        kubelet.wait_for_registration(DRIVER_NAME)
+        devices, error = kubelet.prepare(DRIVER_NAME, [KEY])[UID]
+        assert error == ""
+        assert container_cdi_devices(devices, "gpu") == [f"{cdi.device_id(f'{UID}-gpu')}"]
+        assert container_cdi_devices(devices, "other") == []

@@ -7,16 +7,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from plugin.dra import cdi, checkpoint
+from plugin.dra import cdi, checkpoint, prepare
 from plugin.dra.claims import AllocatedDevice, ClaimRef, StaticClaims
 from plugin.dra.prepare import PrepareCore
 from schemas import dra_metadata
 from schemas.dra import CDI_KIND, DRIVER_NAME, device_name
+from schemas.errors import InputError
 from schemas.kinds import ResourceKind
 from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE
 from simkit.sysfs_fixture import Node
@@ -29,7 +34,7 @@ UID2 = "1a2b3c4d-0000-4000-8000-00000000abcd"
 CLAIM = ClaimRef("vms", "gpu-claim", UID)
 
 
-def gpu(name: str, request: str = "gpu", pool: str = "node01", **kw: str) -> AllocatedDevice:
+def gpu(name: str, request: str = "gpu", pool: str = "node01", **kw: Any) -> AllocatedDevice:
     return AllocatedDevice(request, DRIVER_NAME, pool, name, **kw)
 
 
@@ -226,6 +231,20 @@ def test_a_device_prepared_for_another_claim_is_refused(tmp_path: Path) -> None:
     assert "prepared for claim vms/gpu-claim" in core.prepare([other])[UID2].error
 
 
+def test_admin_access_is_refused_and_does_not_take_the_device(tmp_path: Path) -> None:
+    # The scheduler gives a device with adminAccess whether or not another claim holds it, and never counts it
+    # as in use: prepared, it would take the VFIO device from the claim the scheduler did give it to.
+    s = setup(tmp_path)
+    monitor = ClaimRef("monitoring", "watch-gpu", UID2)
+    s.claims[monitor] = [gpu("pci-0000-86-00-0", admin_access=True)]
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    error = core.prepare([monitor])[UID2].error
+    assert "monitoring/watch-gpu" in error and "pci-0000-86-00-0 is allocated with adminAccess" in error
+    assert core.prepared() == {} and (not s.cdi_dir.exists() or list(s.cdi_dir.iterdir()) == [])
+    assert core.prepare([CLAIM])[UID].error == ""
+
+
 def test_other_drivers_devices_are_left_alone(tmp_path: Path) -> None:
     s = setup(tmp_path)
     s.claims[CLAIM] = [AllocatedDevice("nic", "net.example.com", "node01", "eth0"), gpu("pci-0000-86-00-0")]
@@ -319,7 +338,7 @@ def test_a_subrequest_result_is_filed_under_its_request(tmp_path: Path) -> None:
     s = setup(tmp_path)
     s.claims[CLAIM] = [gpu("pci-0000-86-00-0", request="gpu/rtx")]
     answer = s.core().prepare([CLAIM])[UID]
-    assert answer.devices[0].requests == ("gpu/rtx",)  # the kubelet matches the container's "gpu" to it
+    assert answer.devices[0].requests == ("gpu",)  # the kubelet matches the container's "gpu" exactly
     (device,) = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))["devices"]
     (mount,) = device["containerEdits"]["mounts"]
     assert device["name"] == f"{UID}-gpu" and "/resourceclaims/gpu-claim/gpu/" in mount["containerPath"]
@@ -369,6 +388,138 @@ def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) ->
     assert list(core.prepared()) == [UID]
 
 
+def test_an_unprepare_while_the_claim_is_read_wins_and_nothing_is_left_prepared(tmp_path: Path) -> None:
+    # The kubelet gives up on a slow prepare (45 s), and once the pod is gone unprepares the claim, while the
+    # first call is still reading it: the unprepare is answered "done", so the late prepare must not record the
+    # claim (its devices would be held for a claim the kubelet never unprepares again).
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    static = StaticClaims.from_results(s.claims)
+    reading, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+            reading.set()
+            assert release.wait(10)
+            return static.allocated(claim)
+
+    core = PrepareCore(Slow(), s.root, s.state, s.cdi_dir)
+    core.update_inventory(discover(s.root))
+    core.start()
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(core.prepare([CLAIM])[UID]))
+    thread.start()
+    assert reading.wait(10)
+    assert core.unprepare([CLAIM]) == {UID: ""}
+    release.set()
+    thread.join(10)
+    assert "unprepared while it was being prepared" in answers[0].error
+    assert core.prepared() == {}
+    assert not s.cdi_dir.exists() or list(s.cdi_dir.iterdir()) == []
+    reading.clear()
+    release.set()
+    assert core.prepare([CLAIM])[UID].error == ""  # asked again later, it is prepared
+
+
+def test_a_re_prepare_whose_missing_file_cannot_be_written_again_fails_the_claim(tmp_path: Path) -> None:
+    # The runtime resolves the answer's CDI IDs from the spec file: answering "prepared" without it fails the
+    # container later with an unresolvable CDI device, where a claim error makes the kubelet ask again.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    shutil.rmtree(s.cdi_dir)
+    s.cdi_dir.write_text("not a directory")
+    error = core.prepare([CLAIM])[UID].error
+    assert "vms/gpu-claim" in error and cdi.spec_file_name(UID) in error and "cannot be written again" in error
+    assert list(core.prepared()) == [UID]  # still recorded: the unprepare to come removes it
+    s.cdi_dir.unlink()
+    assert core.prepare([CLAIM])[UID] == first
+    assert (s.cdi_dir / cdi.spec_file_name(UID)).is_file()
+
+
+def test_a_second_plugin_process_on_the_same_state_is_refused_at_start(tmp_path: Path) -> None:
+    # Two processes on one checkpoint: the second would reconcile under the first's feet and later serve from a
+    # stale record. The lock is per process (POSIX), so cores of one process (the restarts above) share it.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(s.state / prepare.LOCK_FILE)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(InputError, match=r"another DRA plugin process holds .*state/lock"):
+            s.core()
+        assert not s.cdi_dir.exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert s.core().prepare([CLAIM])[UID].error == ""
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_re_prepare_after_the_iommu_groups_changed_is_refused(tmp_path: Path) -> None:
+    # After a reboot the recorded spec is written again from the record; if the groups were renumbered at boot
+    # it would give the container another device's /dev/vfio/<group>.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0"), gpu("pci-0000-af-00-0", request="second")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    assert core.prepare([CLAIM])[UID] == first  # unchanged groups: the recorded answer
+    inventory = discover(s.root)
+    renumbered = dataclasses.replace(
+        inventory,
+        resources=tuple(
+            dataclasses.replace(
+                resource,
+                devices=tuple(
+                    dataclasses.replace(device, iommu_group=96 if device.id == GPU_86 else 74)
+                    if device.id in (GPU_86, GPU_AF)
+                    else device
+                    for device in resource.devices
+                ),
+            )
+            for resource in inventory.resources
+        ),
+    )
+    core.update_inventory(renumbered)
+    error = core.prepare([CLAIM])[UID].error
+    # sysfs (unchanged here) disagrees with the renumbered scan: the re-check refuses, naming the group
+    assert "vms/gpu-claim" in error and "IOMMU group changed from 96 to 74" in error
+    core.update_inventory(inventory)
+    assert core.prepare([CLAIM])[UID] == first
+
+
+def test_a_re_prepare_after_the_vfio_cdev_was_renumbered_is_refused(tmp_path: Path) -> None:
+    # /dev/vfio/devices/vfioN is numbered at each bind to vfio-pci: a rebind (or a reboot) gives the device
+    # another number, and the old one may be another device's now.
+    s = setup(tmp_path, dataclasses.replace(NODE01, iommufd=True))
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    core = s.core()
+    first = core.prepare([CLAIM])[UID]
+    assert first.error == ""
+    spec = load_cdi_spec(s.cdi_dir / cdi.spec_file_name(UID))
+    (old,) = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"] if "/devices/" in n["path"]]
+    sysfs = s.root / "sys/bus/pci/devices" / GPU_86 / "vfio-dev"
+    (entry,) = list(sysfs.iterdir())
+    assert old.endswith("/" + entry.name)
+    entry.rename(sysfs / "vfio99")
+    (s.root / old.lstrip("/")).rename(s.root / "dev/vfio/devices/vfio99")
+    error = core.prepare([CLAIM])[UID].error
+    assert "VFIO nodes changed" in error and old in error and "/dev/vfio/devices/vfio99" in error
+
+
 def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> None:
     from plugin.dra.serve import claim_counter
     from plugin.metrics import PluginMetrics
@@ -388,3 +539,34 @@ def test_claim_outcomes_are_counted_on_the_plugins_metrics(tmp_path: Path) -> No
     assert 'gpu_device_plugin_dra_claims_total{operation="prepare",result="error"} 1.0' in text
     assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="ok"} 1.0' in text
     assert 'gpu_device_plugin_dra_claims_total{operation="unprepare",result="error"} 0.0' in text
+
+
+def test_a_checkpoint_naming_another_vendors_cdi_spec_is_damaged_and_that_spec_survives(tmp_path: Path) -> None:
+    # /var/run/cdi holds every vendor's specs: a record naming one (inside the CDI directory, but not a file a
+    # prepare writes) must never make an unprepare delete it.
+    s = setup(tmp_path)
+    s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
+    assert s.core().prepare([CLAIM])[UID].error == ""
+    foreign = s.cdi_dir.absolute() / "nvidia.com-gpu.json"
+    foreign.write_text('{"cdiVersion": "0.5.0"}')
+    path = s.state / checkpoint.FILE_NAME
+    obj = json.loads(path.read_text())
+    obj["claims"][UID]["files"][str(foreign)] = "replaced"
+    path.write_text(json.dumps(obj))
+    core = s.core()
+    assert core.prepared() == {}
+    assert (s.state / "checkpoint.json.damaged").exists()
+    core.unprepare([CLAIM])
+    assert foreign.read_text() == '{"cdiVersion": "0.5.0"}'
+    assert not (s.cdi_dir / cdi.spec_file_name(UID)).exists()
+
+
+@pytest.mark.parametrize(
+    "text", ['{"version": 1, "claims": ' + "[" * 100_000 + "]" * 100_000 + "}", '{"version": true, "claims": {}}']
+)
+def test_a_checkpoint_nested_too_deep_or_of_no_version_is_set_aside(tmp_path: Path, text: str) -> None:
+    s = setup(tmp_path)
+    s.state.mkdir()
+    (s.state / checkpoint.FILE_NAME).write_text(text)
+    assert s.core().prepared() == {}
+    assert (s.state / "checkpoint.json.damaged").exists()

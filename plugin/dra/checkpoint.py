@@ -108,9 +108,9 @@ def load(state_dir: Path, owned: Iterable[Path]) -> dict[str, PreparedClaim]:
     data = read_regular_file(path, MAX_CHECKPOINT_BYTES, "DRA checkpoint")
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InputError(f"DRA checkpoint {shown} is not JSON: {exc}") from None
-    if not isinstance(obj, dict) or obj.get("version") != VERSION:
+    if not isinstance(obj, dict) or type(obj.get("version")) is not int or obj.get("version") != VERSION:
         raise InputError(f"DRA checkpoint {shown} is not a version {VERSION} checkpoint")
     raw_claims = obj.get("claims")
     if not isinstance(raw_claims, dict) or len(raw_claims) > MAX_CLAIMS:

@@ -72,6 +72,9 @@ class AllocatedDevice:
     """For a claim generated from a ResourceClaimTemplate, the pod's name for it (the annotation
     :data:`POD_CLAIM_NAME_ANNOTATION`): it names the claim's metadata directory (docs/dra.md); None for a
     claim the pod names directly. The same on every result of a claim."""
+    admin_access: bool = False
+    """The result's ``adminAccess``: the scheduler hands out such a device whether or not other claims hold it
+    (monitoring, debugging), so it never counts as in use; the prepare core refuses it (docs/dra.md)."""
 
 
 class ClaimSource(Protocol):
@@ -152,6 +155,9 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
     for index, raw in enumerate(results):
         where = f"status.allocation.devices.results[{index}]"
         result = _mapping(raw, where, claim)
+        admin_access = result.get("adminAccess")
+        if admin_access is not None and not isinstance(admin_access, bool):
+            raise ClaimError(f"claim {claim}: {where}.adminAccess is {_shown(admin_access)}, not a bool")
         found_devices.append(
             AllocatedDevice(
                 request=_text(result.get("request"), f"{where}.request", claim),
@@ -159,6 +165,7 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
                 pool=_text(result.get("pool"), f"{where}.pool", claim),
                 device=_text(result.get("device"), f"{where}.device", claim),
                 pod_claim_name=pod_claim_name,
+                admin_access=bool(admin_access),
             )
         )
     return found_devices
@@ -209,7 +216,7 @@ class StaticClaims:
             obj = json.loads(data)
         except InputError as exc:
             raise ClaimError(f"claim {claim}: {exc}") from None
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ClaimError(f"claim {claim}: ResourceClaim file {str(path)!r} is not JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise ClaimError(f"claim {claim}: ResourceClaim file {str(path)!r} does not hold an object")
@@ -232,7 +239,9 @@ def claim_object(claim: ClaimRef, devices: list[AllocatedDevice]) -> dict[str, A
             "allocation": {
                 "devices": {
                     "results": [
-                        {"request": d.request, "driver": d.driver, "pool": d.pool, "device": d.device} for d in devices
+                        {"request": d.request, "driver": d.driver, "pool": d.pool, "device": d.device}
+                        | ({"adminAccess": True} if d.admin_access else {})
+                        for d in devices
                     ]
                 }
             }

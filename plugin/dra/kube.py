@@ -130,7 +130,7 @@ class KubeApi:
             raise KubeError(f"{what}: the answer from {self.host} is over {MAX_RESPONSE_BYTES} bytes")
         try:
             obj = json.loads(data) if data else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise KubeError(f"{what}: the answer from {self.host} is not JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise KubeError(f"{what}: the answer from {self.host} is not a JSON object")
@@ -193,6 +193,11 @@ def _generation(obj: Mapping[str, Any]) -> int:
     pool = _spec(obj).get("pool")
     value = pool.get("generation") if isinstance(pool, Mapping) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _canonical(devices: object) -> str:
+    """``devices`` as comparable text (key order aside)."""
+    return json.dumps(devices, sort_keys=True)
 
 
 def _pool_name(obj: Mapping[str, Any]) -> object:
@@ -266,19 +271,21 @@ class SlicePublisher:
         """Whether the published slices already say what ``desired`` says (any generation, one for all)."""
         if len(existing) != len(desired) or len({_generation(obj) for obj in existing}) > 1:
             return False
-        ordered = sorted(existing, key=lambda obj: str(_metadata(obj).get("name", "")))
-        for have, want in zip(ordered, desired, strict=True):
-            have_spec, want_spec = _spec(have), _spec(want)
-            pool = have_spec.get("pool")
+        owners = [_metadata(want).get("ownerReferences") for want in desired]
+        for have in existing:
+            pool = _spec(have).get("pool")
             if (
                 not isinstance(pool, Mapping)
                 or _pool_name(have) != self._node_name
                 or pool.get("resourceSliceCount") != len(desired)
-                or have_spec.get("devices", []) != want_spec["devices"]
-                or _metadata(have).get("ownerReferences") != _metadata(want).get("ownerReferences")
+                or _metadata(have).get("ownerReferences") not in owners
             ):
                 return False
-        return True
+        # Which slice holds which run of devices does not matter (created slices get random names, so their
+        # name order is not the order they were written in): the same runs, each in one slice, is the same pool.
+        return sorted(_canonical(_spec(have).get("devices", [])) for have in existing) == sorted(
+            _canonical(want["spec"]["devices"]) for want in desired
+        )
 
     def publish(self, inventory: Inventory) -> None:
         """:meth:`sync` and log what changed: the serve loop's inventory sink (``plugin.dra.runner``)."""

@@ -13,11 +13,15 @@ messages. For a claim it:
    the claim (:mod:`plugin.dra.cdi`) with one CDI device per request: the VFIO nodes and the metadata mount;
 4. records the claim in the checkpoint (:mod:`plugin.dra.checkpoint`) and only then answers.
 
-A refusal is the claim's own ``error`` string (naming the claim and the device), never an exception for the
+A result with ``adminAccess`` is refused: the scheduler gives such a device even while another claim holds it,
+and a VFIO device cannot be shared with a VM (preparing it would take the device from the claim the scheduler
+did count). A refusal is the claim's own ``error`` string (naming the claim and the device), never an exception for the
 whole call: the kubelet retries the claim later. Bounds: :data:`MAX_CLAIMS_PER_CALL` claims per call,
 :data:`MAX_DEVICES_PER_CLAIM` devices of ours per claim, :data:`checkpoint.MAX_CLAIMS` prepared at once. A
 device already prepared for another claim is refused (the scheduler never allocates one device twice; a
-stale claim or a forged allocation would). One lock serialises the bookkeeping and file writes (milliseconds
+stale claim or a forged allocation would). An unprepare that comes while a prepare of the same claim is still reading it
+(the kubelet gave up on a slow prepare, then the pod went) wins: that prepare fails instead of recording a
+claim the kubelet believes gone. One lock serialises the bookkeeping and file writes (milliseconds
 each); the claim source, perhaps an API server, is read outside it. A claim source that fails in an
 unexpected way fails that claim (``internal error: …``), not the call.
 """
@@ -25,6 +29,9 @@ unexpected way fails that claim (``internal error: …``), not the call.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -51,6 +58,8 @@ MAX_CLAIMS_PER_CALL = 256
 """Claims in one NodePrepareResources/NodeUnprepareResources call (a pod has a few)."""
 MAX_DEVICES_PER_CLAIM = 32
 """Devices of this driver in one claim (Kubernetes allows 32 allocation results per claim)."""
+LOCK_FILE = "lock"
+"""Under the state directory: held (a POSIX lock) by the one plugin process that owns the checkpoint and files."""
 METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
@@ -99,6 +108,11 @@ class PrepareCore:
         self._prepared: dict[str, PreparedClaim] = {}
         self._by_name: dict[tuple[str, str], tuple[Resource, Device]] = {}
         self._inventory: Inventory | None = None
+        self._state_lock_fd: int | None = None
+        self._reading: dict[str, int] = {}
+        """Claim UID → prepares reading its allocation right now (outside the lock)."""
+        self._withdrawn: set[str] = set()
+        """UIDs unprepared while a prepare of them was reading: that prepare must not record them."""
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -122,17 +136,59 @@ class PrepareCore:
         of ours no recorded claim owns. A damaged checkpoint is set aside (``.damaged``) and counts as empty:
         the kubelet prepares again what it still needs."""
         with self._lock:
+            self._take_state_lock()
             try:
                 self._prepared = checkpoint.load(self.state_dir, (self.cdi_dir, self.metadata_dir))
+                for claim in self._prepared.values():
+                    self._check_own_files(claim)
             except InputError as exc:
                 log_event("dra_checkpoint_damaged", error=str(exc))
                 path = self.state_dir / checkpoint.FILE_NAME
                 with contextlib.suppress(OSError):
                     os.replace(path, path.with_name(path.name + ".damaged"))
                 self._prepared = {}
-            restored = sum(self._restore(claim) for claim in self._prepared.values())
+            restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
             removed = self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
+
+    def _take_state_lock(self) -> None:
+        """Hold ``<state dir>/lock`` for the life of the process; InputError when another process holds it.
+
+        A second plugin on the same directories (a surge pod of a rolling update, one started by hand) would
+        otherwise reconcile under the first one's feet (removing the files of a prepare not yet recorded) and,
+        once the first is gone, serve from a checkpoint read long before and overwrite the newer one."""
+        if self._state_lock_fd is not None:
+            return  # held since an earlier start (closing a second descriptor would drop a POSIX lock)
+        path = self.state_dir / LOCK_FILE
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise InputError(f"cannot open the DRA plugin's lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise InputError(
+                    f"another DRA plugin process holds {path}: its claims and files are that process's; stop it first"
+                ) from None
+            raise InputError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        self._state_lock_fd = fd
+
+    def _check_own_files(self, claim: PreparedClaim) -> None:
+        """InputError unless every file recorded for ``claim`` is one a prepare of it writes: its own CDI spec
+        or a file below its own metadata directory. ``/var/run/cdi`` holds other vendors' specs too, and an
+        unprepare deletes what the record names."""
+        spec = self.cdi_dir / cdi.spec_file_name(claim.uid)
+        metadata = self.metadata_dir / claim.uid
+        for name in claim.files:
+            path = Path(name)
+            if path != spec and not (path.is_relative_to(metadata) and path != metadata):
+                raise InputError(
+                    f"DRA checkpoint: claim {claim.uid}: file {name[:120]!r} is not one of the claim's own "
+                    f"({spec} or below {metadata})"
+                )
 
     # -- prepare ------------------------------------------------------------------------------------------
 
@@ -166,17 +222,33 @@ class PrepareCore:
             raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
         with self._lock:
             known = self._known(ref)
-        if known is not None:
-            return known
+            if known is not None:
+                return known
+            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
         try:
-            results = self.claims.allocated(ref)
-        except InputError:
-            raise
-        except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
-            raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
-        with self._lock:
-            known = self._known(ref)  # prepared meanwhile by a concurrent call
-            return known if known is not None else self._prepare_new(ref, results)
+            try:
+                results = self.claims.allocated(ref)
+            except InputError:
+                raise
+            except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
+                raise ClaimError(f"claim {ref}: reading its allocation failed: {type(exc).__name__}: {exc}") from None
+            with self._lock:
+                known = self._known(ref)  # prepared meanwhile by a concurrent call
+                if known is not None:
+                    return known
+                if ref.uid in self._withdrawn:
+                    raise ClaimError(
+                        f"claim {ref} was unprepared while it was being prepared; not prepared (the kubelet asks "
+                        "again if it still needs it)"
+                    )
+                return self._prepare_new(ref, results)
+        finally:
+            with self._lock:
+                left = self._reading.pop(ref.uid) - 1
+                if left:
+                    self._reading[ref.uid] = left
+                else:
+                    self._withdrawn.discard(ref.uid)
 
     def _known(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | None:
         """The recorded answer for ``ref`` (its missing files rewritten), None when not prepared. Lock held."""
@@ -185,8 +257,52 @@ class PrepareCore:
             return None
         if (known.namespace, known.name) != (ref.namespace, ref.name):
             raise ClaimError(f"claim {ref}: uid already prepared for claim {known.namespace}/{known.name}")
-        self._restore(known)
+        self._check_nodes(ref, known)
+        failed = self._restore(known)[1]
+        if failed:
+            path, why = failed[0]
+            raise ClaimError(f"claim {ref}: its file {path} is missing and cannot be written again: {why}")
         return known.devices
+
+    def _check_nodes(self, ref: ClaimRef, claim: PreparedClaim) -> None:
+        """ClaimError when the device nodes recorded for ``claim`` are no longer the ones its devices need now (the
+        device plugin's rule on the last scan, each device re-checked). IOMMU groups are numbered at boot and
+        VFIO cdevs (``/dev/vfio/devices/vfioN``) at each bind to vfio-pci: after a reboot or a rebind, the
+        recorded spec (rewritten to the emptied ``/var/run/cdi``) would hand the container another device's
+        node, perhaps one prepared for another claim. Lock held."""
+        if self._inventory is None:
+            return
+        text = claim.files.get(str(self.cdi_dir / cdi.spec_file_name(claim.uid)))
+        if text is None:
+            return
+        try:
+            spec = json.loads(text)
+            recorded = {
+                device["name"]: {node["path"] for node in device["containerEdits"].get("deviceNodes", [])}
+                for device in spec["devices"]
+            }
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ClaimError(
+                f"claim {ref}: its recorded CDI spec cannot be read; unprepare it and prepare again"
+            ) from None
+        members: dict[str, list[tuple[Resource, Device]]] = {}
+        for prepared in claim.devices:
+            try:
+                found = self._by_name.get(device_id_of(prepared.device))
+            except InputError:
+                found = None
+            if found is None:
+                raise ClaimError(f"claim {ref}: device {prepared.device} is no longer on this node (last scan)")
+            for cdi_id in prepared.cdi_ids:
+                members.setdefault(cdi_id.partition("=")[2], []).append(found)
+        expected = {name: set(self._device_nodes(found)) for name, found in members.items()}
+        if expected != recorded:
+            was, now = sorted(set().union(*recorded.values())), sorted(set().union(*expected.values()))
+            raise ClaimError(
+                f"claim {ref}: its devices' VFIO nodes changed since it was prepared (recorded {was}, now {now}: "
+                "IOMMU groups renumbered or a device bound again); its CDI spec would give the container other "
+                "devices' nodes"
+            )
 
     def _prepare_new(self, ref: ClaimRef, results: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
         """Prepare a claim not recorded yet from its allocation ``results``. Lock held."""
@@ -195,6 +311,12 @@ class PrepareCore:
         ours = [result for result in results if result.driver == self.driver]
         if len(ours) > MAX_DEVICES_PER_CLAIM:
             raise ClaimError(f"claim {ref} has {len(ours)} devices of {self.driver}, over {MAX_DEVICES_PER_CLAIM}")
+        admin = next((result for result in ours if result.admin_access), None)
+        if admin is not None:
+            raise ClaimError(
+                f"claim {ref}: device {admin.device} is allocated with adminAccess; a VFIO device is given to one "
+                "VM alone, so admin access to it is not supported"
+            )
         chosen = [self._lookup(ref, result) for result in ours]
         self._check_not_taken(ref, ours)
         by_request: dict[str, list[tuple[AllocatedDevice, Resource, Device]]] = defaultdict(list)
@@ -207,13 +329,16 @@ class PrepareCore:
         cdi_devices: list[cdi.CdiDevice] = []
         prepared: list[PreparedDevice] = []
         for request, members in sorted(by_request.items()):
-            nodes = self._device_nodes(members)
+            nodes = self._device_nodes([(resource, device) for _, resource, device in members])
             host_path, container_path, text = self._metadata(ref, request, members)
             files[str(host_path)] = text
             name = cdi.device_name(ref.uid, request)
             cdi_devices.append(cdi.CdiDevice(name, nodes, (cdi.Mount(str(host_path), container_path),)))
+            # The kubelet hands a container the devices whose request_names hold the request the container
+            # names, compared exactly, and a container names only top-level requests: so the base request, never
+            # "req/subrequest" (Kubernetes' kubelet-plugin helper strips it the same way).
             prepared += [
-                PreparedDevice((result.request,), result.pool, result.device, (cdi.device_id(name),))
+                PreparedDevice((request,), result.pool, result.device, (cdi.device_id(name),))
                 for result, _, _ in members
             ]
         if cdi_devices:
@@ -257,10 +382,10 @@ class PrepareCore:
                     f"{other.namespace}/{other.name} (uid {other.uid})"
                 )
 
-    def _device_nodes(self, members: Sequence[tuple[AllocatedDevice, Resource, Device]]) -> tuple[str, ...]:
+    def _device_nodes(self, members: Sequence[tuple[Resource, Device]]) -> tuple[str, ...]:
         """The VFIO nodes of one request's devices, re-checked as Allocate does (per resource)."""
         by_resource: dict[str, tuple[Resource, list[str]]] = {}
-        for _, resource, device in members:
+        for resource, device in members:
             by_resource.setdefault(resource.name, (resource, []))[1].append(device.id)
         nodes: list[str] = []
         for resource, ids in by_resource.values():
@@ -312,6 +437,8 @@ class PrepareCore:
         answers: dict[str, str] = {}
         with self._lock:
             for ref in refs:
+                if ref.uid in self._reading:
+                    self._withdrawn.add(ref.uid)  # a prepare reading it now must not record it afterwards
                 claim = self._prepared.pop(ref.uid, None)
                 error = ""
                 if claim is not None:
@@ -332,17 +459,19 @@ class PrepareCore:
 
     # -- files --------------------------------------------------------------------------------------------
 
-    def _restore(self, claim: PreparedClaim) -> int:
-        """Rewrite the claim's files that are missing; how many were."""
+    def _restore(self, claim: PreparedClaim) -> tuple[int, list[tuple[str, str]]]:
+        """Rewrite the claim's files that are missing: how many were, and (path, why) of those that could not be."""
         count = 0
+        failed: list[tuple[str, str]] = []
         for path, text in claim.files.items():
             if not os.path.lexists(path):
                 try:
                     checkpoint.write_atomic(Path(path), text)
                     count += 1
                 except OSError as exc:
+                    failed.append((path, exc.strerror or str(exc)))
                     log_event("dra_restore_failed", claim=claim.uid, file=path, error=exc.strerror or str(exc))
-        return count
+        return count, failed
 
     def _delete_files(self, claim: PreparedClaim) -> None:
         for path in claim.files:

@@ -10,7 +10,10 @@ One thread, blocking on file descriptors like :class:`~plugin.manager.PluginMana
   the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
   seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in;
 - a socket removed under us (a wiped registry directory) is served again, which makes the kubelet register
-  us anew; a kubelet restart needs nothing from us (it re-reads the registry directory); after a refusal
+  us anew; a kubelet restart re-reads the registry directory and registers us again by itself, but it also
+  deletes every ResourceSlice of the node when it starts (and a driver's slices when no plugin of it has been
+  connected for a while), so each registration the kubelet confirms offers the sinks the current inventory
+  again at once and once more :data:`REGISTRATION_RESYNC_DELAY` later; after a refusal
   (``NotifyRegistrationStatus`` with ``plugin_registered`` false, which the kubelet never retries) the
   registration socket is offered again every :data:`REREGISTER_AFTER` seconds;
 - :meth:`request_stop` (SIGTERM) ends the loop: the registration socket goes first, so the kubelet
@@ -50,6 +53,12 @@ its slices (one call) and repairs any deleted under it (by hand, or by the garba
 object was re-created)."""
 
 
+REGISTRATION_RESYNC_DELAY = 30.0
+"""Seconds after a registration the kubelet confirmed when the sinks are offered the inventory a second time:
+the kubelet's start-up deletion of the node's ResourceSlices runs in the background and may land after the
+registration (Kubernetes ``pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go``, ``wipeResourceSlices``)."""
+
+
 class InventorySink(Protocol):
     """Takes each new inventory of the node (e.g. publishes it as ResourceSlices). May raise: the error is
     logged and the same inventory is offered again at the next scan."""
@@ -72,6 +81,7 @@ class DraRunner:
         warnings: Iterable[str] = (),
         sinks: Sequence[InventorySink] = (),
         reregister_after: float = REREGISTER_AFTER,
+        registration_resync_delay: float = REGISTRATION_RESYNC_DELAY,
     ) -> None:
         if scan_interval <= 0:
             raise ValueError("scan_interval must be positive")
@@ -83,6 +93,7 @@ class DraRunner:
         self.pci_ids = pci_ids
         self.sinks = list(sinks)
         self.reregister_after = reregister_after
+        self.registration_resync_delay = registration_resync_delay
         self.ready = threading.Event()
         """Set once the first scan is in the core and both sockets are served."""
         self.scans = 0
@@ -92,6 +103,10 @@ class DraRunner:
         self._serving = False
         self.sink_resync = SINK_RESYNC_INTERVAL
         self._published: dict[int, tuple[Inventory, float]] = {}
+        self._registrations_seen = 0
+        """``RegistrationStatus.calls`` of the last confirmed registration acted on."""
+        self._forced_resyncs: list[float] = []
+        """``time.monotonic()`` times at which the sinks get the inventory even when unchanged."""
         state = config.node_agent_state
         agent_state = self.host_root / state.lstrip("/") if state else None
         self._watcher = NodeWatcher(self.host_root / "dev" / "vfio", registry_dir.absolute(), agent_state)
@@ -150,6 +165,9 @@ class DraRunner:
                 if rescan or time.monotonic() >= self._next_scan:
                     self._rescan()
                 self._serve()
+                due = self._registered_anew() or any(at <= time.monotonic() for at in self._forced_resyncs)
+                if due and self.inventory is not None:
+                    self._offer(self.inventory)
         finally:
             self._finished = True
             self.ready.clear()
@@ -161,6 +179,8 @@ class DraRunner:
         status = self.server.registration.status
         if status.registered is False:
             deadline = min(deadline, status.at + self.reregister_after)
+        if self._forced_resyncs:
+            deadline = min(deadline, *self._forced_resyncs)
         return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
     def _serve(self) -> None:
@@ -194,9 +214,27 @@ class DraRunner:
             log_event("dra_inventory", devices=devices)
         self.inventory = inventory
         self.core.update_inventory(inventory)
+        self._offer(inventory)
+
+    def _registered_anew(self) -> bool:
+        """Whether the kubelet confirmed a registration since the last look (its start, or ours anew); if so,
+        the sinks are due now and once more after :data:`REGISTRATION_RESYNC_DELAY`."""
+        status = self.server.registration.status
+        if status.registered is not True or status.calls == self._registrations_seen:
+            return False
+        self._registrations_seen = status.calls
+        now = time.monotonic()
+        self._forced_resyncs = [now, now + self.registration_resync_delay]
+        return True
+
+    def _offer(self, inventory: Inventory) -> None:
+        """Give ``inventory`` to each sink that has not taken it (or failed, or is due a resync)."""
+        now = time.monotonic()
+        forced = any(at <= now for at in self._forced_resyncs)
+        self._forced_resyncs = [at for at in self._forced_resyncs if at > now]
         for index, sink in enumerate(self.sinks):
             last = self._published.get(index)
-            if last is not None and last[0] == inventory and time.monotonic() < last[1] + self.sink_resync:
+            if not forced and last is not None and last[0] == inventory and now < last[1] + self.sink_resync:
                 continue
             try:
                 sink.publish(inventory)
