@@ -52,6 +52,9 @@ class BuildOptions:
     """Where passthrough GPUs' companions are read (sysfs) when the allocation has no companion variable for
     their resource: set for sources that cannot carry one (PodResources, DRA). None: the variable only
     (docs/kubevirt-hostdevs.md, "Companions")."""
+    allocation_carries_companions: bool = False
+    """The allocation source carries the companion variables (env, environ file): ``companion_reader`` is then
+    used only for GPUs a DRA claim gave, which no variable can describe."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,9 @@ def build_domain(
     if parsed is None:
         specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation, claims=claims)
         if companions and options.companion_reader is not None:
-            allocation = with_read_companions(specs, allocation, options.companion_reader, warnings)
+            allocation = with_read_companions(
+                specs, allocation, options.companion_reader, warnings, dra_only=options.allocation_carries_companions
+            )
         if companions and wanted_companions(specs, allocation, warnings):
             warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
@@ -134,7 +139,9 @@ def build_domain(
     # a domain within the cap must not be refused for them.
     own_cap = max(options.max_input_bytes, len(domain))
     if companions and options.companion_reader is not None:
-        allocation = with_read_companions(hostdevs, allocation, options.companion_reader, warnings)
+        allocation = with_read_companions(
+            hostdevs, allocation, options.companion_reader, warnings, dra_only=options.allocation_carries_companions
+        )
     if companions and allocation.companions:
         placed = place_companions(domain, hostdevs, allocation, own_cap)
         domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements

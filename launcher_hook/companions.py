@@ -49,8 +49,19 @@ from launcher_hook.domain import (
 )
 from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev
 from launcher_hook.hostdevs.base import c_number
+from launcher_hook.matching import DRA_VARIABLE_PREFIX
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.companions import MAX_GPUS, companions_variable_for
+
+
+def companions_key(variable: str) -> str | None:
+    """Where a GPU's companions are kept in ``EnvAllocation.companions``: its resource's companion variable
+    (``PCI_COMPANIONS_<NAME>``), or for a GPU a DRA claim gave (``dra:<claim>/<request>``), which no variable
+    can describe, that name itself; None for any other device."""
+    if variable.startswith(DRA_VARIABLE_PREFIX):
+        return variable
+    return companions_variable_for(variable)
+
 
 COMPANION_ALIAS = "ua-gpu%d-fn%d"
 """A companion's alias: the GPU's index in the hook's hostdev list and the function (never a KubeVirt alias,
@@ -116,7 +127,12 @@ class CompanionReader(Protocol):
 
 
 def with_read_companions(
-    specs: Sequence[HostdevSpec], allocation: EnvAllocation, reader: CompanionReader, warnings: list[str]
+    specs: Sequence[HostdevSpec],
+    allocation: EnvAllocation,
+    reader: CompanionReader,
+    warnings: list[str],
+    *,
+    dra_only: bool = False,
 ) -> EnvAllocation:
     """``allocation`` with the companions ``reader`` finds for each PCI device among ``specs`` whose resource
     has no companion variable in it (a variable the allocation carries wins: the plugin saw the host at
@@ -126,11 +142,14 @@ def with_read_companions(
     only go stale (the facts do not change during a pod's life in practice: the node agent binds the group
     before the pod starts, and the group is in use while the VM runs). A device that cannot be read is a
     warning naming it and the file, and that GPU is placed alone. At most :data:`MAX_GPUS` are read.
+    ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
+    DRA claim gave are read (no variable can name theirs).
     """
     pci = [
         (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
     ]
-    wanted = [(spec, gpu) for spec, gpu in pci if companions_variable_for(spec.variable) not in allocation.companions]
+    readable = [pair for pair in pci if pair[0].variable.startswith(DRA_VARIABLE_PREFIX)] if dra_only else pci
+    wanted = [(spec, gpu) for spec, gpu in readable if companions_key(spec.variable) not in allocation.companions]
     if not wanted:
         return allocation
     if len(wanted) > MAX_GPUS:
@@ -147,7 +166,7 @@ def with_read_companions(
         except InputError as exc:
             warnings.append(f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {exc}")
             continue
-        variable = companions_variable_for(spec.variable)
+        variable = companions_key(spec.variable)
         if functions and variable is not None:
             tables.setdefault(variable, {})[gpu] = functions
     if not tables:
@@ -169,7 +188,7 @@ def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, w
     for index, spec in enumerate(specs):
         if spec.kind is not ResourceKind.PCI or not isinstance(spec.source, PciAddress):
             continue
-        variable = companions_variable_for(spec.variable)
+        variable = companions_key(spec.variable)
         table = allocation.companions.get(variable) if variable is not None else None
         functions = table.get(spec.source) if table is not None else None
         if not functions:

@@ -76,8 +76,9 @@ class HookService:
     def __init__(self, source: AllocationSource, options: BuildOptions | None = None) -> None:
         self.source = source
         self.options = options or BuildOptions()
-        self._env_options = replace(self.options, companion_reader=None)
-        """For an allocation that carries the companion variables: the plugin's variable is the one word."""
+        self._env_options = replace(self.options, allocation_carries_companions=True)
+        """For an allocation that carries the companion variables: the plugin's variable is the one word; sysfs
+        is read only for GPUs a DRA claim gave (no variable can describe theirs)."""
 
     def define_domain(
         self, domain_xml: bytes, vmi_json: bytes, *, via: str, event: str = "OnDefineDomain"

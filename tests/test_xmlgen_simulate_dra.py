@@ -61,11 +61,14 @@ def test_node01_claims_two_tu106_on_numa_node_1_and_the_hook_renders_them() -> N
     ) in done.stderr
     # the hook renders what virt-launcher did not: its own aliases, managed='no'
     written = hostdevs(done.stdout)
-    assert written == {"ua-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0"}
+    # each card with its audio, USB and UCSI functions in its guest slot, read from sysfs (no variable names a
+    # claimed GPU's companions)
+    assert written == {"ua-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0", **COMPANIONS}
     assert qemu_devices(done.stderr) == written
     root = etree.fromstring(done.stdout.encode())
     assert {h.get("managed") for h in root.iterfind("devices/hostdev")} == {"no"}
-    assert "companions of 0000:86:00.0 not passed: 0000:86:00.1, 0000:86:00.2, 0000:86:00.3" in done.stderr
+    assert "GPUs with their companion functions, one guest slot each" in done.stderr
+    assert "not passed" not in done.stderr
     assert "  mmio64: not an OVMF (x86 EFI) guest: nothing written" in done.stderr
     assert "claims unprepared; removed 3 files (CDI specs and metadata)" in done.stderr
 
@@ -138,6 +141,12 @@ def test_the_files_prepare_wrote_are_valid_and_gone_after_unprepare(monkeypatch:
     assert ids == [f"{specs[0]['kind']}={device['name']}" for device in specs[0]["devices"]]
 
 
+COMPANIONS = {
+    f"ua-gpu{index}-fn{fn}": f"0000:{bus}:00.{fn}" for index, bus in enumerate(("86", "af")) for fn in (1, 2, 3)
+}
+"""node01's two TU106 cards' other functions, as the hook places them beside claimed GPUs."""
+
+
 def test_a_domain_where_virt_launcher_rendered_a_dra_gpu_keeps_its_alias() -> None:
     domain = default_dra_domain("node01").replace(
         b"</devices>",
@@ -146,7 +155,7 @@ def test_a_domain_where_virt_launcher_rendered_a_dra_gpu_keeps_its_alias() -> No
     )
     result, _ = _run(domain=domain)
     written = hostdevs(result.domain_xml.decode())
-    assert written == {"ua-dra-gpu-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0"}
+    assert written == {"ua-dra-gpu-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0", **COMPANIONS}
 
 
 def test_without_cel_the_class_kind_and_health_decide_and_the_account_says_so() -> None:
@@ -154,13 +163,14 @@ def test_without_cel_the_class_kind_and_health_decide_and_the_account_says_so() 
     assert not result.cel
     assert any("the requests' own selectors are NOT evaluated" in line for line in lines)
     # the template's NUMA-node-1 selector is not evaluated: the first two healthy GPUs on one NUMA node
-    assert sorted(hostdevs(result.domain_xml.decode()).values()) == ["0000:3b:00.0", "0000:5e:00.0"]
+    gpus = {alias: source for alias, source in hostdevs(result.domain_xml.decode()).items() if "-fn" not in alias}
+    assert sorted(gpus.values()) == ["0000:3b:00.0", "0000:5e:00.0"]
 
 
 def test_a_directory_node(tmp_path: Path) -> None:
     root = build(NODE01, tmp_path / "node")
     result, lines = _run(str(root))
-    assert sorted(hostdevs(result.domain_xml.decode()).values()) == ["0000:86:00.0", "0000:af:00.0"]
+    assert hostdevs(result.domain_xml.decode()) == {"ua-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0", **COMPANIONS}
     assert any("pool simulated-node" in line for line in lines)
 
 

@@ -31,7 +31,6 @@ import yaml
 
 from launcher_hook.builder import BuildOptions
 from launcher_hook.claims import dra_entries
-from launcher_hook.domain import hostdev_source_key, parse_domain
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
@@ -46,12 +45,10 @@ from plugin.sysfs import discover_node
 from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from runtime.pciids import PciIds, locate_pci_ids
-from schemas import InputError, PciAddress
 from schemas.dra import DRIVER_NAME
 from schemas.dra_metadata import DEFAULT_ROOT, claimed_device, parse_metadata
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 from simkit.dra_scheduler import AllocationError, Scheduler, claim_from_template, claim_uid
 from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn
@@ -285,27 +282,6 @@ def _apply_cdi(
     return spec_path, metadata_files
 
 
-def _report_companions(domain: bytes, sysfs: Path, log: Callable[[str], None]) -> None:
-    """Name the functions of claimed cards the guest does not get: the hook places companions for
-    device-plugin GPUs (their ``PCI_COMPANIONS_*`` variable), not yet for DRA GPUs (docs/dra.md)."""
-    keys = [
-        hostdev_source_key(h) for h in parse_domain(domain, DEFAULT_MAX_INPUT_BYTES).root.iterfind("devices/hostdev")
-    ]
-    passed = {PciAddress.parse(key[1]) for key in keys if key is not None and key[0] == "pci"}
-    reader = SysfsCompanions(sysfs)
-    for gpu in sorted(passed):
-        try:
-            functions = reader.read(gpu, passed)
-        except InputError:
-            continue
-        left = [str(function) for function in functions if function not in passed]
-        if left:
-            log(
-                f"  companions of {gpu} not passed: {', '.join(left)} (same card and IOMMU group, reachable through "
-                "the claim's /dev/vfio group; the hook places companions for device-plugin GPUs only)"
-            )
-
-
 def _start_plugin(
     config: PluginConfig,
     options: DraOptions,
@@ -437,14 +413,16 @@ def _hook(
     metadata_root = container / DEFAULT_ROOT.lstrip("/")
     log(f"  --dra-metadata-root {metadata_root} (the compute container's {DEFAULT_ROOT})")
     bars = SysfsBars(host_root / "sys")
-    build = BuildOptions(bars=bars, claims=MetadataFiles(metadata_root))
+    # As `launcher-hook serve` builds it: the companions of claimed GPUs come from sysfs (no variable names them).
+    build = BuildOptions(
+        bars=bars, claims=MetadataFiles(metadata_root), companion_reader=SysfsCompanions(host_root / "sys")
+    )
     hook = HookServer(work / "hook.sock", HookService(ProcessEnvSource({}), build), api=hook_api)
     hook.start()
     stack.callback(hook.stop)
     call = call_plugin if hook_api == "plugins" else call_hook
     domain, version = call(work / "hook.sock", domain_xml, vmi_json, log)
     report_domain(domain_xml, domain, version, bars, log)
-    _report_companions(domain, host_root / "sys", log)
     return domain, version
 
 
