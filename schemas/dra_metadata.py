@@ -160,11 +160,14 @@ def _check_component(name: str, what: str) -> None:
 def render_metadata(metadata: DeviceMetadata) -> bytes:
     """The file's bytes: one ``DeviceMetadata`` object of :data:`API_VERSION` (a stream of one), newline-ended,
     in the shape KubeVirt decodes. The result parses back with :func:`parse_metadata`."""
-    meta: dict[str, str] = {"name": metadata.claim_name}
+    meta: dict[str, Any] = {"name": metadata.claim_name}
     if metadata.namespace:
         meta["namespace"] = metadata.namespace
     if metadata.uid:
         meta["uid"] = metadata.uid
+    # Kubernetes' kubelet-plugin helper writes generation 1 (a file is written once per prepare, never updated);
+    # readers that follow the object convention expect the field.
+    meta["generation"] = 1
     obj: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta}
     if metadata.pod_claim_name is not None:
         obj["podClaimName"] = metadata.pod_claim_name

@@ -72,7 +72,7 @@ def test_writer_produces_the_kubevirt_shape_and_parses_back() -> None:
     assert json.loads(data) == {
         "apiVersion": "metadata.resource.k8s.io/v1alpha1",
         "kind": "DeviceMetadata",
-        "metadata": {"name": "virt-launcher-vm-gpu-x7k2", "namespace": "default", "uid": "uid-1"},
+        "metadata": {"name": "virt-launcher-vm-gpu-x7k2", "namespace": "default", "uid": "uid-1", "generation": 1},
         "podClaimName": "gpu",
         "requests": [
             {
