@@ -16,6 +16,7 @@ DaemonSet sets it, and its probes use the ``/healthz`` and ``/readyz`` served th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -25,10 +26,12 @@ import click
 from plugin.config import load_config
 from plugin.dra.runner import DraRunner
 from plugin.dra.serve import DraOptions, build_runner, claim_counter, cluster_seams
+from plugin.dra.slices import build_slices
 from plugin.log import COMPONENT, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
 from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
 from plugin.server import DEFAULT_KUBELET_DIR
+from plugin.sysfs import scan
 from runtime.cli_options import log_format_option
 from runtime.env import plugin_env
 from runtime.logs import configure_logging
@@ -162,6 +165,12 @@ def cli() -> None:
     show_envvar=True,
     help="With --dra: the node's name, the pool its devices are published in; claims from another pool are refused.",
 )
+@click.option(
+    "--print-slices",
+    is_flag=True,
+    help="Scan once, print the resource.k8s.io/v1 ResourceSlices --dra would publish for --node-name (a JSON "
+    "List, for review or kubectl create -f) and exit; serves nothing.",
+)
 def serve(
     host_root: Path | None,
     kubelet_dir: Path,
@@ -176,8 +185,12 @@ def serve(
     cdi_dir: Path,
     claims_dir: Path | None,
     node_name: str | None,
+    print_slices: bool,
 ) -> None:
     """Serve one device plugin per GPU/vGPU resource (or, with --dra, a DRA kubelet plugin) until SIGTERM or SIGINT."""
+    if print_slices:
+        _print_slices(host_root, pci_ids, config_file, node_name)
+        return
     flush_logs = configure_logging(COMPONENT, log_format, background=True)
     dra_options = (
         DraOptions(dra_plugin_dir, plugins_registry, cdi_dir, claims_dir, node_name or None, scan_interval)
@@ -188,6 +201,37 @@ def serve(
         _serve(host_root, kubelet_dir, pci_ids, config_file, scan_interval, metrics_address, dra_options)
     finally:
         flush_logs()
+
+
+def _print_slices(
+    host_root: Path | None, pci_ids: Path | None, config_file: Path | None, node_name: str | None
+) -> None:
+    """``serve --print-slices``: the node's ResourceSlices as ``serve --dra`` would publish them (generation 1),
+    from one scan, as JSON (the plugin loads YAML only for its config file; ``xmlgen discover --dra-slices``
+    prints the same objects as YAML)."""
+    env = {key: value for key, value in os.environ.items() if key not in PROCESS_ENV}
+    try:
+        if not node_name:
+            raise InputError("--print-slices needs --node-name (or GPU_PLUGIN_NODE_NAME): the pool is the node's")
+        config = load_config(
+            config_file,
+            env,
+            host_root=None if host_root is None else str(host_root),
+            pci_ids=None if pci_ids is None else str(pci_ids),
+        )
+        choice = locate_pci_ids(Path(config.pci_ids) if config.pci_ids else None, Path(config.host_root), Path("/"))
+        inventory = scan(Path(config.host_root), config, choice.database, choice.warnings)
+        names = choice.database.device_name if choice.database is not None else None
+        slices = (
+            build_slices(inventory, node_name)
+            if names is None
+            else build_slices(inventory, node_name, product_names=names)
+        )
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from None
+    for warning in inventory.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(json.dumps({"apiVersion": "v1", "kind": "List", "items": slices}, indent=2))
 
 
 def _serve(
