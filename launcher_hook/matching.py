@@ -16,8 +16,9 @@ so they never depend on user-chosen names (which may hold characters libvirt sil
 
 Entries with ``claimName``/``requestName`` (DRA, docs/dra.md "Hook side") get the device their claim's metadata
 file names (:mod:`launcher_hook.dra` reads it before the match); the same rules apply: virt-launcher's rendering
-(``ua-dra-gpu-<name>`` / ``ua-dra-hostdevice-<name>``) is kept, an entry whose file the hook cannot find is left
-to virt-launcher when it rendered it and refused otherwise, display and ramfb as for any vGPU.
+(``ua-dra-gpu-<name>`` / ``ua-dra-hostdevice-<name>``) is kept; an entry whose file the hook cannot find (a hook
+sidecar does not see the compute container's CDI mounts) takes the device of virt-launcher's rendering when
+there is one (a warning: virt-launcher read the file) and is refused otherwise; display and ramfb as for any vGPU.
 """
 
 from __future__ import annotations
@@ -140,7 +141,19 @@ def _dra_requests(
         if outcome is None or outcome.kind is None or outcome.source is None:
             why = outcome.missing if outcome is not None else "the hook's DRA metadata reader gave nothing for it"
             if rendered in existing.alias_sources:
-                warnings.append(f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is left as it is")
+                taken = _rendered_device(existing.alias_sources[rendered])
+                if taken is None:
+                    warnings.append(f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is left as it is")
+                    continue
+                # virt-launcher read the file itself (a hook sidecar does not see the compute container's CDI
+                # mounts): its device is the entry's, so the GPU still gets its companions and BAR window.
+                warnings.append(
+                    f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is kept with the device it passes, "
+                    f"{taken[1]}"
+                )
+                gpu = entry if isinstance(entry, GPU) else None
+                fixed = _Fixed(taken[0], taken[1], f"virt-launcher's <hostdev> {rendered!r}")
+                requests.append(_Request(list_name, position, entry.name, variable, gpu, fixed))
                 continue
             raise InputError(
                 f"{label}: {why} (is the DRA driver's metadata file visible to the hook? see --dra-metadata-root)"
@@ -281,6 +294,20 @@ def _one_ramfb(
         if index != winner
     ]
     return ({winner} if winner is not None else set()), warnings
+
+
+def _rendered_device(key: SourceKey | None) -> tuple[ResourceKind, DeviceId] | None:
+    """The device a hostdev virt-launcher rendered passes, as a DRA entry's device; None for a source the hook
+    does not write (USB) or cannot read."""
+    if key is None:
+        return None
+    kind = next((kind for kind in VM_KINDS if kind_info(kind).hostdev_type == key[0]), None)
+    if kind is None:
+        return None
+    try:
+        return kind, kind_info(kind).parse_id(key[1])
+    except InputError:
+        return None
 
 
 def _claim_rendered(

@@ -124,9 +124,21 @@ def test_a_missing_file_is_fine_when_virt_launcher_rendered_the_entry(tmp_path: 
         b'slot="0x00" function="0x0"/></source><alias name="ua-dra-gpu-g"/></hostdev>\n\t</devices>',
     )
     aliases, warnings = build(tmp_path, vmi_doc(ONE), domain=rendered)
-    assert aliases == {}
+    # The hook (a sidecar, which does not see the compute container's CDI mounts) keeps virt-launcher's device.
+    assert aliases == {"ua-dra-gpu-g": "0000:5e:00.0"}
     assert len(warnings) == 1
     assert "no file matches" in warnings[0]
+    assert "virt-launcher's <hostdev> 'ua-dra-gpu-g' is kept with the device it passes, 0000:5e:00.0" in warnings[0]
+
+
+def test_a_missing_file_and_a_rendered_usb_hostdev_is_left_as_it_is(tmp_path: Path) -> None:
+    rendered = DOMAIN.replace(
+        b"\t</devices>",
+        b'\t\t<hostdev type="usb" managed="no" mode="subsystem"><source><vendor id="0x1234"/>'
+        b'<product id="0x5678"/></source><alias name="ua-dra-gpu-g"/></hostdev>\n\t</devices>',
+    )
+    aliases, warnings = build(tmp_path, vmi_doc(ONE), domain=rendered)
+    assert aliases == {}
     assert "virt-launcher's <hostdev> 'ua-dra-gpu-g' is left as it is" in warnings[0]
 
 

@@ -1,0 +1,163 @@
+"""The DRA example VM's hook sidecar (deploy/dra/example/vm.yaml): `launcher-hook serve` with no allocation
+option, in a container that does not see the compute container's CDI mounts (no metadata files).
+
+virt-launcher (GPUsWithDRA) has rendered each claimed GPU as ``ua-dra-gpu-<name>``; the hook keeps those hostdevs
+with the devices they pass (a warning each, never a failed call) and still puts each card's companion functions
+in its GPU's guest slot, read from a fixture sysfs (docs/dra.md, "Hook side").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+
+from launcher_hook.cli import cli, serve
+from launcher_hook.matching import KUBEVIRT_DRA_ALIAS_PREFIX
+from launcher_hook.sources import ProcessEnvSource
+from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.sysfs_fixture import build
+from tests.hook_support import short_dir, unix_channel, wait_for_socket
+from tests.libvirt_support import libvirt_verdict
+from tests.test_hook_cli import clean_env, finish, program
+
+ROOT = Path(__file__).resolve().parent.parent
+VM_YAML = ROOT / "deploy" / "dra" / "example" / "vm.yaml"
+DOMAIN = (ROOT / "examples" / "dra-node01" / "domain.xml").read_bytes()
+GPUS = {"gpu0": "0000:86:00.0", "gpu1": "0000:af:00.0"}
+"""What the scheduler gave each request: node01's two TU106 cards."""
+
+
+def _vm() -> dict[str, Any]:
+    (vm,) = [document for document in yaml.safe_load_all(VM_YAML.read_text()) if document]
+    assert isinstance(vm, dict)
+    return vm
+
+
+def _sidecar_args() -> list[str]:
+    annotation = _vm()["spec"]["template"]["metadata"]["annotations"]["hooks.kubevirt.io/hookSidecars"]
+    (sidecar,) = json.loads(annotation)
+    assert sidecar["command"] == ["launcher-hook"] and "pvc" not in sidecar
+    args = sidecar["args"]
+    assert isinstance(args, list)
+    return [str(arg) for arg in args]
+
+
+def _vmi() -> bytes:
+    """The VMI virt-controller makes from the example VM."""
+    template = _vm()["spec"]["template"]
+    metadata = {"name": "vm-with-dra-gpus", "namespace": "gpu-vms", **template["metadata"]}
+    return json.dumps({"metadata": metadata, "spec": template["spec"]}).encode()
+
+
+def _rendered(domain: bytes) -> bytes:
+    """``domain`` with the hostdevs virt-launcher renders for the claimed GPUs (alias ua-dra-gpu-<name>)."""
+    hostdevs = b""
+    for name, address in GPUS.items():
+        _, bus, slot_function = address.split(":")
+        slot, function = slot_function.split(".")
+        hostdevs += (
+            f'\t\t<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x0000" '
+            f'bus="0x{bus}" slot="0x{slot}" function="0x{function}"/></source>'
+            f'<alias name="{KUBEVIRT_DRA_ALIAS_PREFIX["gpus"]}{name}"/></hostdev>\n'
+        ).encode()
+    assert domain.count(b"\t</devices>") == 1
+    return domain.replace(b"\t</devices>", hostdevs + b"\t</devices>")
+
+
+@pytest.fixture
+def directory() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+def test_the_example_sidecar_args_parse_and_choose_the_process_env_source() -> None:
+    subcommand, *args = _sidecar_args()
+    assert cli.get_command(click.Context(cli), subcommand) is serve
+    params = serve.make_context("serve", args).params
+    # No PodResources, no environ file: the sidecar's own env, which names no device-plugin GPU.
+    assert params["pod_resources_socket"] is None and params["environ_file"] is None
+    assert params["api"] == "hooks" and str(params["sysfs_root"]) == "/sys" and params["pci_mmio64"] == "auto"
+    assert not any(arg.startswith(("--socket", "--plugin-socket")) for arg in args)
+
+
+def test_the_example_vm_asks_only_for_claimed_gpus() -> None:
+    gpus = _vm()["spec"]["template"]["spec"]["domain"]["devices"]["gpus"]
+    assert {gpu["name"]: (gpu["claimName"], gpu["requestName"]) for gpu in gpus} == {
+        "gpu0": ("gpus", "gpu0"),
+        "gpu1": ("gpus", "gpu1"),
+    }
+    assert not any("deviceName" in gpu for gpu in gpus)
+
+
+def _define(socket_path: Path, domain: bytes, vmi: bytes) -> bytes:
+    with unix_channel(socket_path) as channel:
+        stub = v1alpha3_pb2_grpc.CallbacksStub(channel)
+        return bytes(
+            stub.OnDefineDomain(v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60).domainXML
+        )
+
+
+@pytest.mark.libvirt
+def test_the_example_sidecar_keeps_virt_launchers_dra_gpus_and_adds_their_companions(directory: Path) -> None:
+    root = build(NODE01, directory / "root")
+    socket_path = directory / "hook.sock"
+    _, *args = _sidecar_args()
+    process = subprocess.Popen(
+        [
+            program("launcher-hook"),
+            "serve",
+            *args,
+            "--socket",
+            str(socket_path),
+            "--sysfs-root",
+            str(root / "sys"),
+            "--dra-metadata-root",
+            str(directory / "not-mounted-in-the-sidecar"),
+            "--log-format",
+            "json",
+        ],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        try:
+            wait_for_socket(socket_path)
+        except AssertionError:
+            process.kill()
+            raise AssertionError(f"launcher-hook serve did not start: {process.communicate()[1].decode()}") from None
+        domain = _define(socket_path, _rendered(DOMAIN), _vmi())
+    finally:
+        os.kill(process.pid, 15)
+        code, lines = finish(process)
+    assert code == 0
+    (call,) = [line for line in lines if line["event"] == "OnDefineDomain"]
+    assert call["status"] == "OK" and call["source"] == ProcessEnvSource({}).describe()
+    warnings = call["warnings"]
+    assert isinstance(warnings, list) and len(warnings) == 2
+    for name, address in GPUS.items():
+        assert any(
+            f"'ua-dra-gpu-{name}' is kept with the device it passes, {address}" in str(warning) for warning in warnings
+        )
+    aliases = {f"ua-dra-gpu-{name}": address for name, address in GPUS.items()}
+    aliases.update(
+        {f"ua-gpu{n}-fn{f}": f"{address[:-1]}{f}" for n, address in enumerate(GPUS.values()) for f in (1, 2, 3)}
+    )
+    assert call["gpus"] == aliases
+    devices = {str(device["id"]): device for device in libvirt_verdict(domain, aliases).qemu_devices}
+    for name in GPUS:
+        gpu = devices[f"ua-dra-gpu-{name}"]
+        assert (gpu["addr"], gpu["multifunction"]) == ("0x0", True)
+    for n, name in enumerate(GPUS):
+        for f in (1, 2, 3):
+            companion = devices[f"ua-gpu{n}-fn{f}"]
+            assert (companion["bus"], companion["addr"]) == (devices[f"ua-dra-gpu-{name}"]["bus"], f"0x0.0x{f}")
