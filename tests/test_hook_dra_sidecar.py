@@ -19,11 +19,16 @@ import click
 import pytest
 import yaml
 
+from launcher_hook import BuildOptions
 from launcher_hook.cli import cli, serve
+from launcher_hook.dra import MetadataFiles
 from launcher_hook.matching import KUBEVIRT_DRA_ALIAS_PREFIX
+from launcher_hook.service import HookService
 from launcher_hook.sources import ProcessEnvSource
+from runtime.pci_bars import SysfsBars
+from runtime.pci_companions import SysfsCompanions
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
-from simkit.fixture_nodes import NODE01
+from simkit.fixture_nodes import A100_NODE, NODE01
 from simkit.sysfs_fixture import build
 from tests.hook_support import short_dir, unix_channel, wait_for_socket
 from tests.libvirt_support import libvirt_verdict
@@ -161,3 +166,29 @@ def test_the_example_sidecar_keeps_virt_launchers_dra_gpus_and_adds_their_compan
         for f in (1, 2, 3):
             companion = devices[f"ua-gpu{n}-fn{f}"]
             assert (companion["bus"], companion["addr"]) == (devices[f"ua-dra-gpu-{name}"]["bus"], f"0x0.0x{f}")
+
+
+def test_a_kept_dra_gpu_gets_the_64_bit_window_its_bars_need(tmp_path: Path) -> None:
+    """An EFI guest's A100 that virt-launcher rendered from a claim: no metadata file, BARs from sysfs."""
+    efi = (ROOT / "xmlgen" / "examples" / "a100-efi" / "domain.xml").read_bytes()
+    address = "0000:3b:00.0"
+    rendered = efi.replace(
+        b"\t</devices>",
+        b'\t\t<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x0000" bus="0x3b" '
+        b'slot="0x00" function="0x0"/></source><alias name="ua-dra-gpu-g"/></hostdev>\n\t</devices>',
+    )
+    vmi = {
+        "metadata": {"name": "vm", "namespace": "ns"},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "a100"}],
+            "domain": {"devices": {"gpus": [{"name": "g", "claimName": "gpu", "requestName": "req"}]}},
+        },
+    }
+    sys = build(A100_NODE, tmp_path / "node") / "sys"
+    options = BuildOptions(
+        bars=SysfsBars(sys), claims=MetadataFiles(tmp_path / "absent"), companion_reader=SysfsCompanions(sys)
+    )
+    result = HookService(ProcessEnvSource({}), options).define_domain(rendered, json.dumps(vmi).encode(), via="test")
+    assert result.result.aliases == {"ua-dra-gpu-g": address}
+    assert result.result.mmio is not None and result.result.mmio.written_mib == 262144
+    assert b"name=opt/ovmf/X-PciMmio64Mb,string=262144" in result.domain_xml
