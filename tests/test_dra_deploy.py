@@ -10,12 +10,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 
+from launcher_hook.cli import cli as hook_cli
+from launcher_hook.cli import serve as hook_serve
 from plugin.cli import serve
 from plugin.dra.cdi import DEFAULT_CDI_DIR
 from plugin.dra.service import DEFAULT_PLUGIN_DIR, DEFAULT_REGISTRY_DIR
@@ -190,3 +194,17 @@ def test_the_kubevirt_patch_appends_the_dra_gates() -> None:
     patch = yaml.safe_load((DRA / "kubevirt-patch.yaml").read_text())
     path = "/spec/configuration/developerConfiguration/featureGates/-"
     assert patch == [{"op": "add", "path": path, "value": gate} for gate in ("GPUsWithDRA", "HostDevicesWithDRA")]
+
+
+def test_the_built_sample_vm_runs_the_hook_sidecar_without_pod_resources(example: list[Doc]) -> None:
+    """The DRA sample's sidecar (docs/dra.md, "Merge with virt-launcher"): `launcher-hook serve` on its own env,
+    no PodResources claim to mount (its GPUs come from claims); tests/test_hook_dra_sidecar.py runs it."""
+    vm = one(example, "VirtualMachine")
+    annotation = vm["spec"]["template"]["metadata"]["annotations"]["hooks.kubevirt.io/hookSidecars"]
+    (sidecar,) = json.loads(annotation)
+    assert sidecar["command"] == ["launcher-hook"] and "pvc" not in sidecar
+    subcommand, *args = sidecar["args"]
+    assert hook_cli.get_command(click.Context(hook_cli), subcommand) is hook_serve
+    params = hook_serve.make_context("serve", args).params
+    assert params["pod_resources_socket"] is None and params["environ_file"] is None
+    assert not any(doc["kind"] == "PersistentVolumeClaim" for doc in example)
