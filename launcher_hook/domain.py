@@ -119,8 +119,8 @@ class ParsedDomain:
         return body + self.source[len(self.source.rstrip()) :]
 
 
-def _root_start_tag_end(data: bytes) -> int:
-    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
+def root_start(data: bytes) -> int:
+    """Offset of the root element's ``<`` in a well-formed document (after the declaration, comments and PIs)."""
     position = 0
     while True:
         position = data.index(b"<", position)
@@ -129,7 +129,12 @@ def _root_start_tag_end(data: bytes) -> int:
         elif data.startswith(b"<!--", position):
             position = data.index(b"-->", position) + 3
         else:
-            break
+            return position
+
+
+def _root_start_tag_end(data: bytes) -> int:
+    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
+    position = root_start(data)
     quote = 0
     for offset in range(position, len(data)):
         byte = data[offset]

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from lxml import etree
 
-from launcher_hook.domain import ParsedDomain, parse_domain
+from launcher_hook.domain import ParsedDomain, parse_domain, root_start
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import DeviceBars, format_size
@@ -473,15 +473,7 @@ def insert_qemu_args_tree(output: bytes, args: Sequence[str], max_bytes: int) ->
 
 def _root_start_tag_end_any(data: bytes) -> int:
     """Offset of the ``>`` (or ``/>``) closing the root start tag, skipping a declaration, comments and PIs."""
-    position = 0
-    while True:
-        position = data.index(b"<", position)
-        if data.startswith(b"<?", position):
-            position = data.index(b"?>", position) + 2
-        elif data.startswith(b"<!--", position):
-            position = data.index(b"-->", position) + 3
-        else:
-            break
+    position = root_start(data)
     close = _root_start_tag_close(data[position:])
     assert close is not None
     return position + close

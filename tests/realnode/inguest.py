@@ -325,7 +325,7 @@ def _bridges_numbered(answer: list[Any]) -> bool:
     """Whether firmware has given every bridge in a ``query-pci`` answer its secondary bus number."""
     if len(answer) < 3 or "return" not in answer[2]:
         return False
-    bridges = [d for bus in answer[2]["return"] for d in _walk_pci(bus["devices"]) if "pci_bridge" in d]
+    bridges = [d for bus in answer[2]["return"] for d in walk_pci(bus["devices"]) if "pci_bridge" in d]
     return all(d["pci_bridge"]["bus"]["secondary"] != 0 for d in bridges)
 
 
@@ -712,12 +712,12 @@ def plugin_steps(record: Recorder, standin: Any, gpu: str, audio: str) -> None:
         record["mdev"] = mdev_steps(record, standin)
 
 
-def _walk_pci(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def walk_pci(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every device of a ``query-pci`` bus, those behind bridges (root ports) too."""
     found: list[dict[str, Any]] = []
     for device in devices:
         found.append(device)
-        found.extend(_walk_pci(device.get("pci_bridge", {}).get("devices", [])))
+        found.extend(walk_pci(device.get("pci_bridge", {}).get("devices", [])))
     return found
 
 
@@ -886,7 +886,7 @@ def scenario_simulate(record: Recorder) -> None:
         found = [
             d
             for bus in inner["run"]["qmp"][2]["return"]
-            for d in _walk_pci(bus["devices"])
+            for d in walk_pci(bus["devices"])
             if str(d.get("qdev_id", "")).startswith("ua-gpu0")
         ]
         say(f"qemu: started paused in the node with {' '.join(inner['run']['argv'][-4:])}; QMP query-pci shows:")

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.libvirt_support import missing as libvirt_missing
+from tests.realnode.inguest import walk_pci
 from tests.realnode.scenarios import Scenario
 
 pytestmark = pytest.mark.realnode
@@ -141,15 +142,6 @@ def test_the_allocated_group_opens_as_qemu_opens_it(node: Scenario) -> None:
     assert vfio["other_device"] == "ENODEV"
 
 
-def _pci_devices(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every device of a ``query-pci`` bus, those behind bridges (root ports) too."""
-    found: list[dict[str, Any]] = []
-    for device in devices:
-        found.append(device)
-        found.extend(_pci_devices(device.get("pci_bridge", {}).get("devices", [])))
-    return found
-
-
 def test_the_gpu_and_its_audio_companion_reach_qemu_as_one_multifunction_slot(node: Scenario) -> None:
     gpu, audio = seen(node, "gpu"), seen(node, "audio")
     inner = seen(node, "inner_qemu", "inner qemu")
@@ -172,7 +164,7 @@ def test_the_gpu_and_its_audio_companion_reach_qemu_as_one_multifunction_slot(no
     assert "QMP" in greeting
     assert capabilities == {"return": {}}
     assert quit_reply == {"return": {}}
-    devices = {d["qdev_id"]: d for bus in pci["return"] for d in _pci_devices(bus["devices"])}
+    devices = {d["qdev_id"]: d for bus in pci["return"] for d in walk_pci(bus["devices"])}
     ours, companion = devices["ua-gpu0"], devices["ua-gpu0-fn1"]
     assert (ours["id"]["vendor"], ours["id"]["device"]) == (0x1234, 0x1111)
     assert ours["class_info"]["class"] == 0x0380
