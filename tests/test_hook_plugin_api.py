@@ -70,7 +70,9 @@ def both() -> Iterator[Path]:
 def mutate(
     socket_path: Path, domain: bytes, vmi: bytes, invocation: str = "Boot", domain_type: str = "libvirt"
 ) -> bytes:
-    """As virt-launcher's sidecar hook applier calls: a new connection, one MutateDomain, a deadline."""
+    """As virt-launcher's sidecar hook applier calls: a new connection (its dial blocks until the connection is
+    ready: ``wait_for_ready``; the socket file exists from bind, a moment before the server listens), one
+    MutateDomain, a deadline."""
     request = plugins_pb2.MutateDomainRequest(
         domain_type=domain_type,
         domain=domain,
@@ -78,7 +80,9 @@ def mutate(
         sidecar_context=plugins_pb2.SidecarContext(invocation_context=invocation),
     )
     with unix_channel(socket_path) as channel:
-        response = plugins_pb2_grpc.DomainHookServiceStub(channel).MutateDomain(request, timeout=30)
+        response = plugins_pb2_grpc.DomainHookServiceStub(channel).MutateDomain(
+            request, timeout=30, wait_for_ready=True
+        )
     assert isinstance(response.domain, bytes)
     return response.domain
 
@@ -86,7 +90,7 @@ def mutate(
 def define(socket_path: Path, domain: bytes, vmi: bytes) -> bytes:
     with unix_channel(socket_path) as channel:
         result = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain(
-            v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60
+            v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60, wait_for_ready=True
         )
     assert isinstance(result.domainXML, bytes)
     return result.domainXML
