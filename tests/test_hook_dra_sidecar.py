@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from launcher_hook import BuildOptions
+from launcher_hook.builder import build_domain
 from launcher_hook.cli import cli, serve
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.matching import KUBEVIRT_DRA_ALIAS_PREFIX
@@ -192,3 +193,26 @@ def test_a_kept_dra_gpu_gets_the_64_bit_window_its_bars_need(tmp_path: Path) -> 
     assert result.result.aliases == {"ua-dra-gpu-g": address}
     assert result.result.mmio is not None and result.result.mmio.written_mib == 262144
     assert b"name=opt/ovmf/X-PciMmio64Mb,string=262144" in result.domain_xml
+
+
+@pytest.mark.libvirt
+def test_a_kept_dra_gpu_renamed_by_force_gpu_aliases_builds_the_same_bytes_again(tmp_path: Path) -> None:
+    """--force-gpu-aliases renames virt-launcher's ua-dra-gpu-<name> to ua-gpuN; the hook's output fed back (still
+    no metadata file) finds the device under ua-gpuN and gives the same bytes, not 'no file matches'."""
+    sys = build(NODE01, tmp_path / "node") / "sys"
+    options = BuildOptions(
+        claims=MetadataFiles(tmp_path / "absent"), companion_reader=SysfsCompanions(sys), force_gpu_aliases=True
+    )
+    first = build_domain(_rendered(DOMAIN), _vmi(), {}, options)
+    aliases = {f"ua-gpu{n}": address for n, address in enumerate(GPUS.values())}
+    aliases.update(
+        {f"ua-gpu{n}-fn{f}": f"{address[:-1]}{f}" for n, address in enumerate(GPUS.values()) for f in (1, 2, 3)}
+    )
+    assert first.aliases == aliases
+    again = build_domain(first.domain_xml, _vmi(), {}, options)
+    assert again.domain_xml == first.domain_xml
+    assert any(
+        "the hook's own <hostdev> 'ua-gpu1' is kept with the device it passes, 0000:af:00.0" in w
+        for w in again.warnings
+    )
+    libvirt_verdict(again.domain_xml, aliases)
