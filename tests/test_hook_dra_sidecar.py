@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from launcher_hook.sources import ProcessEnvSource
 from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
+from schemas.pci import PciAddress
 from simkit.fixture_nodes import A100_NODE, NODE01
 from simkit.sysfs_fixture import build
 from tests.hook_support import short_dir, unix_channel, wait_for_socket
@@ -216,3 +217,48 @@ def test_a_kept_dra_gpu_renamed_by_force_gpu_aliases_builds_the_same_bytes_again
         for w in again.warnings
     )
     libvirt_verdict(again.domain_xml, aliases)
+
+
+class _Recording:
+    """SysfsCompanions that notes every device it is asked about."""
+
+    def __init__(self, sys: Path) -> None:
+        self.sysfs = SysfsCompanions(sys)
+        self.read_for: list[str] = []
+
+    def describe(self) -> str:
+        return self.sysfs.describe()
+
+    def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
+        self.read_for.append(str(gpu))
+        return self.sysfs.read(gpu, gpus)
+
+
+@pytest.mark.libvirt
+def test_an_env_source_reads_sysfs_only_for_the_kept_dra_gpu_never_for_its_device_plugin_gpu(tmp_path: Path) -> None:
+    """The env source carries the plugin's companion variable: its device-plugin GPU without one gets none and
+    is never read; the DRA GPU kept from virt-launcher's rendering (no metadata file) is read and gets its three."""
+    reader = _Recording(build(NODE01, tmp_path / "node") / "sys")
+    domain = DOMAIN.replace(
+        b"\t</devices>",
+        b'\t\t<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x0000" bus="0x86" '
+        b'slot="0x00" function="0x0"/></source><alias name="ua-dra-gpu-d"/></hostdev>\n\t</devices>',
+    )
+    gpus = [{"name": "d", "claimName": "gpus", "requestName": "gpu0"}, {"name": "p", "deviceName": "nvidia.com/TU106"}]
+    vmi = json.loads(_vmi())
+    vmi["spec"]["domain"]["devices"]["gpus"] = gpus
+    service = HookService(
+        ProcessEnvSource({"PCI_RESOURCE_NVIDIA_COM_TU106": GPUS["gpu1"]}),
+        BuildOptions(claims=MetadataFiles(tmp_path / "absent"), companion_reader=reader),
+    )
+    outcome = service.define_domain(domain, json.dumps(vmi).encode(), via="test")
+    assert reader.read_for == [GPUS["gpu0"]]
+    aliases = {"ua-dra-gpu-d": GPUS["gpu0"], "ua-gpu1": GPUS["gpu1"]}
+    aliases.update({f"ua-gpu0-fn{f}": f"{GPUS['gpu0'][:-1]}{f}" for f in (1, 2, 3)})
+    assert outcome.result.aliases == aliases
+    libvirt_verdict(outcome.domain_xml, aliases)
+    # Without the DRA entry, nothing is read at all.
+    vmi["spec"]["domain"]["devices"]["gpus"] = gpus[1:]
+    reader.read_for.clear()
+    service.define_domain(DOMAIN, json.dumps(vmi).encode(), via="test")
+    assert reader.read_for == []
