@@ -18,7 +18,9 @@ Entries with ``claimName``/``requestName`` (DRA, docs/dra.md "Hook side") get th
 file names (:mod:`launcher_hook.dra` reads it before the match); the same rules apply: virt-launcher's rendering
 (``ua-dra-gpu-<name>`` / ``ua-dra-hostdevice-<name>``) is kept; an entry whose file the hook cannot find (a hook
 sidecar does not see the compute container's CDI mounts) takes the device of virt-launcher's rendering when
-there is one (a warning: virt-launcher read the file) and is refused otherwise; display and ramfb as for any vGPU.
+there is one (a warning: virt-launcher read the file; for ``gpus[N]`` also the hook's own ``ua-gpuN``, which
+``--force-gpu-aliases`` made of it, so a rebuild gives the same bytes) and is refused otherwise;
+display and ramfb as for any vGPU.
 """
 
 from __future__ import annotations
@@ -140,19 +142,20 @@ def _dra_requests(
         rendered = KUBEVIRT_DRA_ALIAS_PREFIX[list_name] + entry.name
         if outcome is None or outcome.kind is None or outcome.source is None:
             why = outcome.missing if outcome is not None else "the hook's DRA metadata reader gave nothing for it"
-            if rendered in existing.alias_sources:
-                taken = _rendered_device(existing.alias_sources[rendered])
+            holder = _rendered_alias(list_name, position, rendered, existing)
+            if holder is not None:
+                whose = "virt-launcher's" if holder == rendered else "the hook's own"
+                taken = _rendered_device(existing.alias_sources[holder])
                 if taken is None:
-                    warnings.append(f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is left as it is")
+                    warnings.append(f"{label}: {why}; {whose} <hostdev> {holder!r} is left as it is")
                     continue
                 # virt-launcher read the file itself (a hook sidecar does not see the compute container's CDI
                 # mounts): its device is the entry's, so the GPU still gets its companions and BAR window.
                 warnings.append(
-                    f"{label}: {why}; virt-launcher's <hostdev> {rendered!r} is kept with the device it passes, "
-                    f"{taken[1]}"
+                    f"{label}: {why}; {whose} <hostdev> {holder!r} is kept with the device it passes, {taken[1]}"
                 )
                 gpu = entry if isinstance(entry, GPU) else None
-                fixed = _Fixed(taken[0], taken[1], f"virt-launcher's <hostdev> {rendered!r}")
+                fixed = _Fixed(taken[0], taken[1], f"{whose} <hostdev> {holder!r}")
                 requests.append(_Request(list_name, position, entry.name, variable, gpu, fixed))
                 continue
             raise InputError(
@@ -294,6 +297,14 @@ def _one_ramfb(
         if index != winner
     ]
     return ({winner} if winner is not None else set()), warnings
+
+
+def _rendered_alias(list_name: str, position: int, rendered: str, existing: DomainHostdevs) -> str | None:
+    """The alias of the hostdev that holds a DRA entry's device when the hook cannot read its file: virt-launcher's
+    ``rendered``, or for ``gpus[N]`` the hook's own ``ua-gpuN`` (``--force-gpu-aliases`` renamed virt-launcher's on
+    an earlier build; the hook's output fed back must give the same bytes); None when neither is there."""
+    aliases = (rendered, f"ua-gpu{position}") if list_name == "gpus" else (rendered,)
+    return next((alias for alias in aliases if alias in existing.alias_sources), None)
 
 
 def _rendered_device(key: SourceKey | None) -> tuple[ResourceKind, DeviceId] | None:

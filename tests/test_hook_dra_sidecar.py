@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from launcher_hook import BuildOptions
+from launcher_hook.builder import build_domain
 from launcher_hook.cli import cli, serve
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.matching import KUBEVIRT_DRA_ALIAS_PREFIX
@@ -28,6 +29,7 @@ from launcher_hook.sources import ProcessEnvSource
 from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
+from schemas.pci import PciAddress
 from simkit.fixture_nodes import A100_NODE, NODE01
 from simkit.sysfs_fixture import build
 from tests.hook_support import short_dir, unix_channel, wait_for_socket
@@ -192,3 +194,71 @@ def test_a_kept_dra_gpu_gets_the_64_bit_window_its_bars_need(tmp_path: Path) -> 
     assert result.result.aliases == {"ua-dra-gpu-g": address}
     assert result.result.mmio is not None and result.result.mmio.written_mib == 262144
     assert b"name=opt/ovmf/X-PciMmio64Mb,string=262144" in result.domain_xml
+
+
+@pytest.mark.libvirt
+def test_a_kept_dra_gpu_renamed_by_force_gpu_aliases_builds_the_same_bytes_again(tmp_path: Path) -> None:
+    """--force-gpu-aliases renames virt-launcher's ua-dra-gpu-<name> to ua-gpuN; the hook's output fed back (still
+    no metadata file) finds the device under ua-gpuN and gives the same bytes, not 'no file matches'."""
+    sys = build(NODE01, tmp_path / "node") / "sys"
+    options = BuildOptions(
+        claims=MetadataFiles(tmp_path / "absent"), companion_reader=SysfsCompanions(sys), force_gpu_aliases=True
+    )
+    first = build_domain(_rendered(DOMAIN), _vmi(), {}, options)
+    aliases = {f"ua-gpu{n}": address for n, address in enumerate(GPUS.values())}
+    aliases.update(
+        {f"ua-gpu{n}-fn{f}": f"{address[:-1]}{f}" for n, address in enumerate(GPUS.values()) for f in (1, 2, 3)}
+    )
+    assert first.aliases == aliases
+    again = build_domain(first.domain_xml, _vmi(), {}, options)
+    assert again.domain_xml == first.domain_xml
+    assert any(
+        "the hook's own <hostdev> 'ua-gpu1' is kept with the device it passes, 0000:af:00.0" in w
+        for w in again.warnings
+    )
+    libvirt_verdict(again.domain_xml, aliases)
+
+
+class _Recording:
+    """SysfsCompanions that notes every device it is asked about."""
+
+    def __init__(self, sys: Path) -> None:
+        self.sysfs = SysfsCompanions(sys)
+        self.read_for: list[str] = []
+
+    def describe(self) -> str:
+        return self.sysfs.describe()
+
+    def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
+        self.read_for.append(str(gpu))
+        return self.sysfs.read(gpu, gpus)
+
+
+@pytest.mark.libvirt
+def test_an_env_source_reads_sysfs_only_for_the_kept_dra_gpu_never_for_its_device_plugin_gpu(tmp_path: Path) -> None:
+    """The env source carries the plugin's companion variable: its device-plugin GPU without one gets none and
+    is never read; the DRA GPU kept from virt-launcher's rendering (no metadata file) is read and gets its three."""
+    reader = _Recording(build(NODE01, tmp_path / "node") / "sys")
+    domain = DOMAIN.replace(
+        b"\t</devices>",
+        b'\t\t<hostdev mode="subsystem" type="pci" managed="no"><source><address domain="0x0000" bus="0x86" '
+        b'slot="0x00" function="0x0"/></source><alias name="ua-dra-gpu-d"/></hostdev>\n\t</devices>',
+    )
+    gpus = [{"name": "d", "claimName": "gpus", "requestName": "gpu0"}, {"name": "p", "deviceName": "nvidia.com/TU106"}]
+    vmi = json.loads(_vmi())
+    vmi["spec"]["domain"]["devices"]["gpus"] = gpus
+    service = HookService(
+        ProcessEnvSource({"PCI_RESOURCE_NVIDIA_COM_TU106": GPUS["gpu1"]}),
+        BuildOptions(claims=MetadataFiles(tmp_path / "absent"), companion_reader=reader),
+    )
+    outcome = service.define_domain(domain, json.dumps(vmi).encode(), via="test")
+    assert reader.read_for == [GPUS["gpu0"]]
+    aliases = {"ua-dra-gpu-d": GPUS["gpu0"], "ua-gpu1": GPUS["gpu1"]}
+    aliases.update({f"ua-gpu0-fn{f}": f"{GPUS['gpu0'][:-1]}{f}" for f in (1, 2, 3)})
+    assert outcome.result.aliases == aliases
+    libvirt_verdict(outcome.domain_xml, aliases)
+    # Without the DRA entry, nothing is read at all.
+    vmi["spec"]["domain"]["devices"]["gpus"] = gpus[1:]
+    reader.read_for.clear()
+    service.define_domain(DOMAIN, json.dumps(vmi).encode(), via="test")
+    assert reader.read_for == []
