@@ -132,9 +132,8 @@ def root_start(data: bytes) -> int:
             return position
 
 
-def _root_start_tag_end(data: bytes) -> int:
-    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
-    position = root_start(data)
+def tag_close(data: bytes, position: int) -> int | None:
+    """Offset of the ``>`` ending the tag that starts at ``position`` (quoted attribute values skipped), or None."""
     quote = 0
     for offset in range(position, len(data)):
         byte = data[offset]
@@ -143,8 +142,16 @@ def _root_start_tag_end(data: bytes) -> int:
         elif byte in b"\"'":
             quote = byte
         elif byte == ord(">"):
-            return offset + 1
-    raise InputError("domain XML: the root start tag is not closed")
+            return offset
+    return None
+
+
+def _root_start_tag_end(data: bytes) -> int:
+    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
+    close = tag_close(data, root_start(data))
+    if close is None:
+        raise InputError("domain XML: the root start tag is not closed")
+    return close + 1
 
 
 def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from lxml import etree
 
-from launcher_hook.domain import ParsedDomain, parse_domain, root_start
+from launcher_hook.domain import ParsedDomain, parse_domain, root_start, tag_close
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import DeviceBars, format_size
@@ -435,16 +435,10 @@ def _root_start_tag_close(data: bytes) -> int | None:
     position = data.find(b"<")
     if data.startswith(b"<?", position):
         position = data.find(b"<", data.index(b"?>", position) + 2)
-    quote = 0
-    for offset in range(position, len(data)):
-        byte = data[offset]
-        if quote:
-            quote = 0 if byte == quote else quote
-        elif byte in b"\"'":
-            quote = byte
-        elif byte == ord(">"):
-            return offset - 1 if data[offset - 1 : offset] == b"/" else offset
-    return None
+    offset = tag_close(data, position)
+    if offset is None:
+        return None
+    return offset - 1 if data[offset - 1 : offset] == b"/" else offset
 
 
 def insert_qemu_args_tree(output: bytes, args: Sequence[str], max_bytes: int) -> bytes:

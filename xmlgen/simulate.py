@@ -129,6 +129,20 @@ def _describe(device: Device) -> str:
     return f"{device.id} ({where}, IOMMU group {device.iommu_group}): {health}"
 
 
+def prepare_and_discover(node: str, host_root: Path, log: Callable[[str], None]) -> tuple[PluginConfig, Inventory]:
+    """Steps 0 and 1 of both simulations: what the node agent would change (when anything), then discovery."""
+    config = PluginConfig(host_root=str(host_root))
+    preparation = node_preparation(host_root)
+    if preparation.needed:
+        log("0. node preparation: what the node agent would change first (simulate changes nothing)")
+        for line in preparation.lines():
+            log(line)
+    log(f"1. node {node}: discovering under {host_root}")
+    inventory = discover_node(config)
+    report_inventory(inventory, log)
+    return config, inventory
+
+
 def report_inventory(inventory: Inventory, log: Callable[[str], None]) -> None:
     if not inventory.resources:
         log("  no resources: no vfio-bound NVIDIA GPU and no vGPU")
@@ -244,15 +258,7 @@ def simulate(
     with host_root_of(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xs", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
-        config = PluginConfig(host_root=str(host_root))
-        preparation = node_preparation(host_root)
-        if preparation.needed:
-            log("0. node preparation: what the node agent would change first (simulate changes nothing)")
-            for line in preparation.lines():
-                log(line)
-        log(f"1. node {node}: discovering under {host_root}")
-        inventory = discover_node(config)
-        report_inventory(inventory, log)
+        config, inventory = prepare_and_discover(node, host_root, log)
 
         log(f"2. device plugin serving {work / 'plugins'} to the kubelet stand-in")
         standin = KubeletStandIn(work / "plugins")

@@ -41,7 +41,6 @@ from plugin.dra.claims import claim_file_name
 from plugin.dra.serve import DraOptions, build_runner, claim_source
 from plugin.dra.slices import build_slices
 from plugin.inventory import Inventory
-from plugin.sysfs import discover_node
 from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from runtime.pciids import PciIds, locate_pci_ids
@@ -52,7 +51,6 @@ from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 from simkit.dra_scheduler import AllocationError, Scheduler, claim_from_template, claim_uid
 from simkit.kubelet_dra_standin import DraStandInError, KubeletDraStandIn
-from xmlgen.node_prep import node_preparation
 from xmlgen.simulate import (
     BUNDLED_NODES,
     SimulationError,
@@ -60,8 +58,8 @@ from xmlgen.simulate import (
     call_plugin,
     example,
     host_root_of,
+    prepare_and_discover,
     report_domain,
-    report_inventory,
 )
 
 _DEFAULT_EXAMPLES = {"node01": "dra-node01", "vgpu": "dra-vgpu", "sriov-vgpu": "dra-sriov-vgpu"}
@@ -458,14 +456,7 @@ def simulate_dra(
     with host_root_of(node) as host_root, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
         stack.callback(shutil.rmtree, work, ignore_errors=True)
-        config = PluginConfig(host_root=str(host_root))
-        preparation = node_preparation(host_root)
-        if preparation.needed:
-            log("0. node preparation: what the node agent would change first (simulate changes nothing)")
-            for line in preparation.lines():
-                log(line)
-        log(f"1. node {node}: discovering under {host_root}")
-        report_inventory(discover_node(config), log)
+        config, _ = prepare_and_discover(node, host_root, log)
 
         log(f"2. DRA kubelet plugin (serve --dra --claims-dir) registering with the kubelet stand-in in {work}")
         claims_dir = work / "claims"
