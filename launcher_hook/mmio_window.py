@@ -23,7 +23,16 @@ from typing import Protocol
 
 from lxml import etree
 
-from launcher_hook.domain import ParsedDomain, parse_domain, root_start, tag_close
+from launcher_hook.domain import (
+    ParsedDomain,
+    _append,
+    _indent_of,
+    _indent_unit,
+    _newline_whitespace,
+    parse_domain,
+    root_start,
+    tag_close,
+)
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import DeviceBars, format_size
@@ -314,25 +323,10 @@ def _explicit_warnings(explicit: ExplicitWindow, plan: MmioPlan) -> list[str]:
 # ---- writing <qemu:arg> elements --------------------------------------------------------------------------
 
 
-def _layout(text: str | None) -> str | None:
-    """``text`` if it is indentation (whitespace with a line break), else None."""
-    return text if text and "\n" in text and not text.strip() else None
-
-
-def _indent_unit(root: etree._Element) -> str:
-    text = _layout(root.text)
-    return (text.rsplit("\n", 1)[1] or "\t") if text else "\t"
-
-
-def _indent_of(element: etree._Element) -> str | None:
-    previous, parent = element.getprevious(), element.getparent()
-    return _layout(previous.tail if previous is not None else (parent.text if parent is not None else None))
-
-
 def _slots(parent: etree._Element, unit: str) -> tuple[str | None, str | None]:
     """The indentation before a new last child of ``parent`` and before its end tag (None, None: compact)."""
     if len(parent):
-        before, closing = _layout(parent.text), _layout(parent[-1].tail)
+        before, closing = _newline_whitespace(parent.text), _newline_whitespace(parent[-1].tail)
         if not (before and closing):
             return None, None
         return before, closing
@@ -471,13 +465,3 @@ def _root_start_tag_end_any(data: bytes) -> int:
     close = _root_start_tag_close(data[position:])
     assert close is not None
     return position + close
-
-
-def _append(parent: etree._Element, child: etree._Element, before: str | None, closing: str | None) -> None:
-    if before is not None:
-        if len(parent):
-            parent[-1].tail = before
-        else:
-            parent.text = before
-        child.tail = closing
-    parent.append(child)
