@@ -20,13 +20,12 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from plugin.config import load_config
-from plugin.dra.runner import DraRunner
-from plugin.dra.serve import DraOptions, build_runner, claim_counter, cluster_seams
-from plugin.dra.slices import build_slices
+from plugin.dra.options import DraOptions
 from plugin.log import COMPONENT, log_event
 from plugin.manager import DEFAULT_SCAN_INTERVAL, PluginManager, liveness_bound
 from plugin.metrics import NO_METRICS, MetricsRecorder, MetricsServer, PluginMetrics, parse_address
@@ -40,6 +39,9 @@ from runtime.signals import stop_on_signals
 from schemas.clirun import run_cli
 from schemas.errors import InputError
 from schemas.logformat import LogFormat
+
+if TYPE_CHECKING:
+    from plugin.dra.runner import DraRunner
 
 DRA_FLAGS = ("dra", "dra_plugin_dir", "plugins_registry", "cdi_dir", "claims_dir", "node_name")
 PROCESS_ENV = tuple(
@@ -222,6 +224,8 @@ def _print_slices(
         choice = locate_pci_ids(Path(config.pci_ids) if config.pci_ids else None, Path(config.host_root), Path("/"))
         inventory = scan(Path(config.host_root), config, choice.database, choice.warnings)
         names = choice.database.device_name if choice.database is not None else None
+        from plugin.dra.slices import build_slices  # noqa: PLC0415 (the DRA modules only when asked: see _serve)
+
         slices = (
             build_slices(inventory, node_name)
             if names is None
@@ -262,6 +266,10 @@ def _serve(
         recorder: MetricsRecorder = NO_METRICS if metrics is None else metrics
         manager: PluginManager | DraRunner
         if dra is not None:
+            # Imported here, not at the top: the DRA servicers, prepare core and generated kubelet stubs are a third
+            # of the CLI's import time, which a device plugin's start to registered would pay for nothing.
+            from plugin.dra.serve import build_runner, claim_counter, cluster_seams  # noqa: PLC0415
+
             choice = locate_pci_ids(Path(config.pci_ids) if config.pci_ids else None, Path(config.host_root), Path("/"))
             claims, sinks = cluster_seams(dra)
             manager = build_runner(

@@ -21,8 +21,7 @@ import yaml
 from launcher_hook.cli import cli as hook_cli
 from launcher_hook.cli import serve as hook_serve
 from plugin.cli import serve
-from plugin.dra.cdi import DEFAULT_CDI_DIR
-from plugin.dra.service import DEFAULT_PLUGIN_DIR, DEFAULT_REGISTRY_DIR
+from plugin.dra.options import DEFAULT_CDI_DIR, DEFAULT_PLUGIN_DIR, DEFAULT_REGISTRY_DIR
 from schemas.dra import DEVICE_CLASSES
 from tests.test_deploy import (
     DEPLOY,

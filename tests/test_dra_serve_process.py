@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from plugin.dra import cdi
@@ -76,3 +77,16 @@ def test_serve_dra_without_a_claim_source_is_a_clear_error(tmp_path: Path) -> No
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "serve --dra without --claims-dir reads claims from the API server" in done.stderr
     assert "it needs --node-name" in done.stderr
+
+
+def test_the_device_plugin_command_loads_no_dra_machinery() -> None:
+    """Issue 12 (start to registered): ``serve`` without ``--dra`` imports neither the DRA servicers, prepare core,
+    runner or slices nor the DRA and plugin-registration stubs (a third of the command's import time); the
+    options they share with the command line come from :mod:`plugin.dra.options` alone."""
+    code = (
+        "import sys, plugin.cli, plugin.manager; "
+        "print(sorted(m for m in sys.modules "
+        "if m.startswith('plugin.dra') or '.dra.' in m or 'pluginregistration' in m))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "['plugin.dra', 'plugin.dra.options']", done.stdout + done.stderr

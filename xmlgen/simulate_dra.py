@@ -38,7 +38,8 @@ from launcher_hook.sources import ProcessEnvSource
 from plugin.config import PluginConfig
 from plugin.dra.cdi import spec_file_name
 from plugin.dra.claims import claim_file_name
-from plugin.dra.serve import DraOptions, build_runner, claim_source
+from plugin.dra.options import DraOptions
+from plugin.dra.serve import build_runner, claim_source
 from plugin.dra.slices import build_slices
 from plugin.inventory import Inventory
 from runtime.pci_bars import SysfsBars

@@ -27,7 +27,6 @@ from typing import Any
 from schemas.dra import CDI_KIND
 
 CDI_VERSION = "0.5.0"
-DEFAULT_CDI_DIR = "/var/run/cdi"
 SPEC_PREFIX = CDI_KIND.replace("/", "-") + "_"
 """Spec file names: ``gpu-passthrough.kubevirt.io-claim_<uid>.json`` (vendor and class, as CDI tools name them)."""
 DEVICE_PERMISSIONS = "rw"

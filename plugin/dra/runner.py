@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from plugin.config import PluginConfig
+from plugin.dra.options import DEFAULT_SCAN_INTERVAL
 from plugin.dra.prepare import PrepareCore
 from plugin.dra.service import DraServeError, DraServer
 from plugin.inventory import Inventory
@@ -39,7 +40,6 @@ from plugin.watching import NodeWatcher
 from runtime.pciids import PciIds
 from schemas.errors import InputError
 
-DEFAULT_SCAN_INTERVAL = 5.0
 REREGISTER_AFTER = 30.0
 """Seconds after the kubelet refused us before the registration socket is offered again: a refusal may be
 transient (the kubelet had not yet seen the previous instance's socket go), and it never retries by itself."""

@@ -14,32 +14,18 @@ pods. One node, one way (docs/dra.md, "Node side").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from plugin.config import PluginConfig
-from plugin.dra.cdi import DEFAULT_CDI_DIR
 from plugin.dra.claims import ClaimSource, StaticClaims
+from plugin.dra.options import DraOptions
 from plugin.dra.prepare import PrepareCore
-from plugin.dra.runner import DEFAULT_SCAN_INTERVAL, DraRunner, InventorySink
-from plugin.dra.service import DEFAULT_PLUGIN_DIR, DEFAULT_REGISTRY_DIR, DraServer
+from plugin.dra.runner import DraRunner, InventorySink
+from plugin.dra.service import DraServer
 from plugin.health import UsabilityRule
 from plugin.metrics import PREFIX, PluginMetrics
 from runtime.pciids import PciIds
 from schemas.errors import InputError
-
-
-@dataclass(frozen=True)
-class DraOptions:
-    plugin_dir: Path = DEFAULT_PLUGIN_DIR
-    """The plugin's own directory: ``dra.sock``, the checkpoint, the metadata files (the same path in the
-    plugin's container and on the node: CDI mounts name node paths)."""
-    registry_dir: Path = DEFAULT_REGISTRY_DIR
-    cdi_dir: Path = Path(DEFAULT_CDI_DIR)
-    claims_dir: Path | None = None
-    pool: str | None = None
-    """The node's pool name in its ResourceSlices (the node name); None: any pool is accepted."""
-    scan_interval: float = DEFAULT_SCAN_INTERVAL
 
 
 def claim_source(options: DraOptions) -> ClaimSource:

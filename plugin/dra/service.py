@@ -47,8 +47,6 @@ PLUGIN_TYPE = "DRAPlugin"
 """``PluginInfo.type`` of a DRA kubelet plugin (Kubernetes' pluginregistration ``DRAPlugin`` constant)."""
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 """``supported_versions``: the DRAPlugin services served, preferred first (the kubelet takes the first it knows)."""
-DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
-DEFAULT_PLUGIN_DIR = Path("/var/lib/kubelet/plugins") / DRIVER_NAME
 SOCKET_NAME = "dra.sock"
 REGISTRATION_SOCKET = f"{DRIVER_NAME}-reg.sock"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
