@@ -388,6 +388,12 @@ class Allocator:
     def close(self) -> None:
         self._shared.close()
 
+    def __enter__(self) -> Allocator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _companions(plans: Sequence[_DevicePlan], drivers: Mapping[str, str | None], rule: UsabilityRule) -> str | None:
     """The companion variable's value for the chosen passthrough GPUs, or None when none has a companion.
