@@ -306,13 +306,11 @@ def allocation_response(
 
 def response_message(result: allocation.Allocation) -> pb.ContainerAllocateResponse:
     """An allocation as the kubelet's ``ContainerAllocateResponse``."""
-    return pb.ContainerAllocateResponse(
-        envs=dict(result.envs),
-        devices=[
-            pb.DeviceSpec(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
-            for spec in result.device_specs
-        ],
-    )
+    response = pb.ContainerAllocateResponse(envs=result.envs)
+    add = response.devices.add  # built in place: no message made and then copied into the list
+    for spec in result.device_specs:
+        add(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
+    return response
 
 
 class ServeError(Exception):
