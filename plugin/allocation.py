@@ -21,6 +21,13 @@ This is policy, kept apart from gRPC so that it can be tested on fixture trees a
 The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
 stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver links
 (the GPU's and its companions') and the ``/dev/vfio/<group>`` node. A full rescan is the manager's job.
+
+A server answers through one :class:`Allocator` (issue 12): the host root's descriptor stays open for the
+server's life and what the scan already knows of each device (its paths, its group's expected members, its
+companions' IDs and whether the rule calls them GPUs) is worked out once per scanned resource
+(:class:`ResourcePlan`), so a call is left with the reads themselves (for one GPU with three companions: 7
+path resolutions, 5 ``readlinkat``, 2 ``fstatat`` and a listing). What the host says is never kept: every call
+reads it again, and :func:`allocate` gives the same answers from scratch.
 """
 
 from __future__ import annotations
