@@ -153,8 +153,6 @@ class DevicePluginServicer:
         metrics: MetricsRecorder | None = None,
     ) -> None:
         self._state = state
-        self._host_root = host_root
-        self._rule = rule
         self._allocator = allocation.Allocator(host_root, rule)
         """The host root's descriptor and the resource's plan, kept for this generation (closed by :meth:`stop`)."""
         self._metrics = metrics
