@@ -21,27 +21,36 @@ This is policy, kept apart from gRPC so that it can be tested on fixture trees a
 The re-check (:func:`recheck_device`) reads only a few links and directory entries per device, so Allocate
 stays in the low milliseconds: the ``iommu_group`` link, the group's ``devices`` listing, the driver links
 (the GPU's and its companions') and the ``/dev/vfio/<group>`` node. A full rescan is the manager's job.
+
+A server answers through one :class:`Allocator` (issue 12): the host root's descriptor stays open for the
+server's life and what the scan already knows of each device (its paths, its group's expected members, its
+companions' IDs and whether the rule calls them GPUs) is worked out once per scanned resource
+(:class:`ResourcePlan`), so a call is left with the reads themselves (for one GPU with three companions: 7
+path resolutions, 5 ``readlinkat``, 2 ``fstatat`` and a listing). What the host says is never kept: every call
+reads it again, and :func:`allocate` gives the same answers from scratch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from plugin.config import PluginConfig
 from plugin.health import PciFunction, UsabilityRule
-from plugin.hostroot import HostRoot
+from plugin.hostroot import Directory, HostRoot, SharedRoot
 from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
 from plugin.sources import source_for
-from schemas.companions import companions_env_var, format_companions, select_companions
+from schemas.companions import MAX_GPUS, companions_env_var, format_companions, select_companions
+from schemas.errors import InputError
 from schemas.kinds import ResourceKind
 from schemas.pci import PciAddress
 
 IOMMU_DEVICE = "/dev/iommu"
 VFIO_CDEV_DIR = "/dev/vfio/devices"
 PERMISSIONS = "mrw"
+VFIO_CONTAINER_NAME = VFIO_CONTAINER.rpartition("/")[2]
 DEFAULT_RULE = UsabilityRule.from_config(PluginConfig())
 """The usability rule of the default configuration (the server passes the configured one)."""
 
@@ -97,6 +106,132 @@ def _sysfs_dir(device: Device) -> str:
     return _SYSFS_DEVICES[device.kind] + device.id
 
 
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """A companion as the re-check reads it: what the scan knows of it, worked out once."""
+
+    name: str
+    """Its PCI address as sysfs names it (the group listing's entry)."""
+    driver_link: str
+    """``/sys/bus/pci/devices/<name>/driver``, read at every Allocate."""
+    function: PciFunction
+    """Its IDs and class (the driver is the scan's; a problem is described with the driver read now)."""
+    address: PciAddress
+    gpu: bool
+    """Whether the rule's ``selects`` calls it a GPU the plugin offers (a pure function of its IDs and class)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _DevicePlan:
+    """What the re-check needs of one device that does not change between scans, worked out once (the paths,
+    the group's expected members, the companions' IDs): only the reads themselves are left for each call."""
+
+    device: Device
+    sysfs: str
+    group: int | None
+    expected: frozenset[str]
+    """The group's members as the scan saw them: the device and its companions."""
+    members: tuple[_Member, ...]
+    address: PciAddress | None
+    """The GPU's address (a passthrough GPU resource), for the companion variable."""
+    entries: dict[tuple[tuple[str | None, ...], tuple[bool, ...]], tuple[tuple[PciAddress, ...], str | None]] = field(
+        default_factory=dict, compare=False
+    )
+    """The companion rule's answer by its inputs (each member's driver as read, whether it is one of the chosen
+    GPUs): its companions and their entry in the variable. A pure function's results, not the host's state."""
+
+    @classmethod
+    def of(cls, device: Device, rule: UsabilityRule) -> _DevicePlan:
+        members = []
+        for companion in device.companions:
+            name = str(companion.address)
+            function = PciFunction(
+                name,
+                int(companion.vendor_device[:4], 16),
+                int(companion.vendor_device[5:], 16),
+                companion.pci_class,
+                companion.driver,
+            )
+            gpu = rule.selects(function.vendor, function.device, function.pci_class)
+            members.append(_Member(name, f"/sys/bus/pci/devices/{name}/driver", function, companion.address, gpu))
+        return cls(
+            device,
+            _sysfs_dir(device),
+            device.iommu_group,
+            frozenset({device.id, *(member.name for member in members)}),
+            tuple(members),
+            _address(device.id) if device.kind is ResourceKind.PCI else None,
+        )
+
+    def recheck(
+        self,
+        root: str,
+        fs: HostRoot,
+        rule: UsabilityRule,
+        container: bool,
+        drivers: dict[str, str | None] | None = None,
+        vfio: Directory | None = None,
+    ) -> str | None:
+        """:func:`recheck_device` through an open ``fs`` (one per Allocate); ``container``: /dev/vfio/vfio
+        exists. ``drivers``, when given, gets each companion's driver as read now (by address); ``vfio``, when
+        given, is a handle on ``/dev/vfio`` to look the group's node up in.
+
+        The device's own links are read through one handle on its sysfs directory (one path resolution for
+        both).
+        """
+        device = self.device
+        group = self.group
+        if group is None:
+            return "it has no IOMMU group"
+        sysfs = self.sysfs
+        with fs.directory(sysfs) as handle:
+            group_name = handle.readlink_name("iommu_group")
+            if group_name is None:
+                return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {group}): the device was removed?"
+            if group_name != str(group):
+                return f"its IOMMU group changed from {group} to {group_name}"
+            problem = source_for(device.kind).recheck_driver(device, handle, rule)
+        try:
+            listed = set(fs.listdir_few(f"/sys/kernel/iommu_groups/{group}/devices"))
+        except OSError:
+            return f"IOMMU group {group} is gone"
+        expected = self.expected
+        if listed != expected:
+            added, removed = sorted(listed - expected), sorted(expected - listed)
+            change = "; ".join(
+                part
+                for part in (
+                    f"now also holds {', '.join(added)}" if added else "",
+                    f"no longer holds {', '.join(removed)}" if removed else "",
+                )
+                if part
+            )
+            return f"IOMMU group {group} changed since the last scan: {change}"
+        if problem is not None:
+            return problem
+        problems: list[str] = []
+        if self.members:
+            read = [(member, fs.readlink_name(member.driver_link)) for member in self.members]
+            if drivers is not None:
+                drivers.update((member.name, driver) for member, driver in read)
+            viable = rule.member_viable
+            # The rule's group_problems finds nothing exactly when every member is viable and none on a driver
+            # is a GPU; only then is it skipped (it would ask ``selects`` again, for the same answer).
+            if not all(viable(driver) and (driver is None or not member.gpu) for member, driver in read):
+                others = [replace(member.function, driver=driver) for member, driver in read]
+                problems = rule.group_problems(group, others)
+        node = fs.exists(f"{VFIO_DEV_DIR}/{group}") if vfio is None else vfio.exists(str(group))
+        problems += rule.vfio_problems(group, node, container)
+        return "; ".join(problems) or None
+
+
+def _address(device_id: str) -> PciAddress | None:
+    try:
+        return PciAddress.parse(device_id)
+    except InputError:
+        return None  # parsed again where it is needed, to raise there as before
+
+
 def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> str | None:
     """Is ``device`` still usable as the last scan saw it? None if so, else why not (naming the group).
 
@@ -109,67 +244,7 @@ def recheck_device(device: Device, host_root: Path | str, rule: UsabilityRule = 
     if device.iommu_group is None:
         return "it has no IOMMU group"
     with HostRoot(root) as fs:  # links resolved inside the host root, as discovery does
-        return _recheck(device, root, fs, rule, fs.exists(VFIO_CONTAINER))
-
-
-def _recheck(
-    device: Device,
-    root: str,
-    fs: HostRoot,
-    rule: UsabilityRule,
-    container: bool,
-    drivers: dict[str, str | None] | None = None,
-) -> str | None:
-    """:func:`recheck_device` through an open ``fs`` (one per Allocate); ``container``: /dev/vfio/vfio exists.
-    ``drivers``, when given, gets each companion's driver as read now (by address).
-
-    The device's own links are read through one handle on its sysfs directory (one path resolution for both).
-    """
-    if device.iommu_group is None:
-        return "it has no IOMMU group"
-    sysfs = _sysfs_dir(device)
-    with fs.directory(sysfs) as handle:
-        group_name = handle.readlink_name("iommu_group")
-        if group_name is None:
-            return f"{root}{sysfs}/iommu_group is gone (was IOMMU group {device.iommu_group}): the device was removed?"
-        if group_name != str(device.iommu_group):
-            return f"its IOMMU group changed from {device.iommu_group} to {group_name}"
-        problem = source_for(device.kind).recheck_driver(device, handle, rule)
-    group = device.iommu_group
-    try:
-        members = set(fs.listdir(f"/sys/kernel/iommu_groups/{group}/devices"))
-    except OSError:
-        return f"IOMMU group {group} is gone"
-    companions = [(str(companion.address), companion) for companion in device.companions]
-    expected = {device.id, *(name for name, _ in companions)}
-    if members != expected:
-        added, removed = sorted(members - expected), sorted(expected - members)
-        change = "; ".join(
-            part
-            for part in (
-                f"now also holds {', '.join(added)}" if added else "",
-                f"no longer holds {', '.join(removed)}" if removed else "",
-            )
-            if part
-        )
-        return f"IOMMU group {group} changed since the last scan: {change}"
-    if problem is not None:
-        return problem
-    others = [
-        PciFunction(
-            name,
-            int(companion.vendor_device[:4], 16),
-            int(companion.vendor_device[5:], 16),
-            companion.pci_class,
-            fs.readlink_name(f"/sys/bus/pci/devices/{name}/driver"),
-        )
-        for name, companion in companions
-    ]
-    if drivers is not None:
-        drivers.update((function.name, function.driver) for function in others)
-    problems = rule.group_problems(group, others) if others else []
-    problems += rule.vfio_problems(group, fs.exists(f"{VFIO_DEV_DIR}/{group}"), container)
-    return "; ".join(problems) or None
+        return _DevicePlan.of(device, rule).recheck(root, fs, rule, fs.exists(VFIO_CONTAINER))
 
 
 def vfio_cdev(device: Device, host_root: Path | str) -> str | None:
@@ -197,47 +272,62 @@ def _refuse_unknown(resource: Resource, device_id: str) -> AllocationError:
     return InvalidRequest(f"{resource.name}: unknown device ID {device_id!r}", device_id)
 
 
-def allocate(
-    resource: Resource,
-    device_ids: Sequence[str],
-    host_root: Path | str,
-    rule: UsabilityRule = DEFAULT_RULE,
-) -> Allocation:
-    """Build one container's allocation for ``device_ids`` of ``resource``, re-checking each device on the host.
+class ResourcePlan:
+    """Allocate for one resource as last scanned: what the scan already knows is worked out once (the devices by
+    ID; per device, on its first request, its :class:`_DevicePlan`), so each call is left with reading the host.
 
-    Raises :class:`InvalidRequest` for no IDs, an unknown ID or an ID asked twice;
-    :class:`DeviceUnavailable` for an unhealthy device (with its reason), a device whose IOMMU group changed or
-    whose ``/dev/vfio/<group>`` is gone, or a host without ``/dev/vfio/vfio``.
+    Keep one while the resource stays the same object (the server does, until the next scan replaces it); the
+    rule must be the one the requests are judged by. Nothing read from the host is kept: every call re-reads.
     """
-    root = os.fspath(host_root)
-    if not device_ids:
-        raise InvalidRequest(f"{resource.name}: no device IDs in the request")
-    by_id = {device.id: device for device in resource.devices}
-    chosen: list[Device] = []
-    seen: set[str] = set()
-    for device_id in device_ids:
-        device = by_id.get(device_id)
-        if device is None:
-            raise _refuse_unknown(resource, device_id)
-        if device_id in seen:
-            raise InvalidRequest(f"{resource.name}: device ID {device_id!r} is asked twice", device_id)
-        seen.add(device_id)
-        chosen.append(device)
-    for device in chosen:
-        if not device.healthy:
-            raise DeviceUnavailable(
-                f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
-                device.id,
-            )
-    drivers: dict[str, str | None] | None = {} if resource.kind is ResourceKind.PCI else None
-    with HostRoot(root) as fs:  # one root for the whole request: every device re-checked through it
-        container = fs.exists(VFIO_CONTAINER)
+
+    def __init__(self, resource: Resource, rule: UsabilityRule = DEFAULT_RULE) -> None:
+        self.resource = resource
+        self.rule = rule
+        self._by_id = {device.id: device for device in resource.devices}
+        self._plans: dict[str, _DevicePlan] = {}
+        self._env = resource.env
+        self._companions_env = companions_env_var(resource.name) if resource.kind is ResourceKind.PCI else None
+
+    def _plan(self, device: Device) -> _DevicePlan:
+        plan = self._plans.get(device.id)
+        if plan is None:
+            plan = self._plans[device.id] = _DevicePlan.of(device, self.rule)
+        return plan
+
+    def allocate(self, device_ids: Sequence[str], fs: HostRoot, root: str) -> Allocation:
+        """:func:`allocate` through ``fs``, a :class:`HostRoot` of ``root`` (the host root as given, for
+        messages)."""
+        resource = self.resource
+        if not device_ids:
+            raise InvalidRequest(f"{resource.name}: no device IDs in the request")
+        by_id = self._by_id
+        chosen: list[Device] = []
+        seen: set[str] = set()
+        for device_id in device_ids:
+            device = by_id.get(device_id)
+            if device is None:
+                raise _refuse_unknown(resource, device_id)
+            if device_id in seen:
+                raise InvalidRequest(f"{resource.name}: device ID {device_id!r} is asked twice", device_id)
+            seen.add(device_id)
+            chosen.append(device)
         for device in chosen:
-            problem = _recheck(device, root, fs, rule, container, drivers)
-            if problem is not None:
-                raise DeviceUnavailable(f"{resource.name}: device {device.id}: {problem}", device.id)
+            if not device.healthy:
+                raise DeviceUnavailable(
+                    f"{resource.name}: device {device.id} is unhealthy: {device.reason or 'no reason recorded'}",
+                    device.id,
+                )
+        plans = [self._plan(device) for device in chosen]
+        rule = self.rule
+        drivers: dict[str, str | None] | None = {} if self._companions_env is not None else None
+        with fs.directory(VFIO_DEV_DIR) as vfio:  # one resolution for the container and every group's node
+            container = vfio.exists(VFIO_CONTAINER_NAME)
+            for plan in plans:
+                problem = plan.recheck(root, fs, rule, container, drivers, vfio)
+                if problem is not None:
+                    raise DeviceUnavailable(f"{resource.name}: device {plan.device.id}: {problem}", plan.device.id)
         iommu = fs.exists(IOMMU_DEVICE)
-        specs = [DeviceSpec.node(VFIO_CONTAINER)]
+        specs = [_CONTAINER_SPEC]
         groups: set[int] = set()
         for device in chosen:
             group = device.iommu_group
@@ -252,28 +342,101 @@ def allocate(
                 if cdev is not None and cdev not in cdevs:
                     cdevs.add(cdev)
                     specs.append(DeviceSpec.node(cdev))
-    ids = tuple(device_ids)
-    envs = {resource.env: ",".join(ids)}
-    if drivers is not None:
-        companions = _companions(chosen, drivers, rule)
-        if companions is not None:
-            envs[companions_env_var(resource.name)] = companions
-    return Allocation(envs=envs, device_specs=tuple(specs), device_ids=ids)
+        ids = tuple(device_ids)
+        envs = {self._env: ",".join(ids)}
+        if self._companions_env is not None and drivers is not None:
+            companions = _companions(plans, drivers, rule)
+            if companions is not None:
+                envs[self._companions_env] = companions
+        return Allocation(envs=envs, device_specs=tuple(specs), device_ids=ids)
 
 
-def _companions(chosen: Sequence[Device], drivers: Mapping[str, str | None], rule: UsabilityRule) -> str | None:
+_CONTAINER_SPEC = DeviceSpec.node(VFIO_CONTAINER)
+
+
+def allocate(
+    resource: Resource,
+    device_ids: Sequence[str],
+    host_root: Path | str,
+    rule: UsabilityRule = DEFAULT_RULE,
+) -> Allocation:
+    """Build one container's allocation for ``device_ids`` of ``resource``, re-checking each device on the host.
+
+    Raises :class:`InvalidRequest` for no IDs, an unknown ID or an ID asked twice;
+    :class:`DeviceUnavailable` for an unhealthy device (with its reason), a device whose IOMMU group changed or
+    whose ``/dev/vfio/<group>`` is gone, or a host without ``/dev/vfio/vfio``. A server keeps an
+    :class:`Allocator` instead (the same answers, less work per call).
+    """
+    root = os.fspath(host_root)
+    with HostRoot(root) as fs:  # one root for the whole request: every device re-checked through it
+        return ResourcePlan(resource, rule).allocate(device_ids, fs, root)
+
+
+class Allocator:
+    """Allocate for a server's life: the host root's descriptor (:class:`~plugin.hostroot.SharedRoot`) and the
+    current resource's :class:`ResourcePlan` kept from one request to the next; each request still reads the
+    host anew. Thread-safe (a request on each of the server's threads); :meth:`close` when the server stops.
+    """
+
+    def __init__(self, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> None:
+        self.root = os.fspath(host_root)
+        self.rule = rule
+        self._shared = SharedRoot(self.root)
+        self._plan: ResourcePlan | None = None
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> Allocation:
+        """:func:`allocate` of ``device_ids`` of ``resource`` (the one served now), with this server's rule."""
+        plan = self._plan
+        if plan is None or plan.resource is not resource:
+            plan = self._plan = ResourcePlan(resource, self.rule)  # a new scan: worked out again, once
+        with self._shared.borrow() as fs:
+            return plan.allocate(device_ids, fs, self.root)
+
+    def close(self) -> None:
+        self._shared.close()
+
+    def __enter__(self) -> Allocator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _companions(plans: Sequence[_DevicePlan], drivers: Mapping[str, str | None], rule: UsabilityRule) -> str | None:
     """The companion variable's value for the chosen passthrough GPUs, or None when none has a companion.
 
     The rule is :func:`schemas.companions.select_companions` (the hook applies it to sysfs where its source
     carries no companion variable), on the group's other members with their drivers as the re-check read them
-    (``drivers``); a function that is itself one of the chosen GPUs is the VM's GPU, not a companion.
+    (``drivers``); a function that is itself one of the chosen GPUs is the VM's GPU, not a companion. Each GPU's
+    entry is :func:`~schemas.companions.format_companions`'s, worked out once per combination of its inputs.
     """
-    gpus = {PciAddress.parse(device.id) for device in chosen}
+    gpus = {_gpu_address(plan) for plan in plans}
     pairs: list[tuple[PciAddress, tuple[PciAddress, ...]]] = []
-    for device in chosen:
-        if not device.companions:
+    entries: list[str] = []
+    for plan in plans:
+        if not plan.members:
             continue
-        gpu = PciAddress.parse(device.id)
-        members = ((companion.address, drivers.get(str(companion.address))) for companion in device.companions)
-        pairs.append((gpu, select_companions(gpu, members, rule.vfio_drivers, gpus)))
-    return format_companions(pairs) if pairs else None
+        gpu = _gpu_address(plan)
+        read = tuple(drivers.get(member.name) for member in plan.members)
+        key = (read, tuple(member.address in gpus for member in plan.members))
+        known = plan.entries.get(key)
+        if known is None:
+            members = zip((member.address for member in plan.members), read, strict=True)
+            chosen = select_companions(gpu, members, rule.vfio_drivers, gpus)
+            if len(plan.entries) >= _ENTRIES_KEPT:
+                plan.entries.clear()
+            known = plan.entries[key] = (chosen, format_companions([(gpu, chosen)]))
+        pairs.append((gpu, known[0]))
+        if known[1] is not None:
+            entries.append(known[1])
+    if len(entries) > MAX_GPUS or len(gpus) < len(plans):
+        return format_companions(pairs)  # refused there, as the variable's one writer
+    return ",".join(entries) or None
+
+
+_ENTRIES_KEPT = 16
+"""Combinations kept per GPU (a GPU's members change drivers rarely; this only bounds the memory)."""
+
+
+def _gpu_address(plan: _DevicePlan) -> PciAddress:
+    return plan.address if plan.address is not None else PciAddress.parse(plan.device.id)

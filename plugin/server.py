@@ -153,8 +153,8 @@ class DevicePluginServicer:
         metrics: MetricsRecorder | None = None,
     ) -> None:
         self._state = state
-        self._host_root = host_root
-        self._rule = rule
+        self._allocator = allocation.Allocator(host_root, rule)
+        """The host root's descriptor and the resource's plan, kept for this generation (closed by :meth:`stop`)."""
         self._metrics = metrics
         self._stopped = False
         self._streams: list[_Stream] = []
@@ -169,6 +169,7 @@ class DevicePluginServicer:
         with self._state.changed:
             self._stopped = True
             self._state.changed.notify_all()
+        self._allocator.close()  # a request still under way gives the root back first; later ones open their own
 
     # -- the five methods ------------------------------------------------------------------------------
 
@@ -269,7 +270,7 @@ class DevicePluginServicer:
                 self._count(resource.name, grpc.StatusCode.INVALID_ARGUMENT)
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{resource.name}: too many device IDs")
             try:
-                responses.append(allocation_response(resource, ids, self._host_root, self._rule))
+                responses.append(response_message(self._allocator.allocate(resource, ids)))
             except allocation.AllocationError as exc:
                 code = status_for_refusal(exc)
                 log_event(
@@ -298,14 +299,16 @@ def allocation_response(
     resource: Resource, ids: Sequence[str], host_root: Path, rule: UsabilityRule = allocation.DEFAULT_RULE
 ) -> pb.ContainerAllocateResponse:
     """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
-    result = allocation.allocate(resource, ids, host_root, rule)
-    return pb.ContainerAllocateResponse(
-        envs=dict(result.envs),
-        devices=[
-            pb.DeviceSpec(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
-            for spec in result.device_specs
-        ],
-    )
+    return response_message(allocation.allocate(resource, ids, host_root, rule))
+
+
+def response_message(result: allocation.Allocation) -> pb.ContainerAllocateResponse:
+    """An allocation as the kubelet's ``ContainerAllocateResponse``."""
+    response = pb.ContainerAllocateResponse(envs=result.envs)
+    add = response.devices.add  # built in place: no message made and then copied into the list
+    for spec in result.device_specs:
+        add(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
+    return response
 
 
 class ServeError(Exception):
