@@ -4,7 +4,7 @@ Each kind's source walks its own part of sysfs; what they all need lives here: b
 :class:`~plugin.hostroot.HostRoot` (a refusal becomes a warning naming the file), PCI functions and IOMMU
 group members read once per scan, topology and NUMA, resource naming (pci.ids, overrides), the health rule
 (:class:`~plugin.health.UsabilityRule`) and the resources collected so far. Reading is linear in the number of
-functions: a function of another vendor costs one read (its ``uevent``, or ``vendor`` where that says nothing).
+functions: non-selected vendors cost one ``vendor`` read each.
 """
 
 from __future__ import annotations
@@ -113,18 +113,9 @@ class NodeScan:
             return None
         return _as_int(text, base)
 
-    def identity(self, directory: str) -> PciIdentity | None:
-        """The PCI function at ``directory``: (vendor, device, class) from its ``uevent`` in one read; None when
-        that file is missing, unusable (warned) or says nothing usable: then read the three files."""
-        try:
-            text = self.fs.read(directory + "/uevent")
-        except ReadError as exc:
-            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
-            return None
-        return None if text is None else parse_pci_uevent(text)
-
     def identity_in(self, handle: Directory) -> PciIdentity | None:
-        """``identity`` through an open handle on the function's directory."""
+        """(vendor, device, class) of the PCI function whose directory handle this is, from its ``uevent`` in one
+        read; None when that file is missing, unusable (warned) or says nothing usable: then read the files."""
         try:
             text = handle.read("uevent")
         except ReadError as exc:
@@ -150,22 +141,18 @@ class NodeScan:
         with self.fs.directory(directory) as handle:
             return self.read_function_in(handle, name, vendor)
 
-    def read_function_in(
-        self, handle: Directory, name: str, vendor: int | None = None, identity: PciIdentity | None = None
-    ) -> PciFunction | None:
+    def read_function_in(self, handle: Directory, name: str, vendor: int | None = None) -> PciFunction | None:
         """``read_function`` through an open handle on the function's directory (the caller reads more there).
 
-        ``identity``: what the caller read from the function's ``uevent`` already; ``vendor``: its ``vendor``
-        file, read already because ``uevent`` said nothing. With neither, ``uevent`` is read here first. The
-        files ``vendor``, ``device`` and ``class`` are read only when ``uevent`` says nothing usable. The driver
-        always comes from the ``driver`` link: ``uevent``'s ``DRIVER=`` is not read (a tree whose link changed
-        may keep an old one)."""
+        Vendor, device and class come from ``uevent`` in one read; from the ``vendor``, ``device`` and
+        ``class`` files when it says nothing usable, or names another vendor than the ``vendor`` file the
+        caller read already (``vendor``). The driver always comes from the ``driver`` link: ``uevent``'s
+        ``DRIVER=`` is not read (a tree whose link changed may keep an old one)."""
         cached = self.functions.get(name)
         if cached is not None:
             return cached
-        if identity is None and vendor is None:
-            identity = self.identity_in(handle)
-        if identity is None:
+        identity = self.identity_in(handle)
+        if identity is None or (vendor is not None and identity[0] != vendor):
             identity = self._identity_from_files(handle, name, vendor)
             if identity is None:
                 return None

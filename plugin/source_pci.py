@@ -58,14 +58,13 @@ class PciPassthroughSource:
         # First every function of a selected vendor (its group members are then read already), then each GPU.
         for name in names:
             directory = prefix + name
-            # The one read a function of another vendor costs: its uevent (vendor, device and class at once),
-            # or its vendor file where uevent says nothing usable (docs/node.md, "PCI functions in sysfs").
-            identity = node.identity(directory)
-            vendor = identity[0] if identity is not None else node.read_int(directory + "/vendor", 16)
+            # The one read a function of another vendor costs: its vendor file. Not its uevent, which names it
+            # completely but costs the kernel more to make (docs/node.md, "PCI functions in sysfs").
+            vendor = node.read_int(directory + "/vendor", 16)
             if vendor not in vendors:
                 continue
             with node.fs.directory(directory) as handle:
-                function = node.read_function_in(handle, name, vendor, identity)
+                function = node.read_function_in(handle, name, vendor)
                 if function is None or not node.config.selects(function.vendor, function.device, function.pci_class):
                     continue
                 try:

@@ -494,13 +494,27 @@ def test_a_uevent_without_the_kernels_two_lines_says_nothing(text: str) -> None:
 
 @pytest.mark.parametrize("node", FIXTURE_NODES, ids=lambda node: node.name)
 def test_a_function_named_by_its_uevent_needs_no_other_file(tmp_path: Path, node: Node) -> None:
-    """With ``uevent`` read, ``vendor``, ``device`` and ``class`` are never opened: gone, nothing changes."""
+    """Each function's ``vendor`` is read (the one read a function of another vendor costs); then ``uevent``
+    names a function of a selected vendor, and ``device`` and ``class`` are never opened: gone, nothing
+    changes."""
     root = build_node(node, tmp_path)
     intact = discover(root)
     for directory in _function_dirs(root):
-        for name in ("vendor", "device", "class"):
+        for name in ("device", "class"):
             (directory / name).unlink()
     assert discover(root) == intact
+
+
+def test_a_uevent_naming_another_vendor_than_the_vendor_file_is_not_used(tmp_path: Path) -> None:
+    root = build_node(NODE01, tmp_path)
+    intact = discover(root)
+    uevent = root / "sys/bus/pci/devices/0000:3b:00.0/uevent"
+    uevent.write_text(uevent.read_text().replace("PCI_ID=10DE:1F08", "PCI_ID=8086:2204"))
+    assert discover(root) == intact  # device and class from the files: still a TU106
+    (root / "sys/bus/pci/devices/0000:3b:00.0/class").unlink()
+    inventory = discover(root)
+    assert "0000:3b:00.0" not in [device.id for device in inventory.resource(TU106).devices]
+    assert any("0000:3b:00.0" in warning and "class" in warning for warning in inventory.warnings)
 
 
 @pytest.mark.parametrize("node", FIXTURE_NODES, ids=lambda node: node.name)

@@ -76,12 +76,9 @@ def _gpu_dir(root: Path, address: str = "0000:3b:00.0") -> Path:
 
 @pytest.mark.parametrize("name", ["uevent", "vendor"])
 def test_a_fifo_attribute_does_not_hang_discovery(node01: Path, resolver: str, name: str) -> None:
-    """A FIFO ``uevent`` is refused and ``vendor`` read instead; a FIFO ``vendor`` (read only where ``uevent``
-    says nothing, here: gone) is refused and the function left out."""
-    gpu = _gpu_dir(node01)
-    if name == "vendor":
-        (gpu / "uevent").unlink()
-    vendor = gpu / name
+    """A FIFO ``uevent`` is refused and the files read instead; a FIFO ``vendor`` is refused and the function
+    left out."""
+    vendor = _gpu_dir(node01) / name
     vendor.unlink()
     os.mkfifo(vendor)
     try:
