@@ -9,6 +9,7 @@ functions: non-selected vendors cost one ``vendor`` read each.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from plugin.config import PluginConfig
@@ -23,6 +24,26 @@ from schemas.pci import PciAddress
 
 MAX_NUMA_NODE = 1023
 """The kernel has at most ``1 << CONFIG_NODES_SHIFT`` (≤ 1024) NUMA nodes; a larger ``numa_node`` is nonsense."""
+
+PciIdentity = tuple[int, int, int]
+"""A PCI function's (vendor, device, class), as its ``vendor``, ``device`` and ``class`` files give them."""
+
+_UEVENT_IDENTITY = re.compile(r"^PCI_CLASS=([0-9A-F]{4,6})\nPCI_ID=([0-9A-F]{4}):([0-9A-F]{4})$", re.MULTILINE)
+"""The two lines of a PCI function's ``uevent`` that name it, as the kernel's ``pci_uevent`` writes them."""
+
+
+def parse_pci_uevent(text: str) -> PciIdentity | None:
+    """(vendor, device, class) from a PCI function's ``uevent`` text, or None.
+
+    The kernel (docs/node.md, "PCI functions in sysfs") writes ``PCI_CLASS=`` (the 24-bit class, upper-case
+    hex, at least four digits) and on the next line ``PCI_ID=VVVV:DDDD`` (upper-case hex, four digits each).
+    Only exactly that is taken, once: a missing, repeated, reordered or malformed line (a hand-written tree, a
+    kernel that says less) is None, and the caller reads the ``vendor``, ``device`` and ``class`` files instead.
+    """
+    match = _UEVENT_IDENTITY.search(text)
+    if match is None or text.count("PCI_ID=") != 1 or text.count("PCI_CLASS=") != 1:
+        return None
+    return int(match[2], 16), int(match[3], 16), int(match[1], 16)
 
 
 @dataclass
@@ -92,6 +113,16 @@ class NodeScan:
             return None
         return _as_int(text, base)
 
+    def identity_in(self, handle: Directory) -> PciIdentity | None:
+        """(vendor, device, class) of the PCI function whose directory handle this is, from its ``uevent`` in one
+        read; None when that file is missing, unusable (warned) or says nothing usable: then read the files."""
+        try:
+            text = handle.read("uevent")
+        except ReadError as exc:
+            self.warnings.append(f"ignoring {self.root.rstrip('/')}{exc}")
+            return None
+        return None if text is None else parse_pci_uevent(text)
+
     def read_group(self, link: str) -> int | None:
         return _as_group(self.fs.readlink_name(link))
 
@@ -111,10 +142,26 @@ class NodeScan:
             return self.read_function_in(handle, name, vendor)
 
     def read_function_in(self, handle: Directory, name: str, vendor: int | None = None) -> PciFunction | None:
-        """``read_function`` through an open handle on the function's directory (the caller reads more there)."""
+        """``read_function`` through an open handle on the function's directory (the caller reads more there).
+
+        Vendor, device and class come from ``uevent`` in one read; from the ``vendor``, ``device`` and
+        ``class`` files when it says nothing usable, or names another vendor than the ``vendor`` file the
+        caller read already (``vendor``). The driver always comes from the ``driver`` link: ``uevent``'s
+        ``DRIVER=`` is not read (a tree whose link changed may keep an old one)."""
         cached = self.functions.get(name)
         if cached is not None:
             return cached
+        identity = self.identity_in(handle)
+        if identity is None or (vendor is not None and identity[0] != vendor):
+            identity = self._identity_from_files(handle, name, vendor)
+            if identity is None:
+                return None
+        function = PciFunction(name, *identity, handle.readlink_name("driver"))
+        self.functions[name] = function
+        return function
+
+    def _identity_from_files(self, handle: Directory, name: str, vendor: int | None) -> PciIdentity | None:
+        """(vendor, device, class) from the three files (``vendor`` unless the caller read it); None warned."""
         if vendor is None:
             vendor = self.read_int_in(handle, "vendor", 16)
         device = self.read_int_in(handle, "device", 16)
@@ -124,9 +171,7 @@ class NodeScan:
                 f"PCI function {name}: cannot read vendor, device or class under {self.shown(handle.path)}"
             )
             return None
-        function = PciFunction(name, vendor, device, pci_class, handle.readlink_name("driver"))
-        self.functions[name] = function
-        return function
+        return vendor, device, pci_class
 
     def members(self, group: int) -> tuple[PciFunction, ...]:
         cached = self.group_members.get(group)

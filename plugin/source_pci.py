@@ -31,6 +31,8 @@ class _Gpu:
     numa: int | None
     sysfs_dir: str | None
     """Its real directory (``/sys/devices/pci…/<BDF>``), links resolved inside the host root."""
+    physfn: str | None
+    """The last component of its ``physfn`` link (the PF's address when it is an SR-IOV VF), else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +54,13 @@ class PciPassthroughSource:
             ) from None
         vendors = node.config.selector_vendors()
         gpus: list[_Gpu] = []
+        prefix = bus + "/"
         # First every function of a selected vendor (its group members are then read already), then each GPU.
         for name in names:
-            directory = f"{bus}/{name}"
-            vendor = node.read_int(f"{directory}/vendor", 16)  # the one read a function of another vendor costs
+            directory = prefix + name
+            # The one read a function of another vendor costs: its vendor file. Not its uevent, which names it
+            # completely but costs the kernel more to make (docs/node.md, "PCI functions in sysfs").
+            vendor = node.read_int(directory + "/vendor", 16)
             if vendor not in vendors:
                 continue
             with node.fs.directory(directory) as handle:
@@ -68,11 +73,12 @@ class PciPassthroughSource:
                     node.warnings.append(f"skipping {node.shown(directory)}: {exc}")
                     continue
                 if node.rule.driver_problem(function.driver) is not None:
-                    gpus.append(_Gpu(function, None, None, None))  # not offered: nothing more to read
+                    gpus.append(_Gpu(function, None, None, None, None))  # not offered: nothing more to read
                     continue
                 group = node.read_group_in(handle)
                 numa = node.numa(directory, handle)
-                gpus.append(_Gpu(function, group, numa, handle.resolved()))
+                physfn = handle.readlink_name("physfn")
+                gpus.append(_Gpu(function, group, numa, handle.resolved(), physfn))
         for gpu in gpus:
             self._scan_gpu(node, gpu)
 
@@ -82,7 +88,7 @@ class PciPassthroughSource:
         if not_on_vfio is not None:
             node.ignored.append(Ignored(gpu.name, gpu.vendor_device, gpu.driver, not_on_vfio))
             return
-        vgpu_pf = self._vgpu_pf(node, f"/sys/bus/{self.kind.sysfs_bus}/devices/{gpu.name}")
+        vgpu_pf = self._vgpu_pf(node, found.physfn)
         if vgpu_pf is not None:
             reason = (
                 f"an SR-IOV VF of {vgpu_pf}, a GPU on {VGPU_HOST_DRIVER}: a vGPU VF works only on "
@@ -117,13 +123,13 @@ class PciPassthroughSource:
         node.add(name, self.kind.key, device, gpu.vendor_device)
 
     @staticmethod
-    def _vgpu_pf(node: NodeScan, directory: str) -> str | None:
-        """The PF of the VF at ``directory`` when that PF is on NVIDIA's host driver, else None.
+    def _vgpu_pf(node: NodeScan, pf: str | None) -> str | None:
+        """``pf`` (a VF's ``physfn`` link, read with the VF's directory open) when that PF is on NVIDIA's host
+        driver, else None.
 
         NVIDIA GPUs have VFs only for SR-IOV vGPUs, made by the host driver (docs/node.md, "SR-IOV vGPUs"); such
         a VF moved to vfio-pci is no passthrough GPU, and offering it as one would advertise it twice over
         time, as a vGPU and as a GPU named after the PF's model."""
-        pf = node.fs.readlink_name(f"{directory}/physfn")
         if pf is None:
             return None
         try:

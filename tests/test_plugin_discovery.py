@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from plugin.inventory import Inventory
+from plugin.node_scan import parse_pci_uevent
 from plugin.sources import permitted_host_devices
 from plugin.sysfs import scan
 from runtime.pciids import PciIds
@@ -30,6 +31,7 @@ from simkit.fixture_nodes import (
 )
 from simkit.sysfs_fixture import Function, Mdev, MdevType, Node
 from tests.discovery_support import build_node, discover
+from tests.plugin_support import rebind
 
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 CARDS = ("0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0")
@@ -394,6 +396,7 @@ def test_mdev_without_vfio_group_node_is_unhealthy(tmp_path: Path) -> None:
 def test_malformed_entries_are_skipped_with_a_warning(tmp_path: Path) -> None:
     root = build_node(VGPU_NODE, tmp_path)
     (root / "sys/bus/mdev/devices/not-a-uuid").symlink_to("../../../devices")
+    (root / "sys/bus/pci/devices/0000:3b:00.0/uevent").unlink()  # else class is not read at all
     (root / "sys/bus/pci/devices/0000:3b:00.0/class").unlink()
     inventory = discover(root)
     assert any("not-a-uuid" in warning for warning in inventory.warnings)
@@ -439,3 +442,143 @@ def test_mdev_type_names_are_trimmed_of_newlines_only_like_nvidia(tmp_path: Path
         (T4_2Q, "its resource name is invalid"),
     ]
     assert any("GRID_T4-2Q_" in warning and "nvidia-231" in warning for warning in inventory.warnings)
+
+
+# -- uevent: one read names a function (docs/node.md, "PCI functions in sysfs") -----------------------------
+
+KERNEL_UEVENT = (
+    "DRIVER=vfio-pci\nPCI_CLASS=30000\nPCI_ID=10DE:1F08\nPCI_SUBSYS_ID=1458:3FC9\nPCI_SLOT_NAME=0000:3b:00.0\n"
+    "MODALIAS=pci:v000010DEd00001F08sv00001458sd00003FC9bc03sc00i00\n"
+)
+FIXTURE_NODES = (NODE01, VGPU_NODE, MIXED_NODE)
+
+
+def _function_dirs(root: Path) -> list[Path]:
+    return sorted(link.resolve() for link in (root / "sys/bus/pci/devices").iterdir())
+
+
+def test_uevent_gives_vendor_device_and_class() -> None:
+    assert parse_pci_uevent(KERNEL_UEVENT) == (NVIDIA, 0x1F08, 0x030000)
+    assert parse_pci_uevent("PCI_CLASS=C0330\nPCI_ID=8086:A36D\n") == (0x8086, 0xA36D, 0x0C0330)
+    assert parse_pci_uevent("PCI_CLASS=FFFFFF\nPCI_ID=FFFF:FFFF") == (0xFFFF, 0xFFFF, 0xFFFFFF)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "DRIVER=vfio-pci\nPCI_ID=10DE:1F08\nPCI_SLOT_NAME=0000:3b:00.0\n",  # no class (simkit's SR-IOV VFs)
+        "PCI_CLASS=30000\nPCI_SLOT_NAME=0000:3b:00.0\n",  # no IDs
+        "PCI_CLASS=30000\nPCI_ID=10de:1f08\n",  # the kernel prints upper case
+        "PCI_CLASS=30000\nPCI_ID=10DE:1F0\n",
+        "PCI_CLASS=30000\nPCI_ID=010DE:1F08\n",
+        "PCI_CLASS=30000\nPCI_ID=10DE:1F08 \n",
+        "PCI_CLASS=30000\r\nPCI_ID=10DE:1F08\r\n",
+        "PCI_CLASS=300\nPCI_ID=10DE:1F08\n",
+        "PCI_CLASS=1030000\nPCI_ID=10DE:1F08\n",  # past 24 bits
+        "PCI_CLASS=0x30000\nPCI_ID=10DE:1F08\n",
+        "PCI_CLASS=+30000\nPCI_ID=10DE:1F08\n",
+        "PCI_ID=10DE:1F08\nPCI_CLASS=30000\n",  # not the kernel's order
+        "PCI_CLASS=30000\nDRIVER=vfio-pci\nPCI_ID=10DE:1F08\n",
+        "PCI_CLASS=30000\nPCI_ID=10DE:1F08\nPCI_ID=8086:1572\n",  # which one?
+        "PCI_CLASS=30000\nPCI_ID=10DE:1F08\nPCI_CLASS=20000\n",
+        "PCI_CLASS=30000\nPCI_ID=10DE:1F08:0000\n",
+        " PCI_CLASS=30000\nPCI_ID=10DE:1F08\n",
+        "PCI_CLASS=\uff130000\nPCI_ID=10DE:1F08\n",  # a non-ASCII digit int() would take
+        "\ufffd" * 100,
+    ],
+)
+def test_a_uevent_without_the_kernels_two_lines_says_nothing(text: str) -> None:
+    assert parse_pci_uevent(text) is None
+
+
+@pytest.mark.parametrize("node", FIXTURE_NODES, ids=lambda node: node.name)
+def test_a_function_named_by_its_uevent_needs_no_other_file(tmp_path: Path, node: Node) -> None:
+    """Each function's ``vendor`` is read (the one read a function of another vendor costs); then ``uevent``
+    names a function of a selected vendor, and ``device`` and ``class`` are never opened: gone, nothing
+    changes."""
+    root = build_node(node, tmp_path)
+    intact = discover(root)
+    for directory in _function_dirs(root):
+        for name in ("device", "class"):
+            (directory / name).unlink()
+    assert discover(root) == intact
+
+
+def test_a_uevent_naming_another_vendor_than_the_vendor_file_is_not_used(tmp_path: Path) -> None:
+    root = build_node(NODE01, tmp_path)
+    intact = discover(root)
+    uevent = root / "sys/bus/pci/devices/0000:3b:00.0/uevent"
+    uevent.write_text(uevent.read_text().replace("PCI_ID=10DE:1F08", "PCI_ID=8086:2204"))
+    assert discover(root) == intact  # device and class from the files: still a TU106
+    (root / "sys/bus/pci/devices/0000:3b:00.0/class").unlink()
+    inventory = discover(root)
+    assert "0000:3b:00.0" not in [device.id for device in inventory.resource(TU106).devices]
+    assert any("0000:3b:00.0" in warning and "class" in warning for warning in inventory.warnings)
+
+
+@pytest.mark.parametrize("node", FIXTURE_NODES, ids=lambda node: node.name)
+@pytest.mark.parametrize(
+    "uevent",
+    [
+        None,  # missing: hand-written trees
+        "DRIVER=vfio-pci\nPCI_ID={vendor:04X}:{device:04X}\n",  # without PCI_CLASS
+        "PCI_CLASS={pci_class:X}\nPCI_ID={vendor:04x}:{device:04x}\n",  # lower case
+        "PCI_CLASS={pci_class:X}\nPCI_ID=8086:1572\nPCI_ID={vendor:04X}:{device:04X}\n",  # two IDs
+        "PCI_CLASS=\nPCI_ID=\n",
+    ],
+    ids=["missing", "no-class", "lower-case", "two-ids", "empty-values"],
+)
+def test_without_a_usable_uevent_the_files_give_the_same_scan(tmp_path: Path, node: Node, uevent: str | None) -> None:
+    """Missing or malformed ``uevent``: ``vendor``, ``device`` and ``class`` are read as before, with the same
+    result (warnings included): nothing is said about a file the kernel always writes whole."""
+    root = build_node(node, tmp_path)
+    intact = discover(root)
+    by_address = {function.address: function for function in node.functions}
+    for directory in _function_dirs(root):
+        if uevent is None:
+            (directory / "uevent").unlink()
+            continue
+        function = by_address[directory.name]
+        (directory / "uevent").write_text(
+            uevent.format(vendor=function.vendor, device=function.device, pci_class=function.pci_class)
+        )
+    assert discover(root) == intact
+
+
+def test_the_files_are_read_for_a_group_member_without_uevent(tmp_path: Path) -> None:
+    """A GPU's group member of another vendor is read when the group is listed, through its directory: from
+    its ``uevent``, or from its files when that says nothing."""
+    port = root_port(0x85)
+    bridge = dataclasses.replace(port, address="0000:85:00.1", iommu_group=74)  # no ACS: in the GPU's group
+    root = build_node(_node("shared-group", port, bridge, *tu106_card(0x85)[1:]), tmp_path)
+    bridge_dir = (root / "sys/bus/pci/devices/0000:85:00.1").resolve()
+    (bridge_dir / "class").unlink()  # never read while uevent names it
+    companions = discover(root).resource(TU106).device("0000:86:00.0").companions
+    bridge_companion = companions[0]
+    assert str(bridge_companion.address) == "0000:85:00.1"
+    assert (bridge_companion.vendor_device, bridge_companion.pci_class) == ("8086:2030", CLASS_PCI_BRIDGE)
+    (bridge_dir / "uevent").unlink()
+    inventory = discover(root)
+    companions = inventory.resource(TU106).device("0000:86:00.0").companions
+    assert "0000:85:00.1" not in [str(item.address) for item in companions]
+    assert any("0000:85:00.1" in warning and "class" in warning for warning in inventory.warnings)
+
+
+def test_the_driver_comes_from_the_link_never_from_uevent(tmp_path: Path) -> None:
+    """``uevent`` still says ``DRIVER=vfio-pci`` after a rebind that moved only the links (as a test or a
+    fixture does): the ``driver`` link decides."""
+    root = build_node(NODE01, tmp_path)
+    rebind(root, "0000:3b:00.0", "nvidia")
+    rebind(root, "0000:5e:00.1", "snd_hda_intel")
+    rebind(root, "0000:86:00.0", None)
+    for address in ("0000:3b:00.0", "0000:5e:00.1", "0000:86:00.0"):
+        assert "DRIVER=vfio-pci\n" in (root / "sys/bus/pci/devices" / address / "uevent").read_text()
+    inventory = discover(root)
+    resource = inventory.resource(TU106)
+    assert [device.id for device in resource.devices] == ["0000:5e:00.0", "0000:af:00.0"]
+    assert not resource.device("0000:5e:00.0").healthy
+    assert "snd_hda_intel" in (resource.device("0000:5e:00.0").reason or "")
+    assert resource.device("0000:af:00.0").healthy
+    ignored = {item.id: item.driver for item in inventory.ignored}
+    assert ignored["0000:3b:00.0"] == "nvidia" and ignored["0000:86:00.0"] is None

@@ -74,8 +74,11 @@ def _gpu_dir(root: Path, address: str = "0000:3b:00.0") -> Path:
     return (root / "sys" / "bus" / "pci" / "devices" / address).resolve()
 
 
-def test_a_fifo_attribute_does_not_hang_discovery(node01: Path, resolver: str) -> None:
-    vendor = _gpu_dir(node01) / "vendor"
+@pytest.mark.parametrize("name", ["uevent", "vendor"])
+def test_a_fifo_attribute_does_not_hang_discovery(node01: Path, resolver: str, name: str) -> None:
+    """A FIFO ``uevent`` is refused and the files read instead; a FIFO ``vendor`` is refused and the function
+    left out."""
+    vendor = _gpu_dir(node01) / name
     vendor.unlink()
     os.mkfifo(vendor)
     try:
@@ -87,9 +90,12 @@ def test_a_fifo_attribute_does_not_hang_discovery(node01: Path, resolver: str) -
             os.close(descriptor)
         except OSError:
             pass
-    assert "0000:3b:00.0" not in [device.id for device in inventory.resource(TU106).devices]
-    assert len(inventory.resource(TU106).devices) == 3
-    assert any("vendor: not a regular file (a FIFO)" in warning for warning in inventory.warnings)
+    assert any(f"0000:3b:00.0/{name}: not a regular file (a FIFO)" in warning for warning in inventory.warnings)
+    offered = [device.id for device in inventory.resource(TU106).devices]
+    if name == "uevent":
+        assert inventory.resources == discover(build(NODE01, node01.parent / "intact")).resources
+    else:
+        assert "0000:3b:00.0" not in offered and len(offered) == 3
 
 
 def test_a_huge_attribute_is_not_read_whole(node01: Path, resolver: str) -> None:
@@ -104,8 +110,19 @@ def test_a_huge_attribute_is_not_read_whole(node01: Path, resolver: str) -> None
     assert any(f"numa_node: larger than {MAX_ATTRIBUTE_BYTES} bytes" in warning for warning in inventory.warnings)
 
 
+def test_a_huge_uevent_is_refused_and_the_files_read(node01: Path, resolver: str) -> None:
+    with (_gpu_dir(node01) / "uevent").open("wb") as handle:
+        handle.truncate(1 << 30)
+    inventory = _discover_bounded(node01)
+    assert any(
+        f"0000:3b:00.0/uevent: larger than {MAX_ATTRIBUTE_BYTES} bytes" in warning for warning in inventory.warnings
+    )
+    assert inventory.resources == discover(build(NODE01, node01.parent / "intact")).resources
+
+
 def test_other_file_kinds_are_refused_with_a_reason(node01: Path, resolver: str) -> None:
     gpu = _gpu_dir(node01)
+    (gpu / "uevent").unlink()  # else class is not read at all
     (gpu / "class").unlink()
     (gpu / "class").mkdir()
     inventory = _discover_bounded(node01)
@@ -242,6 +259,10 @@ def test_listing_a_directory_gives_every_entry_once(
         assert sorted(listed) == sorted(os.listdir(big))
         assert len(listed) == len(names) + 2
         assert fs.listdir("/sys/kernel/iommu_groups/7-xxxxxxx") == []
+        small = big / "7-xxxxxxx"  # a few entries, read in one getdents64 call and parsed here
+        for name in ("0000:3b:00.0", "caf\udce9", "y" * 255):
+            (small / name).mkdir()
+        assert sorted(fs.listdir("/sys/kernel/iommu_groups/7-xxxxxxx")) == sorted(os.listdir(small))
         with pytest.raises(FileNotFoundError):
             fs.listdir("/sys/kernel/iommu_groups/missing")
         (big / "file").write_text("")
