@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.discovery_scale import Figure, generated_node, main, report
@@ -27,3 +29,23 @@ def test_report_flags_a_missed_goal() -> None:
     lines, ok = report(tiny, [Figure(1024, 100.0, 99.0, 1, 51), Figure(4096, 400.0, 390.0, 1, 204)])
     assert not ok
     assert any("MISSED" in line for line in lines)
+
+
+def test_scan_ab_alternates_two_checkouts_and_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    """This checkout against itself (its own .venv): both workers answer, the figures and the ratio print."""
+    from bench.scan_ab import ROOT
+    from bench.scan_ab import main as ab_main
+
+    assert ab_main([str(ROOT), "--functions", "60", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "60 functions vs node01, 2 scans of each tree per checkout, alternated:" in out
+    assert out.count("extra") >= 3
+    assert " this (" in out
+    assert "other (" in out
+
+
+def test_scan_ab_names_a_checkout_without_its_venv(tmp_path: Path) -> None:
+    from bench.scan_ab import main as ab_main
+
+    with pytest.raises(SystemExit, match=rf"{tmp_path}: no \.venv/bin/python"):
+        ab_main([str(tmp_path), "--functions", "60", "--rounds", "2"])
