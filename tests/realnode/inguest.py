@@ -142,8 +142,30 @@ def dev_vfio() -> list[str]:
         return []
 
 
+def uevent_identities() -> dict[str, dict[str, Any]]:
+    """Each PCI function's (vendor, device, class) from its three files and as the plugin's scan parses its
+    ``uevent`` (plugin.node_scan.parse_pci_uevent): the kernel's format the scan relies on, seen on a real kernel."""
+    from plugin.node_scan import parse_pci_uevent
+
+    found: dict[str, dict[str, Any]] = {}
+    for entry in sorted(PCI.iterdir()):
+        files = [read(entry / name) for name in ("vendor", "device", "class")]
+        try:
+            text: str | None = (entry / "uevent").read_text()
+        except OSError:
+            text = None
+        parsed = None if text is None else parse_pci_uevent(text)
+        found[entry.name] = {
+            "files": None if None in files else [int(value, 16) for value in files if value is not None],
+            "uevent": None if parsed is None else list(parsed),
+            "text": text,
+        }
+    return found
+
+
 def node_facts() -> dict[str, Any]:
     return {
+        "uevent_identities": uevent_identities(),
         "uname": os.uname().release,
         "cmdline": read(Path("/proc/cmdline")),
         "iommu_groups": sorted(os.listdir("/sys/kernel/iommu_groups")),

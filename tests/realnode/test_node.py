@@ -47,6 +47,16 @@ def test_guest_boots_the_resolved_kernel_with_an_iommu(node: Scenario) -> None:
     assert facts["mdev_bus"] == ["mbochs", "mdpy", "mtty"]
 
 
+def test_the_scan_reads_every_function_from_the_kernels_uevent(node: Scenario) -> None:
+    """The plugin's scan names a function by one read of its ``uevent`` (docs/node.md, "PCI functions in
+    sysfs"); on this real kernel every function's ``uevent`` parses, to what its vendor/device/class files say."""
+    identities = seen(node, "facts")["uevent_identities"]
+    assert len(identities) >= 5, identities
+    for address, identity in identities.items():
+        assert identity["files"] is not None, address
+        assert identity["uevent"] == identity["files"], f"{address}: {identity['text']!r}"
+
+
 def test_gpu_and_audio_share_a_group_found_by_id(node: Scenario) -> None:
     facts = seen(node, "facts")
     (gpu,) = facts["functions"]["1234:1111"]
