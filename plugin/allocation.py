@@ -389,6 +389,14 @@ class Allocator:
         plan = self._plan
         if plan is None or plan.resource is not resource:
             plan = self._plan = ResourcePlan(resource, self.rule)  # a new scan: worked out again, once
+        try:
+            with self._shared.borrow() as fs:
+                return plan.allocate(device_ids, fs, self.root)
+        except DeviceUnavailable:
+            # Something was missing: asked only now whether the kept descriptor still names the host root (a
+            # root replaced under it reads as empty where a fresh read, the scan's, sees the new one).
+            if not self._shared.renew():
+                raise
         with self._shared.borrow() as fs:
             return plan.allocate(device_ids, fs, self.root)
 

@@ -1,0 +1,270 @@
+"""The Allocator (issue 12) attacked: a host root replaced under its kept descriptor, many requests racing a
+rescan and a stop, restarts counted in descriptors, random changes to a node answered as a fresh ``allocate``.
+
+A server keeps one :class:`~plugin.allocation.Allocator` per generation: a descriptor on the host root and a plan
+per scanned resource. Neither may make it answer otherwise than :func:`~plugin.allocation.allocate`, which reads
+everything afresh: not from an old plan (a companion or group member the current scan no longer has), not from
+a directory that is no longer the host root, not under concurrency.
+
+Each runs with the kernel resolving (``openat2``) and with the Python resolver.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from plugin.allocation import Allocation, AllocationError, Allocator, allocate
+from plugin.config import PluginConfig
+from plugin.health import UsabilityRule
+from plugin.hostroot import HostRoot, SharedRoot
+from plugin.inventory import Resource
+from plugin.server import DevicePluginServicer, ResourceState
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
+from simkit.sysfs_fixture import Node
+from tests.discovery_support import build_node, discover
+from tests.plugin_support import rebind
+
+RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
+COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+GPU_3B, GPU_5E, GPU_86 = "0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0"
+
+
+@pytest.fixture(params=["openat2", "python"])
+def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "python":
+        monkeypatch.setattr(HostRoot, "openat2", None)
+    elif HostRoot.openat2 is None:
+        pytest.skip("openat2 is not available here")
+    return str(request.param)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Refusal(NamedTuple):
+    kind: str
+    message: str
+    device_id: str | None
+
+
+def outcome(call: Callable[[], Allocation]) -> Allocation | Refusal:
+    try:
+        return call()
+    except AllocationError as error:
+        return Refusal(type(error).__name__, error.message, error.device_id)
+
+
+def fresh(resource: Resource, ids: list[str], root: Path, rule: UsabilityRule) -> Allocation | Refusal:
+    return outcome(lambda: allocate(resource, ids, root, rule))
+
+
+# -- a host root replaced under the kept descriptor -----------------------------------------------------------------
+
+
+def test_a_host_root_replaced_under_the_kept_descriptor_is_read_anew(tmp_path: Path, resolver: str) -> None:
+    """The root directory deleted and made again (a fixture rebuilt, a mount replaced): the rescan reads the new
+    one and calls the GPU healthy, so Allocate must answer from it too, not refuse from the deleted directory."""
+    root = build_node(NODE01, tmp_path)
+    with Allocator(root) as served:
+        resource = discover(root).resource(RTX)
+        assert isinstance(served.allocate(resource, [GPU_3B]), Allocation)  # the descriptor is open now
+        shutil.rmtree(root)
+        assert build_node(NODE01, tmp_path) == root
+        rescanned = discover(root).resource(RTX)
+        answer = outcome(lambda: served.allocate(rescanned, [GPU_3B]))
+        assert answer == fresh(rescanned, [GPU_3B], root, served.rule)
+        assert isinstance(answer, Allocation)
+        assert isinstance(served.allocate(rescanned, [GPU_86]), Allocation)
+
+
+def test_a_host_root_gone_is_refused_by_name_and_answered_again_when_back(tmp_path: Path, resolver: str) -> None:
+    root = build_node(NODE01, tmp_path)
+    descriptors = open_descriptors()
+    with Allocator(root) as served:
+        resource = discover(root).resource(RTX)
+        assert isinstance(served.allocate(resource, [GPU_3B]), Allocation)
+        shutil.rmtree(root)
+        refused = outcome(lambda: served.allocate(resource, [GPU_3B]))
+        assert refused == fresh(resource, [GPU_3B], root, served.rule)
+        assert isinstance(refused, Refusal) and refused.kind == "DeviceUnavailable"
+        assert f"{root}/sys/bus/pci/devices/{GPU_3B}/iommu_group is gone" in refused.message
+        build_node(NODE01, tmp_path)
+        for _ in range(3):
+            assert isinstance(served.allocate(resource, [GPU_3B]), Allocation)
+    assert open_descriptors() == descriptors
+
+
+def test_a_replaced_root_still_lent_is_closed_when_given_back(tmp_path: Path, resolver: str) -> None:
+    (tmp_path / "root").mkdir()
+    shared = SharedRoot(str(tmp_path / "root"))
+    descriptors = open_descriptors()
+    old = shared.borrow()
+    (tmp_path / "root").rename(tmp_path / "old")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "new").write_text("")
+    kept = HostRoot.openat2 is not None  # the Python resolver keeps no descriptor: it reads the path
+    assert shared.renew() is kept
+    with shared.borrow() as new:
+        assert new.exists("/new")
+        assert old.exists("/new") is not kept  # a request under way finishes on the root it started with
+    old.close()
+    assert shared.renew() is False
+    shared.close()
+    assert open_descriptors() == descriptors
+
+
+# -- concurrency: requests racing a rescan and a stop -----------------------------------------------------------------
+
+
+def test_requests_racing_a_rescan_and_a_stop_answer_each_from_their_own_scan(tmp_path: Path, resolver: str) -> None:
+    """Group 50 loses 0000:5e:00.2 between two scans. The host now matches the second scan: a request made
+    with the first one is refused (its member is gone), one made with the second gets the companions the second
+    scan has, never the one it lost, whichever plan another thread made last; the Allocator closes mid-way."""
+    root = build_node(NODE01, tmp_path)
+    rule = UsabilityRule.from_config(PluginConfig(host_root=str(root)))
+    before = discover(root).resource(RTX)
+    (root / "sys" / "kernel" / "iommu_groups" / "50" / "devices" / "0000:5e:00.2").unlink()
+    after = discover(root).resource(RTX)
+    requests = [[GPU_5E], [GPU_5E, GPU_3B], [GPU_3B], [GPU_86, GPU_5E]]
+    expected = {
+        (id(resource), tuple(ids)): fresh(resource, ids, root, rule) for resource in (before, after) for ids in requests
+    }
+    gone = expected[(id(after), (GPU_5E,))]
+    assert isinstance(gone, Allocation) and "0000:5e:00.2" not in gone.envs[COMPANIONS_ENV]
+    assert isinstance(expected[(id(before), (GPU_5E,))], Refusal)
+    descriptors = open_descriptors()
+    served = Allocator(root, rule)
+    failures: list[str] = []
+    half = threading.Barrier(9)
+
+    def run(seed: int) -> None:
+        chooser = random.Random(seed)
+        for index in range(120):
+            if index == 60:
+                half.wait()
+            resource = chooser.choice((before, after))
+            ids = chooser.choice(requests)
+            try:
+                got = outcome(lambda: served.allocate(resource, ids))  # noqa: B023 (called at once)
+            except Exception as exc:  # a traceback is the finding
+                failures.append(f"{type(exc).__name__}: {exc}")
+                return
+            if got != expected[(id(resource), tuple(ids))]:
+                failures.append(f"{ids} with the {'first' if resource is before else 'second'} scan: {got}")
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    half.wait()
+    served.close()  # a stop with requests under way: they finish, later ones read through their own root
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert open_descriptors() == descriptors
+
+
+def _allocate_request(*ids: str) -> pb.AllocateRequest:
+    return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=list(ids))])
+
+
+def test_many_generations_of_servicers_leak_no_descriptor(tmp_path: Path, resolver: str) -> None:
+    """Each (re)start makes a servicer and its Allocator; stop closes it, whether or not it was used."""
+    root = build_node(NODE01, tmp_path)
+    state = ResourceState(discover(root).resource(RTX))
+    rule = UsabilityRule.from_config(PluginConfig(host_root=str(root)))
+    descriptors = open_descriptors()
+    for generation in range(60):
+        servicer = DevicePluginServicer(state, root, rule)
+        if generation % 3:
+            response = servicer.Allocate(_allocate_request(GPU_3B, GPU_86), context=None)  # type: ignore[arg-type]
+            assert response.container_responses[0].envs[COMPANIONS_ENV].startswith(GPU_3B)
+        if generation % 5 == 0:
+            state.update(discover(root).resource(RTX))  # a rescan: a new resource, a new plan
+        servicer.stop()
+    assert open_descriptors() == descriptors
+
+
+# -- random changes: the Allocator answers as a fresh allocate -----------------------------------------------------
+
+
+def _functions(root: Path) -> list[str]:
+    return sorted(os.listdir(root / "sys" / "bus" / "pci" / "devices"))
+
+
+def _mutate(root: Path, chooser: random.Random) -> str:
+    """One random change a node can go through between (or during) scans; what it was."""
+    functions = _functions(root)
+    groups = root / "sys" / "kernel" / "iommu_groups"
+    vfio = root / "dev" / "vfio"
+    change = chooser.randrange(7)
+    if change <= 2:
+        address = chooser.choice(functions)
+        driver = chooser.choice(["vfio-pci", None, "nvidia", "snd_hda_intel", "pci-stub", "xhci_hcd"])
+        rebind(root, address, driver)
+        return f"rebind {address} {driver}"
+    if change == 3:
+        names = sorted(name for name in os.listdir(vfio) if name.isdigit())
+        if names:
+            name = chooser.choice(names)
+            (vfio / name).rename(vfio / f"away-{name}")
+            return f"/dev/vfio/{name} away"
+        return "nothing"
+    if change == 4:
+        away = sorted(name for name in os.listdir(vfio) if name.startswith("away-"))
+        if away:
+            name = chooser.choice(away)
+            (vfio / name).rename(vfio / name.removeprefix("away-"))
+            return f"/dev/vfio/{name} back"
+        return "nothing"
+    group = chooser.choice(sorted(os.listdir(groups)))
+    members = groups / group / "devices"
+    listed = sorted(os.listdir(members))
+    if change == 5 and listed:
+        name = chooser.choice(listed)
+        (members / name).rename(members.parent / f"away-{name}")  # out of the listing, kept to come back
+        return f"group {group} loses {name}"
+    away = sorted(name for name in os.listdir(members.parent) if name.startswith("away-"))
+    if away:
+        name = chooser.choice(away)
+        (members.parent / name).rename(members / name.removeprefix("away-"))
+        return f"group {group} gets {name} back"
+    return "nothing"
+
+
+@pytest.mark.parametrize("node", [NODE01, MIXED_NODE, VGPU_NODE], ids=lambda node: node.name)
+def test_random_changes_are_answered_as_a_fresh_allocate(tmp_path: Path, node: Node, resolver: str) -> None:
+    """A fixed seed: 60 rounds of a random change, sometimes a rescan, and random requests (devices of the
+    current and of the previous scan, unknown IDs, repeats), each answered by one Allocator for the whole run
+    and by a fresh ``allocate``."""
+    root = build_node(node, tmp_path)
+    rule = UsabilityRule.from_config(PluginConfig(host_root=str(root)))
+    chooser = random.Random(f"issue-12-{node.name}")
+    scans = [discover(root).resources]
+    answered = refused = 0
+    with Allocator(root, rule) as served:
+        for _ in range(60):
+            change = _mutate(root, chooser)
+            if chooser.random() < 0.4:
+                scans.append(discover(root).resources)
+            for resources in scans[-2:]:
+                for resource in resources:
+                    ids = [device.id for device in resource.devices]
+                    size = chooser.randint(1, min(3, len(ids)))
+                    request = chooser.sample(ids, size)
+                    if chooser.random() < 0.1:
+                        request.append(chooser.choice([request[0], "0000:00:00.0"]))
+                    got = outcome(lambda: served.allocate(resource, request))  # noqa: B023 (called at once)
+                    assert got == fresh(resource, request, root, rule), (change, resource.name, request)
+                    answered += isinstance(got, Allocation)
+                    refused += isinstance(got, Refusal)
+    assert answered and refused  # both paths were exercised
