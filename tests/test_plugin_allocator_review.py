@@ -206,7 +206,24 @@ def _mutate(root: Path, chooser: random.Random) -> str:
     functions = _functions(root)
     groups = root / "sys" / "kernel" / "iommu_groups"
     vfio = root / "dev" / "vfio"
-    change = chooser.randrange(7)
+    change = chooser.randrange(9)
+    if change == 7:
+        container = vfio / "vfio"
+        if container.exists():
+            container.rename(vfio / "container-away")
+            return "/dev/vfio/vfio away"
+        (vfio / "container-away").rename(container)
+        return "/dev/vfio/vfio back"
+    if change == 8:
+        device = (root / "sys" / "bus" / "pci" / "devices" / chooser.choice(functions)).resolve()
+        link, away = device / "iommu_group", device / "iommu_group.away"
+        if link.is_symlink():
+            link.rename(away)
+            return f"{device.name} loses its iommu_group link"
+        if away.is_symlink():
+            away.rename(link)
+            return f"{device.name} gets its iommu_group link back"
+        return "nothing"
     if change <= 2:
         address = chooser.choice(functions)
         driver = chooser.choice(["vfio-pci", None, "nvidia", "snd_hda_intel", "pci-stub", "xhci_hcd"])
@@ -268,3 +285,34 @@ def test_random_changes_are_answered_as_a_fresh_allocate(tmp_path: Path, node: N
                     answered += isinstance(got, Allocation)
                     refused += isinstance(got, Refusal)
     assert answered and refused  # both paths were exercised
+
+
+# -- the memoised companion entries ----------------------------------------------------------------------------------
+
+
+def test_companion_entries_stay_bounded_and_follow_every_driver_combination(tmp_path: Path, resolver: str) -> None:
+    """A GPU's three companions flipped through every viable driver combination (4**3 = 64, more than the 16
+    kept): each answer is a fresh allocate's, and the memo never holds more than its bound."""
+    from plugin import allocation
+
+    root = build_node(NODE01, tmp_path)
+    rule = UsabilityRule.from_config(PluginConfig(host_root=str(root)))
+    resource = discover(root).resource(RTX)
+    companions = ["0000:86:00.1", "0000:86:00.2", "0000:86:00.3"]
+    drivers = ["vfio-pci", None, "pci-stub", "nvgrace_gpu_vfio_pci"]
+    chooser = random.Random("issue-12-entries")
+    seen: set[str | None] = set()
+    with Allocator(root, rule) as served:
+        for _ in range(2):
+            for combination in range(len(drivers) ** len(companions)):
+                for position, address in enumerate(companions):
+                    rebind(root, address, drivers[combination // len(drivers) ** position % len(drivers)])
+                request = chooser.choice([[GPU_86], [GPU_86, GPU_3B], [GPU_3B, GPU_86]])
+                got = outcome(lambda: served.allocate(resource, request))  # noqa: B023 (called at once)
+                assert got == fresh(resource, request, root, rule)
+                assert isinstance(got, Allocation)
+                seen.add(got.envs.get(COMPANIONS_ENV))
+                plan = served._plan
+                assert plan is not None
+                assert all(len(device.entries) <= allocation._ENTRIES_KEPT for device in plan._plans.values())
+    assert len(seen) >= 8  # the variable followed the drivers
