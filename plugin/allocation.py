@@ -376,6 +376,9 @@ class Allocator:
     """Allocate for a server's life: the host root's descriptor (:class:`~plugin.hostroot.SharedRoot`) and the
     current resource's :class:`ResourcePlan` kept from one request to the next; each request still reads the
     host anew. Thread-safe (a request on each of the server's threads); :meth:`close` when the server stops.
+
+    A refusal is checked once against the root having been replaced under the kept descriptor
+    (:meth:`~plugin.hostroot.SharedRoot.renew`): if it was, the request is answered again through the new root.
     """
 
     def __init__(self, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> None:
