@@ -316,3 +316,47 @@ def test_companion_entries_stay_bounded_and_follow_every_driver_combination(tmp_
                 assert plan is not None
                 assert all(len(device.entries) <= allocation._ENTRIES_KEPT for device in plan._plans.values())
     assert len(seen) >= 8  # the variable followed the drivers
+
+
+def test_borrowers_racing_root_replacements_and_a_close_never_read_a_closed_descriptor(
+    tmp_path: Path, resolver: str
+) -> None:
+    """Eight threads borrow and read while another replaces the root and renews, then closes: no read fails
+    on a descriptor closed under it (EBADF, or another file reusing its number), and none is left open."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "here").write_text("yes\n")
+    shared = SharedRoot(str(root))
+    descriptors = open_descriptors()
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                with shared.borrow() as fs:
+                    text = fs.read("/here")
+                    if text not in (None, "yes\n"):
+                        failures.append(f"read {text!r}")
+            except Exception as exc:  # a traceback is the finding
+                failures.append(f"{type(exc).__name__}: {exc}")
+                return
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for round_ in range(200):
+        staged = tmp_path / f"new-{round_}"
+        staged.mkdir()
+        (staged / "here").write_text("yes\n")
+        root.rename(tmp_path / f"old-{round_}")
+        staged.rename(root)
+        shared.renew()
+        shutil.rmtree(tmp_path / f"old-{round_}")
+        if round_ == 150:
+            shared.close()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert open_descriptors() == descriptors
