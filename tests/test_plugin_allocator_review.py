@@ -216,12 +216,12 @@ def _mutate(root: Path, chooser: random.Random) -> str:
         return "/dev/vfio/vfio back"
     if change == 8:
         device = (root / "sys" / "bus" / "pci" / "devices" / chooser.choice(functions)).resolve()
-        link, away = device / "iommu_group", device / "iommu_group.away"
+        link, hidden = device / "iommu_group", device / "iommu_group.away"
         if link.is_symlink():
-            link.rename(away)
+            link.rename(hidden)
             return f"{device.name} loses its iommu_group link"
-        if away.is_symlink():
-            away.rename(link)
+        if hidden.is_symlink():
+            hidden.rename(link)
             return f"{device.name} gets its iommu_group link back"
         return "nothing"
     if change <= 2:
