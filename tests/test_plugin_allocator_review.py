@@ -15,10 +15,12 @@ import os
 import random
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import grpc
 import pytest
 
 from plugin.allocation import Allocation, AllocationError, Allocator, allocate
@@ -26,12 +28,13 @@ from plugin.config import PluginConfig
 from plugin.health import UsabilityRule
 from plugin.hostroot import HostRoot, SharedRoot
 from plugin.inventory import Resource
-from plugin.server import DevicePluginServicer, ResourceState
+from plugin.server import DevicePluginServicer, ResourceServer, ResourceState
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from simkit.sysfs_fixture import Node
 from tests.discovery_support import build_node, discover
-from tests.plugin_support import rebind
+from tests.plugin_support import build_tree, rebind, short_dir
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
@@ -360,3 +363,66 @@ def test_borrowers_racing_root_replacements_and_a_close_never_read_a_closed_desc
         thread.join()
     assert failures == []
     assert open_descriptors() == descriptors
+
+
+# -- through the gRPC server: restarts and a rescan under load ------------------------------------------------------
+
+
+def test_allocates_over_grpc_racing_restarts_and_a_rescan_never_give_a_lost_companion() -> None:
+    """Clients call Allocate over the socket while the server restarts and a rescan drops 0000:5e:00.2 from
+    group 50 (host first, then the served resource): every call is answered (OK, or refused while the
+    resource is stale, or cut by a restart), never UNKNOWN; once the rescan is served, no answer names the
+    companion it lost."""
+    full = "0000:5e:00.0=0000:5e:00.1+0000:5e:00.2+0000:5e:00.3"
+    without = "0000:5e:00.0=0000:5e:00.1+0000:5e:00.3"
+    with short_dir() as base:
+        root = build_tree(NODE01, base)
+        (base / "kubelet").mkdir()
+        server = ResourceServer(discover(root).resource(RTX), base / "kubelet", root)
+        server.start()
+        updated = threading.Event()
+        stop = threading.Event()
+        seen: list[tuple[bool, str]] = []
+        failures: list[str] = []
+
+        def client() -> None:
+            while not stop.is_set():
+                after_update = updated.is_set()
+                channel = grpc.insecure_channel(f"unix:{server.socket_path}")
+                try:
+                    response = pb_grpc.DevicePluginStub(channel).Allocate(_allocate_request(GPU_5E), timeout=5)
+                    seen.append((after_update, response.container_responses[0].envs[COMPANIONS_ENV]))
+                except grpc.RpcError as error:
+                    code = error.code()
+                    if code not in (
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.CANCELLED,
+                    ):
+                        failures.append(f"{code}: {error.details()}")
+                finally:
+                    channel.close()
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        try:
+            for thread in threads:
+                thread.start()
+            for restart in range(6):
+                time.sleep(0.05)
+                if restart == 2:
+                    (root / "sys" / "kernel" / "iommu_groups" / "50" / "devices" / "0000:5e:00.2").unlink()
+                    time.sleep(0.05)
+                    server.update(discover(root).resource(RTX))
+                    updated.set()
+                server.restart()
+            deadline = time.monotonic() + 10
+            while not any(after for after, _ in seen) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the restarted server answers some calls made after the rescan
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            server.stop(grace=0)
+    assert failures == []
+    assert {value for after, value in seen if after} == {without}
+    assert {value for after, value in seen if not after} <= {full, without}
