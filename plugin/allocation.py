@@ -376,6 +376,9 @@ class Allocator:
     """Allocate for a server's life: the host root's descriptor (:class:`~plugin.hostroot.SharedRoot`) and the
     current resource's :class:`ResourcePlan` kept from one request to the next; each request still reads the
     host anew. Thread-safe (a request on each of the server's threads); :meth:`close` when the server stops.
+
+    A refusal is checked once against the root having been replaced under the kept descriptor
+    (:meth:`~plugin.hostroot.SharedRoot.renew`): if it was, the request is answered again through the new root.
     """
 
     def __init__(self, host_root: Path | str, rule: UsabilityRule = DEFAULT_RULE) -> None:
@@ -389,6 +392,14 @@ class Allocator:
         plan = self._plan
         if plan is None or plan.resource is not resource:
             plan = self._plan = ResourcePlan(resource, self.rule)  # a new scan: worked out again, once
+        try:
+            with self._shared.borrow() as fs:
+                return plan.allocate(device_ids, fs, self.root)
+        except DeviceUnavailable:
+            # Something was missing: asked only now whether the kept descriptor still names the host root (a
+            # root replaced under it reads as empty where a fresh read, the scan's, sees the new one).
+            if not self._shared.renew():
+                raise
         with self._shared.borrow() as fs:
             return plan.allocate(device_ids, fs, self.root)
 

@@ -484,13 +484,19 @@ class SharedRoot:
     the plugin). The descriptor is only ever read (``openat2`` relative to it), so requests on several threads
     share it; :meth:`close` closes it once the last borrower has given it back, never under a request still
     reading through it (its number could otherwise be reused by another open).
+
+    A held directory is not a path: if the root is replaced (a directory deleted and made again, a mount
+    replaced), the descriptor still reads the old one while a fresh :class:`HostRoot` (the scan's) reads the new
+    one. :meth:`renew` says so and lets the next borrower open the new root; the caller asks it when a read
+    through the descriptor found something missing (Allocate's refusals), so the check costs nothing otherwise.
     """
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._lock = threading.Lock()
         self._descriptor: int | None = None
-        self._borrowers = 0
+        self._borrowers: dict[int, int] = {}
+        """Borrowers per descriptor lent: the current one, and any retired (closed, replaced) still in use."""
         self._closed = False
 
     def borrow(self) -> HostRoot:
@@ -502,31 +508,51 @@ class SharedRoot:
         with self._lock:
             if self._closed or HostRoot.openat2 is None:
                 return HostRoot(self.root)
-            if self._descriptor is None:
+            descriptor = self._descriptor
+            if descriptor is None:
                 try:
-                    self._descriptor = os.open(self.root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    descriptor = self._descriptor = os.open(self.root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 except OSError:
                     return HostRoot(self.root)  # each read says so, as HostRoot's own open does
-            self._borrowers += 1
-            return _BorrowedRoot(self, self._descriptor)
+            self._borrowers[descriptor] = self._borrowers.get(descriptor, 0) + 1
+            return _BorrowedRoot(self, descriptor)
 
-    def _give_back(self) -> None:
+    def renew(self) -> bool:
+        """Whether the root was replaced since the descriptor was opened (it names another directory than the
+        root's path does now); if so, later borrowers get the new root and the old descriptor is closed once
+        given back. False when nothing is held, the root's path is missing, or it is the same directory."""
         with self._lock:
-            self._borrowers -= 1
-            if self._closed and self._borrowers == 0:
-                self._close_descriptor()
+            descriptor = self._descriptor
+            if descriptor is None:
+                return False
+            try:
+                held, now = os.fstat(descriptor), os.stat(self.root or "/")
+            except OSError:
+                return False  # no root at its path: a fresh HostRoot finds nothing either
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                return False
+            self._descriptor = None
+            if descriptor not in self._borrowers:
+                os.close(descriptor)
+            return True
+
+    def _give_back(self, descriptor: int) -> None:
+        with self._lock:
+            left = self._borrowers[descriptor] - 1
+            if left:
+                self._borrowers[descriptor] = left
+                return
+            del self._borrowers[descriptor]
+            if descriptor != self._descriptor:  # retired (closed or replaced): its last borrower is gone
+                os.close(descriptor)
 
     def close(self) -> None:
         """Close the descriptor now, or when the last borrower gives it back; later borrows open their own."""
         with self._lock:
             self._closed = True
-            if self._borrowers == 0:
-                self._close_descriptor()
-
-    def _close_descriptor(self) -> None:
-        if self._descriptor is not None:
-            os.close(self._descriptor)
-            self._descriptor = None
+            descriptor, self._descriptor = self._descriptor, None
+            if descriptor is not None and descriptor not in self._borrowers:
+                os.close(descriptor)
 
     def __enter__(self) -> SharedRoot:
         return self
@@ -541,6 +567,7 @@ class _BorrowedRoot(HostRoot):
     def __init__(self, shared: SharedRoot, descriptor: int) -> None:
         super().__init__(shared.root)
         self._root_fd = descriptor
+        self._lent = descriptor
         self._shared: SharedRoot | None = shared
 
     def close(self) -> None:
@@ -549,7 +576,7 @@ class _BorrowedRoot(HostRoot):
             super().close()
             return
         self._root_fd = None
-        shared._give_back()
+        shared._give_back(self._lent)
 
 
 def _last_component(target: str) -> str:

@@ -52,8 +52,11 @@ class MdevVgpuSource:
                 node.warnings.append(f"skipping mdev {uuid}: cannot read its mdev_type/name under {node.shown(link)}")
                 continue
             parent_dir = os.path.dirname(mdev_dir)
-            # A PCI function the bus scan read already needs no look: its mdevs are the common case.
-            if os.path.basename(parent_dir) not in node.functions and not node.fs.exists(f"{parent_dir}/vendor"):
+            # A PCI function the bus scan read already needs no look: its mdevs are the common case. Known by
+            # its name only under a PCI root: a virtual parent may be named anything, a scanned GPU's address too.
+            if not (
+                parent_dir.startswith(node.devices_dir + "/pci") and os.path.basename(parent_dir) in node.functions
+            ) and not node.fs.exists(f"{parent_dir}/vendor"):
                 # A real kernel's mdev parents need not be PCI functions (the kernel's samples mtty, mdpy and
                 # mbochs are virtual devices): offered only by mdev_parent_selectors / mdev_type_selectors.
                 scan_virtual_mdev(node, self.kind, uuid, link, parent_dir, type_dir, type_name)

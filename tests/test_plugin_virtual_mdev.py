@@ -163,3 +163,23 @@ def test_settings_from_the_environment_and_bad_names(tmp_path: Path) -> None:
         load_config(env={"GPU_PLUGIN_MDEV_TYPE_SELECTORS": "../x"})
     schema = json.loads(config_json_schema())
     assert schema["properties"]["mdev_parent_selectors"]["default"] == []
+
+
+def test_a_virtual_parent_named_like_a_scanned_gpu_is_still_virtual(tmp_path: Path) -> None:
+    """A virtual mdev parent whose name is a PCI address the bus scan read (``0000:3b:00.0``, an NVIDIA GPU):
+    it is no PCI function (no ``vendor``, not under a PCI root), so it is not offered without opt-in and never
+    as that GPU's vGPU."""
+    root = build(NODE01, tmp_path / "node")
+    _add_mtty(root)
+    virtual = root / "sys" / "devices" / "virtual" / "mtty"
+    (virtual / "mtty").rename(virtual / "0000:3b:00.0")
+    link = root / "sys" / "bus" / "mdev" / "devices" / UUID
+    link.unlink()
+    _link(link, virtual / "0000:3b:00.0" / UUID)
+    group_link = root / "sys" / "kernel" / "iommu_groups" / str(GROUP) / "devices" / UUID
+    group_link.unlink()
+    _link(group_link, virtual / "0000:3b:00.0" / UUID)
+    inventory = _scan(root)
+    assert RESOURCE not in [resource.name for resource in inventory.resources]
+    ignored = next(item for item in inventory.ignored if item.id == UUID)
+    assert "is not a PCI function" in ignored.reason
