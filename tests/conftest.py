@@ -26,6 +26,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.fixture(params=["openat2", "python"])
+def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: node files read through ``openat2`` (``RESOLVE_IN_ROOT``), then through the plugin's
+    Python resolution of the same rules (as on a kernel or seccomp profile without ``openat2``)."""
+    from plugin.hostroot import HostRoot
+
+    if request.param == "python":
+        monkeypatch.setattr(HostRoot, "openat2", None)
+    elif HostRoot.openat2 is None:
+        pytest.skip("openat2 is not available here")
+    return str(request.param)
+
+
 @pytest.fixture
 def regen_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--regen-golden"))

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
+from plugin.allocation import Allocation, AllocationError
 from plugin.config import PluginConfig
 from plugin.manager import PluginManager
 from plugin.metrics import PluginMetrics
@@ -204,3 +206,17 @@ def serve_process(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class Refusal(NamedTuple):
+    kind: str
+    message: str
+    device_id: str | None
+
+
+def outcome(call: Callable[[], Allocation]) -> Allocation | Refusal:
+    """What an Allocate answers: the allocation, or the refusal (its class, message and device)."""
+    try:
+        return call()
+    except AllocationError as error:
+        return Refusal(type(error).__name__, error.message, error.device_id)

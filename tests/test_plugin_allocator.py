@@ -15,33 +15,22 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
-from plugin.allocation import Allocation, AllocationError, Allocator, allocate
+from plugin.allocation import Allocation, Allocator, allocate
 from plugin.config import PluginConfig
 from plugin.health import UsabilityRule
-from plugin.hostroot import HostRoot
 from plugin.inventory import Resource
 from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from simkit.sysfs_fixture import Node
 from tests.discovery_support import build_node, discover
-from tests.plugin_support import rebind
+from tests.plugin_support import Refusal, outcome, rebind
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 GPU_3B, GPU_5E, GPU_86, GPU_AF = "0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"
 GROUP = {GPU_3B: 30, GPU_5E: 50, GPU_86: 74, GPU_AF: 96}
-
-
-@pytest.fixture(params=["openat2", "python"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(HostRoot, "openat2", None)
-    elif HostRoot.openat2 is None:
-        pytest.skip("openat2 is not available here")
-    return str(request.param)
 
 
 @pytest.fixture
@@ -52,20 +41,6 @@ def allocator(tmp_path: Path, resolver: str) -> Iterator[Allocator]:
         yield served
     finally:
         served.close()
-
-
-class Refusal(NamedTuple):
-    kind: str
-    message: str
-    device_id: str | None
-
-
-def outcome(call: Callable[[], Allocation]) -> Allocation | Refusal:
-    """What a call answers: the allocation, or the refusal (its class, message and device)."""
-    try:
-        return call()
-    except AllocationError as error:
-        return Refusal(type(error).__name__, error.message, error.device_id)
 
 
 def both(allocator: Allocator, resource: Resource, ids: list[str]) -> Allocation | Refusal:

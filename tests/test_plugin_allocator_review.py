@@ -16,14 +16,12 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import grpc
 import pytest
 
-from plugin.allocation import Allocation, AllocationError, Allocator, allocate
+from plugin.allocation import Allocation, Allocator, allocate
 from plugin.config import PluginConfig
 from plugin.health import UsabilityRule
 from plugin.hostroot import HostRoot, SharedRoot
@@ -34,37 +32,15 @@ from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_gr
 from simkit.fixture_nodes import MIXED_NODE, NODE01, VGPU_NODE
 from simkit.sysfs_fixture import Node
 from tests.discovery_support import build_node, discover
-from tests.plugin_support import build_tree, rebind, short_dir
+from tests.plugin_support import Refusal, build_tree, outcome, rebind, short_dir
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 COMPANIONS_ENV = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 GPU_3B, GPU_5E, GPU_86 = "0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0"
 
 
-@pytest.fixture(params=["openat2", "python"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(HostRoot, "openat2", None)
-    elif HostRoot.openat2 is None:
-        pytest.skip("openat2 is not available here")
-    return str(request.param)
-
-
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-class Refusal(NamedTuple):
-    kind: str
-    message: str
-    device_id: str | None
-
-
-def outcome(call: Callable[[], Allocation]) -> Allocation | Refusal:
-    try:
-        return call()
-    except AllocationError as error:
-        return Refusal(type(error).__name__, error.message, error.device_id)
 
 
 def fresh(resource: Resource, ids: list[str], root: Path, rule: UsabilityRule) -> Allocation | Refusal:

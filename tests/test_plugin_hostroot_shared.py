@@ -22,15 +22,6 @@ from simkit.fixture_nodes import NODE01
 from tests.discovery_support import build_node, discover
 
 
-@pytest.fixture(params=["openat2", "python"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(HostRoot, "openat2", None)
-    elif HostRoot.openat2 is None:
-        pytest.skip("openat2 is not available here")
-    return str(request.param)
-
-
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 

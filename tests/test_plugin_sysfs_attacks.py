@@ -35,15 +35,6 @@ T4_1Q = "nvidia.com/GRID_T4-1Q"
 MDEV = "4b20d080-1b54-4048-85b3-a6a62d165c01"
 
 
-@pytest.fixture(params=["openat2", "python"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(HostRoot, "openat2", None)
-    elif HostRoot.openat2 is None:
-        pytest.skip("openat2 is not available here")
-    return str(request.param)
-
-
 def _discover_bounded(root: Path) -> Inventory:
     """Discover in a thread; fail (instead of hanging the suite) if it takes longer than the bound."""
     found: list[Inventory] = []

@@ -14,21 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from plugin.hostroot import MAX_ATTRIBUTE_BYTES, HostRoot
+from plugin.hostroot import MAX_ATTRIBUTE_BYTES
 from plugin.inventory import Inventory
 from simkit.fixture_nodes import NODE01
 from tests.discovery_support import build_node, discover
 
 SCAN_BOUND = 10.0
-
-
-@pytest.fixture(params=["openat2", "python"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(HostRoot, "openat2", None)
-    elif HostRoot.openat2 is None:
-        pytest.skip("openat2 is not available here")
-    return str(request.param)
 
 
 def _function_dirs(root: Path) -> list[Path]:
