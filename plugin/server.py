@@ -295,13 +295,6 @@ class DevicePluginServicer:
         return pb.PreStartContainerResponse()
 
 
-def allocation_response(
-    resource: Resource, ids: Sequence[str], host_root: Path, rule: UsabilityRule = allocation.DEFAULT_RULE
-) -> pb.ContainerAllocateResponse:
-    """One container's answer, from :func:`plugin.allocation.allocate` (raises its ``AllocationError``)."""
-    return response_message(allocation.allocate(resource, ids, host_root, rule))
-
-
 def response_message(result: allocation.Allocation) -> pb.ContainerAllocateResponse:
     """An allocation as the kubelet's ``ContainerAllocateResponse``."""
     response = pb.ContainerAllocateResponse(envs=result.envs)
