@@ -78,7 +78,8 @@ def test_a_call_that_never_returns_fails_at_its_deadline_naming_call_uri_and_cau
         call_with_deadline("domainXMLToNative", "qemu+unix:///never-1", release.wait, timeout=0.3)
     elapsed = time.monotonic() - started
     release.set()
-    assert 0.3 <= elapsed < 2
+    # Not before its deadline; after it, a bound a busy machine cannot reach (without the deadline it never ends).
+    assert 0.3 <= elapsed < 20
     message = str(caught.value)
     assert message.startswith("libvirtd did not answer domainXMLToNative on qemu+unix:///never-1 within 0.3 s")
     assert "/dev/kvm" in message
@@ -92,7 +93,7 @@ def test_after_one_timeout_the_same_uri_fails_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(LibvirtTimeout, match="an earlier call timed out; not waiting again"):
         call_with_deadline("open", "qemu+unix:///never-2", release.wait, timeout=30)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 15  # half the 30 s it would have waited: no waiting at all, on a busy machine too
     release.set()
 
 

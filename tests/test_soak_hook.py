@@ -3,10 +3,13 @@
 The server runs in its own process (a plain ``HookServer`` + ``HookService``, as ``launcher-hook serve`` builds
 them), so its open descriptors and threads can be read from ``/proc/<pid>`` without the clients' own. Every
 call dials a fresh connection, as virt-launcher does, with one of several VMIs (0 to 8 GPUs, passthrough and
-vGPU, all three hook versions); every answer must equal the builder's own output for that VMI. The run prints
-p50/p99 latency and the server's descriptor and thread counts, which must not grow.
+vGPU, all three hook versions); every answer must equal the builder's own output for that VMI. After the load
+the server's open descriptors must be back to their count after the warm-up and its resident memory within
+:data:`RSS_SLACK` of it; the run prints p50/p99 latency and those figures. What the test does not assert is
+anything a busy machine changes: how many worker threads the server's pool has started, peaks during the run,
+or latency (issue 22: a thread count that grew from 16 to 17 under load failed CI at random).
 
-Default run: a short version; ``make soak`` (``--soak``): the issue's 1,000 calls.
+Default run: 1,000 calls; ``make soak`` (``--soak``): 5,000.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ from tests.hook_support import RTX, RTX_VAR, seed_case, short_dir, unix_channel,
 pytestmark = pytest.mark.soak
 
 THREADS = 16
+RSS_SLACK = 4 * 2**20
+"""Growth of the server's resident memory allowed over the measured run, after the warm-up. A call keeps
+nothing; keeping only the bytes of each call's domain and answer grew the server by 2.4 MiB over 300 calls
+(tried by hand), so over the default run's 1,000 calls a leak of that size is about 8 MiB, of a parsed tree far
+more, while a run that keeps nothing grew by 0.3-0.6 MiB (runs of 300 and 1,000 calls, quiet and with both
+cores busy). The slack covers pool workers a busy machine starts late and the allocator's own growth."""
 T4 = "nvidia.com/GRID_T4-1Q"
 T4_VAR = "MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q"
 ENV = {
@@ -123,17 +132,34 @@ class ServerProcess:
     def fds(self) -> int:
         return _count(Path(f"/proc/{self.process.pid}/fd"))
 
-    def threads(self) -> int:
-        return _count(Path(f"/proc/{self.process.pid}/task"))
+    def rss(self) -> int:
+        """Resident memory of the server process, in bytes (``VmRSS`` of ``/proc/<pid>/status``)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"no VmRSS in /proc/{self.process.pid}/status")
 
-    def settled(self, baseline_fds: int, baseline_threads: int, timeout: float = 5.0) -> tuple[int, int]:
-        """Counts once closed connections are gone on the server side too (gRPC closes them asynchronously);
-        returns early as soon as both are back to the baseline, else the counts at ``timeout``."""
+    def steady_fds(self, quiet: float = 1.0, timeout: float = 60.0) -> int:
+        """Descriptors once the count has not fallen for ``quiet`` seconds (the warm-up's connections closed
+        on the server's side), or the count at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        lowest, since = self.fds(), time.monotonic()
+        while time.monotonic() - since < quiet and time.monotonic() < deadline:
+            time.sleep(0.05)
+            fds = self.fds()
+            if fds < lowest:
+                lowest, since = fds, time.monotonic()
+        return lowest
+
+    def settled(self, baseline_fds: int, timeout: float = 60.0) -> int:
+        """Descriptors once closed connections are gone on the server side too (gRPC closes them
+        asynchronously, later the busier the machine): returns as soon as the count is back to the baseline,
+        else the count at ``timeout``, a deadline generous enough for a loaded machine."""
         deadline = time.monotonic() + timeout
         while True:
-            fds, threads = self.fds(), self.threads()
-            if (fds <= baseline_fds and threads <= baseline_threads) or time.monotonic() > deadline:
-                return fds, threads
+            fds = self.fds()
+            if fds <= baseline_fds or time.monotonic() > deadline:
+                return fds
             time.sleep(0.05)
 
 
@@ -180,9 +206,9 @@ def _call(socket_path: Path, case: Case, version: int) -> tuple[bytes, float]:
     return result.domainXML, time.perf_counter() - started
 
 
-def _run(server: ServerProcess, all_cases: list[Case], calls: int, samples: list[tuple[int, int]]) -> list[float]:
+def _run(server: ServerProcess, all_cases: list[Case], calls: int, samples: list[int]) -> list[float]:
     """``calls`` calls from ``THREADS`` threads; asserts every answer; returns latencies; samples the server's
-    (fds, threads) about every 50 calls."""
+    open descriptors about every 50 calls (printed, not asserted)."""
     done = 0
     lock = threading.Lock()
 
@@ -194,7 +220,7 @@ def _run(server: ServerProcess, all_cases: list[Case], calls: int, samples: list
         with lock:
             done += 1
             if done % 50 == 0:
-                samples.append((server.fds(), server.threads()))
+                samples.append(server.fds())
         return latency
 
     with futures.ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="load") as pool:
@@ -209,42 +235,34 @@ def _percentile(values: list[float], fraction: float) -> float:
 def test_on_define_domain_under_load_is_always_right_and_leaks_nothing(hook_process: ServerProcess, soak: bool) -> None:
     all_cases = cases()
     assert {case.gpus for case in all_cases} == {0, 1, 2, 4, 8, 10}
-    calls = scaled(1000, soak, 300)
-    # Warm up: every worker thread of the server and gRPC's own pieces exist after this.
-    # The server's pool starts a worker only when no idle one takes a call, so on a loaded machine one round
-    # may leave a worker unstarted (seen: 16 -> 17 threads during the run, a pool growing, not a leak). Warm
-    # up until a round starts no thread.
-    warm: list[tuple[int, int]] = []
-    before = -1
-    for _ in range(6):
+    calls = scaled(5000, soak, 1000)
+    # Warm up: the server's worker threads, gRPC's own pieces and the allocator's arenas exist after this.
+    # Whether a busy machine left one more worker to start later does not matter: nothing below counts them.
+    warm: list[int] = []
+    for _ in range(2):
         _run(hook_process, all_cases, 4 * THREADS, warm)
-        time.sleep(0.5)  # the warm-up's connections close on the server's side
-        if hook_process.threads() == before:
-            break
-        before = hook_process.threads()
-    baseline_fds, baseline_threads = hook_process.fds(), hook_process.threads()
-    samples: list[tuple[int, int]] = []
+    baseline_fds = hook_process.steady_fds()
+    baseline_rss = hook_process.rss()
+    samples: list[int] = []
     started = time.perf_counter()
     latencies = _run(hook_process, all_cases, calls, samples)
     elapsed = time.perf_counter() - started
-    end_fds, end_threads = hook_process.settled(baseline_fds, baseline_threads)
+    end_fds = hook_process.settled(baseline_fds)
+    end_rss = hook_process.rss()
     p50, p99 = _percentile(latencies, 0.50), _percentile(latencies, 0.99)
-    peak_fds = max(fds for fds, _ in samples)
-    peak_threads = max(threads for _, threads in samples)
     print(
         f"\nhook load: {calls} OnDefineDomain calls from {THREADS} threads, fresh connection each, "
         f"{len(all_cases)} VMI shapes (0-10 GPUs), v1alpha1-3: all answers equal the builder's\n"
         f"  latency p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, max {max(latencies) * 1000:.2f} ms, "
         f"mean {statistics.fmean(latencies) * 1000:.2f} ms; {calls / elapsed:.0f} calls/s over {elapsed:.1f} s\n"
-        f"  server fds: {baseline_fds} after warm-up, peak {peak_fds} during, {end_fds} after; "
-        f"threads: {baseline_threads} after warm-up, peak {peak_threads} during, {end_threads} after"
+        f"  server fds: {baseline_fds} after warm-up, peak {max(samples, default=end_fds)} during, {end_fds} after; "
+        f"RSS: {baseline_rss / 2**20:.1f} MiB after warm-up, {end_rss / 2**20:.1f} MiB after"
     )
     assert len(latencies) == calls
     assert end_fds <= baseline_fds, f"the server holds {end_fds - baseline_fds} more descriptors after the run"
-    assert end_threads <= baseline_threads, f"the server runs {end_threads - baseline_threads} more threads"
-    # Bounded during the run too: one connection per client thread at most, and a fixed worker pool.
-    assert peak_fds <= baseline_fds + 2 * THREADS
-    assert peak_threads <= baseline_threads + 4
+    assert end_rss - baseline_rss <= RSS_SLACK, (
+        f"the server's resident memory grew by {(end_rss - baseline_rss) / 2**20:.1f} MiB over {calls} calls"
+    )
     assert hook_process.process.poll() is None, "the server died under load"
 
 

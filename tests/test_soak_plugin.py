@@ -4,15 +4,18 @@ Every test runs the real ``gpu-device-plugin serve`` process against the kubelet
 on fixture trees in short temp dirs, and prints its figures (``make soak`` runs pytest with ``-s``). The
 default test run does a short version of each; ``--soak`` (``make soak``) runs the issue's full counts:
 
-- 100 kubelet restarts in a row: each followed by re-registration of every resource within 1 s, and no growth
-  in the plugin process's open descriptors or threads, nor in the sockets of the kubelet directory;
+- 100 kubelet restarts in a row: each followed by exactly one re-registration of every resource, long before
+  the 60 s scan would have noticed (only the inotify watch can do it), and no growth in the plugin process's
+  open descriptors or resident memory, nor in the sockets of the kubelet directory;
 - 100 flapping cycles on each of node01's 4 GPUs (vfio group node removed/restored, the whole card rebound
   from vfio-pci to the host drivers and back) while Allocate calls run: no Allocate ever hands out a device
   that was not healthy during the call, refusals are INVALID_ARGUMENT/FAILED_PRECONDITION naming the ID, and
   the final ListAndWatch state is the tree's;
 - 1,000 Allocate calls from 8 threads, every answer checked; p50/p99 latency.
 
-Waits are bounded but generous (the machine is shared); time goals are asserted on the measured times.
+Waits are bounded but generous (the machine is shared). Nothing a busy machine changes is asserted: no
+latency, no thread count; the latencies are printed, and their goals are measured by ``bench/`` against a floor
+taken in the same run (issue 22).
 """
 
 from __future__ import annotations
@@ -81,11 +84,16 @@ HOST_DRIVERS = {0: "nvidia", 1: "snd_hda_intel", 2: "xhci_hcd", 3: "nvidia-gpu"}
 NOT_OFFERED = ("0000:d8:00.0", "0000:3b:00.1", "0000:ff:00.0")
 """IDs the resource never has: the T4 left on nvidia, a companion function, an address that does not exist."""
 WAIT = 15.0
-"""Bound for waits; goals are asserted on measured times, not by timing out."""
+"""Bound for waits, far below the 60 s scan interval the restart test sets: a registration within it came from
+the inotify watch, not from a scan."""
 REREGISTRATION_GOAL = 1.0
+"""Printed beside the measured re-registration times; ``bench/plugin_device`` judges it against its floor."""
 FD_SLACK = 3
-THREAD_SLACK = 3
-"""Allowed growth after all cycles: gRPC opens and closes a descriptor or a short-lived thread on its own."""
+"""Allowed growth after all cycles: gRPC opens and closes a descriptor on its own, a moment late."""
+RSS_SLACK = 8 * 2**20
+"""Allowed growth of the plugin's resident memory after all restarts (measured: about 0.5 MiB over 20). It
+catches only a large per-restart leak; the descriptor count is the finer check, since every server, channel
+and stream a restart kept holds a descriptor."""
 
 
 @pytest.fixture
@@ -106,8 +114,13 @@ def ms(seconds: float) -> str:
 
 
 def _counts(pid: int) -> tuple[int, int]:
-    """Open descriptors and threads of process ``pid``."""
-    return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+    """Open descriptors and resident memory in bytes (``VmRSS``) of process ``pid``."""
+    rss = next(
+        int(line.split()[1]) * 1024
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("VmRSS:")
+    )
+    return len(os.listdir(f"/proc/{pid}/fd")), rss
 
 
 def _all_healthy(devices: dict[str, str]) -> bool:
@@ -124,8 +137,10 @@ def test_kubelet_restarts_re_register_within_a_second_and_leak_nothing(base: Pat
     ``kubelet.sock``. The time from the new ``kubelet.sock`` to each resource's ``Register`` must be ≤ 1 s (the
     scan interval is 60 s: only the inotify watch on the kubelet directory can do it); afterwards both device
     lists are whole and Healthy on fresh streams and the directory holds exactly ``kubelet.sock`` and the two
-    plugin sockets. Descriptors and threads of the plugin process (``/proc/<pid>``), taken after a few warm-up
-    restarts, must not grow beyond a small constant.
+    plugin sockets. The time from the new socket to ``Register`` is printed (goal ≤ 1 s, judged in ``bench/``);
+    asserted is that it came within :data:`WAIT`, far below the scan interval. Descriptors and resident memory
+    of the plugin process (``/proc/<pid>``), taken after a few warm-up restarts, must not grow beyond a small
+    constant.
     """
     restarts = scaled(100, soak, 20)
     warmup = 3
@@ -164,7 +179,6 @@ def test_kubelet_restarts_re_register_within_a_second_and_leak_nothing(base: Pat
                 assert process.poll() is None, f"restart {cycle}: the plugin exited ({process.returncode})"
                 assert sockets(kubelet_dir) == expected_sockets, f"restart {cycle}"
                 assert len(kubelet.threads()) == len(resources)
-                assert slowest <= REREGISTRATION_GOAL, f"restart {cycle}: re-registered after {ms(slowest)}"
                 if cycle <= warmup:
                     sample = _counts(process.pid)
                     baseline = (
@@ -188,21 +202,21 @@ def test_kubelet_restarts_re_register_within_a_second_and_leak_nothing(base: Pat
     )
     print(
         f"plugin process: fds {baseline[0]} before -> {after[0]} after (max {max(s[0] for s in samples)} during), "
-        f"threads {baseline[1]} before -> {after[1]} after (max {max(s[1] for s in samples)} during); "
+        f"RSS {baseline[1] / 2**20:.1f} MiB before -> {after[1] / 2**20:.1f} MiB after; "
         f"sockets after each restart: {expected_sockets}"
     )
     assert after[0] <= baseline[0] + FD_SLACK, f"descriptors grew: {baseline[0]} -> {after[0]}"
-    assert after[1] <= baseline[1] + THREAD_SLACK, f"threads grew: {baseline[1]} -> {after[1]}"
+    assert after[1] <= baseline[1] + RSS_SLACK, f"resident memory grew: {baseline[1]} -> {after[1]} bytes"
 
 
-def _settled_counts(pid: int, baseline: tuple[int, int], settle: float = 3.0) -> tuple[int, int]:
-    """The process's counts once back within the slack of ``baseline`` (gRPC closes some pieces a moment late),
-    or the last sample after ``settle`` seconds."""
+def _settled_counts(pid: int, baseline: tuple[int, int], settle: float = 30.0) -> tuple[int, int]:
+    """The process's counts once its descriptors are back within the slack of ``baseline`` (gRPC closes some
+    pieces a moment late, later the busier the machine), or the last sample after ``settle`` seconds."""
     deadline = time.monotonic() + settle
     while True:
-        fds, threads = _counts(pid)
-        if (fds <= baseline[0] + FD_SLACK and threads <= baseline[1] + THREAD_SLACK) or time.monotonic() > deadline:
-            return fds, threads
+        fds, rss = _counts(pid)
+        if fds <= baseline[0] + FD_SLACK or time.monotonic() > deadline:
+            return fds, rss
         time.sleep(0.05)
 
 
