@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node_agent.kernel import AgentError
+from runtime.files import read_open_file
 from runtime.hostroot import HostRoot, ReadError
+from schemas.errors import InputError
 from schemas.pci import PciAddress
 
 MAX_ATTRIBUTE = 65536
@@ -86,6 +88,22 @@ class Sysfs:
         except ReadError as exc:
             raise AgentError(f"sysfs attribute {path}: {exc}") from None
         return None if text is None else text.strip()
+
+    def read_table(self, path: Path, limit: int = MAX_PROC_FILE) -> str | None:
+        """The whole text of a ``/proc`` table (``mountinfo``, ``swaps``) read to its end, at most ``limit``
+        bytes; None when it does not exist. (A seq_file hands over a page or less per read, so one short read
+        is not its end, unlike a sysfs attribute's.)"""
+        host, inner, _ = self._where(path)
+        try:
+            descriptor = host.open_confined(inner, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ReadError) as exc:
+            raise AgentError(f"{path} cannot be read: {exc}") from None
+        try:
+            return read_open_file(descriptor, limit, "host table", str(path)).decode(errors="replace")
+        except InputError as exc:
+            raise AgentError(str(exc)) from None
 
     def lexists(self, path: Path) -> bool:
         """Whether ``path`` exists itself (a link, even dangling, counts), its parent resolved inside the root."""

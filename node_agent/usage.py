@@ -7,8 +7,8 @@ file (the kernel's ``Documentation/ABI/testing/sysfs-uevent``; ``udevadm info`` 
   ``nvme0n1``, ``hidraw0``…). A process holding it open (``/proc/<pid>/fd``) uses the device;
 - ``DEVTYPE=disk`` / ``partition`` with ``MAJOR``/``MINOR`` (``block/<dev>`` and its partitions): in use
   when a mount of the host's (``/proc/1/mountinfo``, and ``/proc/self/mountinfo`` when that resolves) has
-  that device number, when ``/proc/swaps`` names it, or when its ``holders/`` is not empty (device-mapper,
-  md RAID, LVM built on it);
+  that device number (and when neither table can be read: nothing then says it is unused), when
+  ``/proc/swaps`` names it, or when its ``holders/`` is not empty (device-mapper, md RAID, LVM built on it);
 - ``INTERFACE=<name>`` (``net/<if>``): in use when it is up (``operstate`` ``up``, or ``IFF_UP`` in
   ``flags``) or has an address (``/proc/1/net/if_inet6``, ``/proc/1/net/route``: the host's network
   namespace, as the host's init sees it).
@@ -93,21 +93,27 @@ class HostUse:
         self._swaps: set[str] | None = None
         self._addressed: set[str] | None = None
 
-    def _table(self, *names: str) -> list[str]:
-        lines: list[str] = []
+    def _table(self, *names: str) -> list[str] | None:
+        """The lines of the first ``/proc`` tables ``names`` that can be read, together; None when none can."""
+        lines: list[str] | None = None
         for name in names:
             try:
-                text = self.fs.read(self.fs.proc / name, MAX_PROC_FILE)
+                text = self.fs.read_table(self.fs.proc / name, MAX_PROC_FILE)
             except AgentError:
                 continue  # a table we cannot read (a proc without it): the others still tell
-            lines.extend((text or "").splitlines())
+            if text is not None:
+                lines = (lines or []) + text.splitlines()
         return lines
 
-    def mounts(self) -> dict[str, list[str]]:
-        """``major:minor`` → where it is mounted (from the host's init and our own mount tables)."""
+    def mounts(self) -> dict[str, list[str]] | None:
+        """``major:minor`` → where it is mounted (from the host's init and our own mount tables); None when no
+        mount table can be read (then no disk can be said to be unused)."""
         if self._mounts is None:
+            table = self._table("1/mountinfo", "self/mountinfo")
+            if table is None:
+                return None
             self._mounts = {}
-            for line in self._table("1/mountinfo", "self/mountinfo"):
+            for line in table:
                 fields = line.split()
                 if len(fields) >= 5 and ":" in fields[2]:
                     points = self._mounts.setdefault(fields[2], [])
@@ -117,14 +123,14 @@ class HostUse:
 
     def swaps(self) -> set[str]:
         if self._swaps is None:
-            self._swaps = {line.split()[0] for line in self._table("swaps")[1:] if line.split()}
+            self._swaps = {line.split()[0] for line in (self._table("swaps") or [])[1:] if line.split()}
         return self._swaps
 
     def addressed(self) -> set[str]:
         """Interfaces with an IPv6 address or an IPv4 route in the host's network namespace."""
         if self._addressed is None:
-            names = {line.split()[-1] for line in self._table("1/net/if_inet6") if len(line.split()) >= 6}
-            names |= {line.split()[0] for line in self._table("1/net/route")[1:] if line.split()}
+            names = {line.split()[-1] for line in self._table("1/net/if_inet6") or [] if len(line.split()) >= 6}
+            names |= {line.split()[0] for line in (self._table("1/net/route") or [])[1:] if line.split()}
             self._addressed = names
         return self._addressed
 
@@ -133,8 +139,15 @@ class HostUse:
         why: list[str] = []
         if usage.too_large:
             why.append(usage.too_large)
+        mounts = self.mounts() if usage.blocks else {}
         for name, number, directory in usage.blocks:
-            points = self.mounts().get(number, [])
+            if mounts is None:
+                why.append(
+                    f"block device {name} ({number}) may be mounted: no mount table is readable under {self.fs.proc} "
+                    "(1/mountinfo, self/mountinfo)"
+                )
+                continue
+            points = mounts.get(number, [])
             if points:
                 why.append(f"block device {name} ({number}) is mounted on {', '.join(points[:4])}")
             if f"/dev/{name}" in self.swaps():

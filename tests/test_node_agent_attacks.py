@@ -87,7 +87,7 @@ def test_an_allowed_group_is_still_refused_while_the_host_uses_its_devices(works
     assert workstation.writes == 0 and drivers(workstation) == before
 
 
-@pytest.mark.parametrize("use", ["swap", "holder", "open-node", "address"])
+@pytest.mark.parametrize("use", ["swap", "holder", "open-node", "address", "no-mount-table"])
 def test_every_host_use_of_a_device_counts(tmp_path: Path, use: str) -> None:
     sim = build_node(shared_group_node(), tmp_path / "root")
     add_interface(sim.root, NIC, "eth0", up=False)
@@ -97,7 +97,10 @@ def test_every_host_use_of_a_device_counts(tmp_path: Path, use: str) -> None:
         "holder": "block device nvme0n1 is held by dm-0",
         "open-node": "pid 4243 (fio) holds /dev/nvme0n1",
         "address": "network interface eth0 has an address or a route",
+        "no-mount-table": "block device nvme0n1 (259:0) may be mounted: no mount table is readable",
     }[use]
+    if use != "no-mount-table":
+        mount(sim.root, "8:2", "/")
     if use == "swap":
         (sim.root / "proc").mkdir(exist_ok=True)
         (sim.root / "proc/swaps").write_text(
@@ -120,6 +123,7 @@ def test_an_allowed_idle_group_moves_whole_and_the_bridge_stays(tmp_path: Path) 
     sim = build_node(shared_group_node(), tmp_path / "root")
     add_interface(sim.root, NIC, "eth0", up=False)
     add_disk(sim.root, f"{NVME}/nvme/nvme0", "nvme0n1", 259, partitions=1)
+    mount(sim.root, "8:2", "/")  # the host's root is on another disk
     result = agent(sim, "bind", "--all", env={"GPU_NODE_AGENT_ALLOW_GROUPS": str(SHARED_GROUP)})
     assert result.exit_code == 0, result.output
     assert drivers(sim) == {
