@@ -5,17 +5,25 @@ value); :func:`bind` and :func:`unbind` read the node, refuse what must not be t
 to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
 
 - a whole IOMMU group moves: VFIO can only use a group whose every function is on a VFIO driver (or none);
-  PCI bridges in the group stay on their driver, as VFIO allows;
+  PCI-to-PCI bridges in the group stay on their driver, as VFIO allows, whoever made them;
+- only the GPU's own functions move: the selected functions, other NVIDIA functions and the functions of a
+  selected GPU's slot (its audio, USB, UCSI: the card's companions), none of them a storage, network or
+  other bridge function. A group holding anything else (a NIC, an NVMe drive, another vendor's device, a
+  host or ISA bridge) is refused naming every such function and its driver, unless the operator allowed
+  that group by number (``--allow-group N``; docs/node-agent.md states the risk);
 - a function already on its VFIO driver gets no write (a re-run writes nothing);
 - nothing is unbound from a group a VM holds (its ``/dev/vfio/<N>`` answers ``EBUSY``) or from a host
-  driver whose device nodes a process has open; the error names the function and the holder;
+  driver the host uses (:mod:`node_agent.usage`: device nodes a process has open, a mounted or swapped-on or
+  held block device, a network interface that is up or has an address), allowed group or not; the error
+  names the function and the use;
+- every attribute a group's writes go to is opened inside the host root first (:meth:`Sysfs.check_writable`):
+  a link leading out of it refuses the group before its first write;
 - a group is the unit: a refused group is left as it was, the other groups are still done, and the
   command fails naming every refusal.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,8 +32,14 @@ from pathlib import Path
 from node_agent.drivers import VfioAlias, choose_module, driver_of_module
 from node_agent.kernel import AgentError, Kernel
 from node_agent.sysfs import NVIDIA_VENDOR, PciFunction, Sysfs, all_addresses, holders, read_function
+from node_agent.usage import HostUse, walk
 from runtime.node import VFIO_DRIVERS
+from schemas.companions import same_slot
 from schemas.pci import PciAddress
+
+FOREIGN_CLASSES = {0x01: "storage", 0x02: "network", 0x06: "bridge"}
+"""PCI base classes never moved as part of a GPU's group (a PCI-to-PCI bridge stays on its driver instead)."""
+_CLASS_NAMES = {**FOREIGN_CLASSES, 0x03: "display", 0x04: "multimedia", 0x0C: "serial bus"}
 
 _SELECTOR = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{4}")
 
@@ -113,7 +127,7 @@ def unbind_steps(fs: Sysfs, function: PciFunction) -> list[Step]:
 
 
 def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
-    """Selected functions grouped by IOMMU group, with every other (non-bridge) function of each group."""
+    """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group."""
     groups: dict[int, list[PciFunction]] = {}
     for address in selected:
         function = read_function(fs, address)
@@ -130,6 +144,36 @@ def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[Pc
     return groups
 
 
+def class_name(function: PciFunction) -> str:
+    base = function.pci_class >> 16
+    return f"{_CLASS_NAMES.get(base, 'class')} 0x{function.pci_class:06x}"
+
+
+def foreign(members: list[PciFunction], selected: Iterable[str]) -> list[PciFunction]:
+    """The members of a group that are not the selected GPUs' own functions (see the module's rules)."""
+    chosen = set(selected)
+    gpus = [PciAddress.parse(member.address) for member in members if member.address in chosen]
+    found = []
+    for member in members:
+        if member.address in chosen:
+            continue
+        own = member.pci_class >> 16 not in FOREIGN_CLASSES and (
+            member.vendor == NVIDIA_VENDOR or any(same_slot(gpu, PciAddress.parse(member.address)) for gpu in gpus)
+        )
+        if not own:
+            found.append(member)
+    return found
+
+
+def foreign_refusal(group: int, others: list[PciFunction]) -> str:
+    names = "; ".join(f"{m.address} ({m.vendor_device}, {class_name(m)}, on {m.driver or 'no driver'})" for m in others)
+    return (
+        f"IOMMU group {group} also holds functions that are not the GPU's own: {names}; not binding the group "
+        f"(those devices would leave the host with it: move the GPU to a slot of its own, or, knowing they go "
+        f"to VMs too, allow it with --allow-group {group})"
+    )
+
+
 def _nvidia_nodes(fs: Sysfs, function: PciFunction) -> list[str]:
     """``/dev/nvidia<minor>`` of a GPU on the ``nvidia`` driver (its minor from /proc/driver/nvidia)."""
     info = fs.proc / "driver" / "nvidia" / "gpus" / function.address / "information"
@@ -144,16 +188,17 @@ def _nvidia_nodes(fs: Sysfs, function: PciFunction) -> list[str]:
     return []
 
 
-def group_holders(fs: Sysfs, kernel: Kernel, group: int) -> list[str] | None:
+def group_holders(fs: Sysfs, kernel: Kernel | None, group: int) -> list[str] | None:
     """Who holds the VFIO group ``group``: None when nobody; otherwise the holders found in /proc, or
-    ``["a process in another PID namespace"]``-style wording when only the group's EBUSY tells."""
+    ``["a process in another PID namespace"]``-style wording when only the group's EBUSY tells. Without a
+    ``kernel`` (a read-only probe) only /proc is asked: the group node is never opened."""
     node = fs.group_node(group)
-    if not os.path.lexists(node):
+    if not fs.lexists(node):
         return None
     found = holders(fs, {f"/dev/vfio/{group}"})
     if found:
         return found
-    if kernel.group_busy(node):
+    if kernel is not None and kernel.group_busy(node):
         return [f"an unknown process ({node} answers EBUSY; not found in {fs.proc})"]
     return None
 
@@ -168,24 +213,49 @@ def _refusal(
             names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver})" for m in leaving)
             return f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}"
     owners: dict[str, PciFunction] = {}
+    uses: dict[str, list[str]] = {}
+    host = HostUse(fs)
     for member in leaving:
         if member.driver in VFIO_DRIVERS:
             continue
-        nodes = [*member.device_nodes, *(_nvidia_nodes(fs, member) if member.driver == "nvidia" else [])]
+        usage = walk(fs, fs.inside(fs.pci_devices / member.address))
+        nodes = [
+            *member.device_nodes,
+            *usage.nodes,
+            *(_nvidia_nodes(fs, member) if member.driver == "nvidia" else []),
+        ]
         owners.update(dict.fromkeys(nodes, member))
-    found = holders(fs, set(owners)) if owners else []  # one /proc scan for the whole group
-    if not found:
+        reasons = host.reasons(usage)
+        if reasons:
+            uses.setdefault(member.address, []).extend(reasons)
+    for line in holders(fs, set(owners)) if owners else []:  # one /proc scan for the whole group
+        node = line.rpartition(" holds ")[2]
+        if node in owners:
+            uses.setdefault(owners[node].address, []).append(line)
+    if not uses:
         return None
-    member = next(owners[node] for node in owners if any(line.endswith(f" holds {node}") for line in found))
-    return (
-        f"{member.address} ({member.vendor_device}) is in use through its host driver {member.driver}: "
-        f"{'; '.join(found)}; not unbinding it (IOMMU group {group} left as it is)"
-    )
+    by_address = {member.address: member for member in leaving}
+    named = [
+        f"{address} ({by_address[address].vendor_device}) is in use through its host driver "
+        f"{by_address[address].driver}: {'; '.join(reasons)}"
+        for address, reasons in uses.items()
+    ]
+    return f"{'; '.join(named)}; not unbinding it (IOMMU group {group} left as it is)"
 
 
 def _apply(kernel: Kernel, steps: list[Step]) -> None:
     for step in steps:
         kernel.write(step.path, step.value)
+
+
+def _unwritable(fs: Sysfs, group: int, steps: Iterable[Step]) -> str | None:
+    """Why one of ``steps`` could not be written inside the host root (checked before the group's first write)."""
+    for step in steps:
+        try:
+            fs.check_writable(step.path)
+        except AgentError as exc:
+            return f"IOMMU group {group}: {exc}; nothing written to the group"
+    return None
 
 
 def driver_chooser(fs: Sysfs, aliases: list[VfioAlias]) -> Callable[[PciFunction], str]:
@@ -197,19 +267,31 @@ def driver_chooser(fs: Sysfs, aliases: list[VfioAlias]) -> Callable[[PciFunction
 
 def ensure_driver(fs: Sysfs, kernel: Kernel, driver: str) -> None:
     """Load ``driver``'s module when ``/sys/bus/pci/drivers/<driver>`` is missing; fail naming it otherwise."""
-    if (fs.pci_drivers / driver).is_dir():
+    if fs.is_dir(fs.pci_drivers / driver):
         return
     module = driver.replace("-", "_")
     kernel.load_module(module, fs.root)
-    if not (fs.pci_drivers / driver).is_dir():
+    if not fs.is_dir(fs.pci_drivers / driver):
         raise AgentError(f"loaded {module}, yet {fs.pci_drivers / driver} does not exist")
 
 
-def bind(fs: Sysfs, kernel: Kernel, selected: list[str], choose: Callable[[PciFunction], str]) -> Report:
-    """Bind every selected function's whole IOMMU group to its VFIO driver (see the module's rules)."""
+def bind(
+    fs: Sysfs,
+    kernel: Kernel,
+    selected: list[str],
+    choose: Callable[[PciFunction], str],
+    allowed: Iterable[int] = (),
+) -> Report:
+    """Bind every selected function's whole IOMMU group to its VFIO driver (see the module's rules);
+    ``allowed``: the groups the operator lets move with functions that are not the GPU's own."""
     report = Report()
     start = kernel.writes
+    allow = set(allowed)
     for group, members in _groups(fs, selected, report).items():
+        others = foreign(members, selected)
+        if others and group not in allow:
+            report.refused.append(foreign_refusal(group, others))
+            continue
         targets = {member.address: choose(member) for member in members}
         report.drivers.update(targets)
         moving = [member for member in members if member.driver != targets[member.address]]
@@ -223,8 +305,12 @@ def bind(fs: Sysfs, kernel: Kernel, selected: list[str], choose: Callable[[PciFu
             continue
         for driver in sorted({targets[member.address] for member in moving}):
             ensure_driver(fs, kernel, driver)
-        for member in members:
-            steps = bind_steps(fs, member, targets[member.address])
+        plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
+        refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+        if refusal is not None:
+            report.refused.append(refusal)
+            continue
+        for member, steps in plans:
             if not steps:
                 report.unchanged.append(member.address)
                 continue
@@ -256,6 +342,10 @@ def unbind(fs: Sysfs, kernel: Kernel, selected: list[str]) -> Report:
             names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver or 'no driver'})" for m in moving)
             report.refused.append(f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}")
             continue
+        refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+        if refusal is not None:
+            report.refused.append(refusal)
+            continue
         for member, steps in plans:
             if not steps:
                 report.unchanged.append(member.address)
@@ -268,14 +358,22 @@ def unbind(fs: Sysfs, kernel: Kernel, selected: list[str]) -> Report:
     return report
 
 
-def missing_bindings(fs: Sysfs, selected: list[str], choose: Callable[[PciFunction], str]) -> list[str]:
-    """What keeps the selected GPUs from VMs: each function of their groups not on its VFIO driver, and a
-    group node that does not exist; empty when the node is ready for ``vm-passthrough``."""
+def missing_bindings(
+    fs: Sysfs, selected: list[str], choose: Callable[[PciFunction], str], allowed: Iterable[int] = ()
+) -> list[str]:
+    """What keeps the selected GPUs from VMs: a group holding functions that are not the GPU's own (unless
+    ``allowed``), each function of their groups not on its VFIO driver, and a group node that does not
+    exist; empty when the node is ready for ``vm-passthrough``. Reads only."""
     if not selected:
         return ["no GPU selected: nothing matches the selection on this node"]
     report = Report()
     missing: list[str] = []
+    allow = set(allowed)
     for group, members in _groups(fs, selected, report).items():
+        others = foreign(members, selected)
+        if others and group not in allow:
+            missing.append(foreign_refusal(group, others))
+            continue
         for member in members:
             driver = choose(member)
             if member.driver != driver:
@@ -283,6 +381,6 @@ def missing_bindings(fs: Sysfs, selected: list[str], choose: Callable[[PciFuncti
                     f"{member.address} ({member.vendor_device}, IOMMU group {group}) is on "
                     f"{member.driver or 'no driver'}, not {driver}"
                 )
-        if not os.path.lexists(fs.group_node(group)):
+        if not fs.lexists(fs.group_node(group)):
             missing.append(f"{fs.group_node(group)} does not exist")
     return report.refused + missing

@@ -45,19 +45,19 @@ def env(name: str) -> str:
     return f"{ENV_PREFIX}_{name.upper()}"
 
 
-def _kernel(context: click.Context) -> Kernel:
+def _kernel(context: click.Context, fs: Sysfs) -> Kernel:
     obj = context.find_root().obj
-    return obj if obj is not None else RealKernel()
+    return obj if obj is not None else RealKernel(fs)
 
 
-def load_aliases(root: Path, release: str | None = None) -> list[VfioAlias]:
-    """The ``vfio_pci:`` aliases of the running kernel's modules.alias under ``root`` (none when absent:
-    every device then takes vfio-pci)."""
-    path = root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
-    if not path.exists():
+def load_aliases(fs: Sysfs, release: str | None = None) -> list[VfioAlias]:
+    """The ``vfio_pci:`` aliases of the running kernel's modules.alias under the host root (none when absent:
+    every device then takes vfio-pci), read through the host root's resolver."""
+    path = fs.root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
+    text = fs.read(path, MAX_MODULES_ALIAS)
+    if text is None:
         log.info("no %s: every device takes vfio-pci", path)
         return []
-    text = read_regular_file(path, MAX_MODULES_ALIAS, "modules.alias").decode(errors="replace")
     return parse_vfio_aliases(text)
 
 
@@ -103,6 +103,17 @@ selection_options = [
         metavar="VENDOR:DEVICE",
         help="Also every function with these IDs (e.g. 1234:1111 for QEMU's bochs-display in tests); repeatable.",
     ),
+    click.option(
+        "--allow-group",
+        "allowed_groups",
+        multiple=True,
+        type=click.IntRange(min=0),
+        envvar=env("allow_groups"),
+        show_envvar=True,
+        metavar="N",
+        help="Bind IOMMU group N although it holds functions that are not the GPU's own (a NIC, a disk, another "
+        "vendor's device): they leave the host with it. Repeatable; see docs/node-agent.md for the risk.",
+    ),
 ]
 
 
@@ -115,7 +126,7 @@ def with_selection(function: Any) -> Any:
 def _selected(fs: Sysfs, addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...]) -> list[str]:
     if not (addresses or all_gpus or selectors):
         raise click.UsageError("name the GPUs: PCI addresses, --all, or --select VENDOR:DEVICE")
-    if not fs.pci_devices.is_dir():
+    if not fs.is_dir(fs.pci_devices):
         raise AgentError(f"{fs.pci_devices} does not exist: is {fs.root} the node's / (--host-root)?")
     selected = select(fs, addresses, selectors, all_gpus)
     if not selected:
@@ -139,13 +150,19 @@ def cli(log_format: LogFormat) -> None:
 @state_dir_option
 @click.option("--stay", is_flag=True, help="After binding, wait for SIGTERM/SIGINT (then exit, changing nothing).")
 def bind(
-    addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...], host_root: Path, state_dir: Path, stay: bool
+    addresses: tuple[str, ...],
+    all_gpus: bool,
+    selectors: tuple[str, ...],
+    allowed_groups: tuple[int, ...],
+    host_root: Path,
+    state_dir: Path,
+    stay: bool,
 ) -> None:
     """Bind each selected GPU and every other function of its IOMMU group to the VFIO driver."""
     fs = Sysfs(host_root)
-    kernel = _kernel(click.get_current_context())
+    kernel = _kernel(click.get_current_context(), fs)
     selected = _selected(fs, addresses, all_gpus, selectors)
-    report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
+    report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(fs)), allowed_groups)
     write_section(state_dir, state_schema.SECTION_BIND, {"selected": selected, **report.as_dict()})
     _emit(report.as_dict())
     for address in report.changed:
@@ -161,11 +178,16 @@ def bind(
 @host_root_option
 @state_dir_option
 def unbind(
-    addresses: tuple[str, ...], all_gpus: bool, selectors: tuple[str, ...], host_root: Path, state_dir: Path
+    addresses: tuple[str, ...],
+    all_gpus: bool,
+    selectors: tuple[str, ...],
+    allowed_groups: tuple[int, ...],
+    host_root: Path,
+    state_dir: Path,
 ) -> None:
     """Clear driver_override and let the kernel reprobe each selected GPU's group (refused while a VM holds it)."""
     fs = Sysfs(host_root)
-    kernel = _kernel(click.get_current_context())
+    kernel = _kernel(click.get_current_context(), fs)
     selected = _selected(fs, addresses, all_gpus, selectors)
     report = unbind_groups(fs, kernel, selected)
     write_section(state_dir, state_schema.SECTION_UNBIND, {"selected": selected, **report.as_dict()})
@@ -218,17 +240,19 @@ def _missing(
     kernel: Kernel,
     state_dir: Path,
     workload: str,
-    selection: tuple[tuple[str, ...], bool, tuple[str, ...]],
+    selection: tuple[tuple[str, ...], bool, tuple[str, ...], tuple[int, ...]],
     vgpu: tuple[Path | None, str | None, tuple[str, ...]],
 ) -> list[str]:
     """What keeps the node from serving ``workload`` (empty: ready)."""
     if workload == "container":
         return []
     if workload == "vm-passthrough":
-        selected = _selected(fs, *selection)
-        return missing_bindings(fs, selected, driver_chooser(fs, load_aliases(fs.root)))
+        selected = _selected(fs, *selection[:3])
+        return missing_bindings(fs, selected, driver_chooser(fs, load_aliases(fs)), selection[3])
     config_file, config_name, parents = vgpu
-    return pending(plan_all(fs, kernel, _specs(config_file, config_name), parents, _remembered(state_dir)))
+    # Read only (the readiness probe runs this every 30 s): who holds a vGPU is asked of /proc, never by
+    # opening its group node, which a VM's QEMU opening it at that instant would find busy.
+    return pending(plan_all(fs, None, _specs(config_file, config_name), parents, _remembered(state_dir)))
 
 
 def _judge(state_dir: Path, workload: str, missing: list[str], done: dict[str, Any] | None = None) -> None:
@@ -247,6 +271,7 @@ def validate(
     addresses: tuple[str, ...],
     all_gpus: bool,
     selectors: tuple[str, ...],
+    allowed_groups: tuple[int, ...],
     host_root: Path,
     state_dir: Path,
     workload: str,
@@ -256,8 +281,8 @@ def validate(
 ) -> None:
     """Exit 0 when the node is ready for its workload (and write the readiness file), else 1 naming what is missing."""
     fs = Sysfs(host_root)
-    kernel = _kernel(click.get_current_context())
-    selection = (addresses, all_gpus, selectors)
+    kernel = _kernel(click.get_current_context(), fs)
+    selection = (addresses, all_gpus, selectors, allowed_groups)
     _judge(
         state_dir, workload, _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
     )
@@ -273,6 +298,7 @@ def prepare(
     addresses: tuple[str, ...],
     all_gpus: bool,
     selectors: tuple[str, ...],
+    allowed_groups: tuple[int, ...],
     host_root: Path,
     state_dir: Path,
     workload: str,
@@ -284,12 +310,12 @@ def prepare(
     """What the workload needs: vm-passthrough binds, vm-vgpu applies the vGPU config, container does nothing;
     then validate (readiness file) and, with --stay, wait."""
     fs = Sysfs(host_root)
-    kernel = _kernel(click.get_current_context())
-    selection = (addresses, all_gpus, selectors)
+    kernel = _kernel(click.get_current_context(), fs)
+    selection = (addresses, all_gpus, selectors, allowed_groups)
     done: dict[str, Any] | None = None
     if workload == "vm-passthrough":
-        selected = _selected(fs, *selection)
-        report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(host_root)))
+        selected = _selected(fs, *selection[:3])
+        report = bind_groups(fs, kernel, selected, driver_chooser(fs, load_aliases(fs)), allowed_groups)
         write_section(state_dir, state_schema.SECTION_BIND, {"selected": selected, **report.as_dict()})
         done = report.as_dict()
         if report.refused:
@@ -384,7 +410,8 @@ def vgpu_apply(
     stay: bool,
 ) -> None:
     """Create and remove vGPUs so the node holds exactly what the selected config asks for."""
-    done = _apply(Sysfs(host_root), _kernel(click.get_current_context()), state_dir, config_file, config_name, parents)
+    fs = Sysfs(host_root)
+    done = _apply(fs, _kernel(click.get_current_context(), fs), state_dir, config_file, config_name, parents)
     _emit({"config": config_name, **done})
     if stay:
         _stay()

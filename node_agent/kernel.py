@@ -39,17 +39,29 @@ class Kernel(Protocol):
         """Load the kernel module ``module`` of the node whose ``/`` is ``root``."""
 
 
-class RealKernel:
-    """Writes the node's real sysfs files; opens ``/dev/vfio/<N>`` to see whether a VM holds it."""
+class Opener(Protocol):
+    """How :class:`RealKernel` opens what it writes: inside the host root (``node_agent.sysfs.Sysfs``)."""
 
-    def __init__(self) -> None:
+    def open_write(self, path: Path) -> int:
+        """``path`` (an existing regular file) open for writing; :class:`AgentError` naming it otherwise."""
+
+    def open_node(self, path: Path, flags: int) -> int:
+        """The device node ``path`` opened with ``flags``; ``OSError`` as ``open`` raises it."""
+
+
+class RealKernel:
+    """Writes the node's real sysfs files, each opened through ``node`` (inside its host root: a link leading
+    out of it is refused before anything is written); opens ``/dev/vfio/<N>`` to see whether a VM holds it."""
+
+    def __init__(self, node: Opener) -> None:
+        self.node = node
         self.writes = 0
 
     def write(self, path: Path, value: str) -> None:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY)
-        except OSError as exc:
-            raise AgentError(f"cannot open {path} to write {value.strip()!r}: {exc.strerror or exc}") from None
+            fd = self.node.open_write(path)
+        except AgentError as exc:
+            raise AgentError(f"cannot open {path} to write {value.strip()!r}: {exc}") from None
         try:
             self.writes += 1
             written = os.write(fd, value.encode())
@@ -64,7 +76,7 @@ class RealKernel:
         # A group node can be open once: a VM (QEMU) holding it makes a second open fail with EBUSY. Opening it
         # ourselves holds it for the few microseconds until close (a VM starting in that window would fail).
         try:
-            fd = os.open(node, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+            fd = self.node.open_node(node, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as exc:
             return exc.errno == errno.EBUSY
         os.close(fd)

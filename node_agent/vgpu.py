@@ -18,13 +18,18 @@ left as it is (as NVIDIA's manager does).
 
 Order: read everything, plan every parent (pure: :func:`plan_parent`), refuse before any write when a
 type is unknown, a count cannot fit, or a vGPU to remove is held by a VM (named with its holder); then
-remove surplus vGPUs (freeing room) and create the missing ones, re-reading the room before each creation.
-vGPUs already as asked are left alone, so a re-apply of the same config writes nothing.
+check that every attribute about to be written opens inside the host root; then enable the VFs the config
+needs, remove surplus vGPUs (freeing room) and create the missing ones, re-reading the room before each
+creation. vGPUs already as asked are left alone, so a re-apply of the same config writes nothing.
+
+An SR-IOV GPU whose VFs are off shows its types nowhere but in its own ``nvidia/creatable_vgpu_types``
+(where the driver writes one) and in the state file (the names earlier runs saw). With neither, its type
+names can only be checked once its VFs exist: then, and only then, the VFs are enabled first (after every
+other check passed) and, should a name prove unknown, turned off again, so the node is left as it was.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -71,6 +76,8 @@ class Parent:
     """Each existing vGPU's IOMMU group (mdev UUID or VF address → group)."""
     index: int = -1
     """The GPU index a config's ``devices`` names it by (see :func:`gpu_indexes`)."""
+    listed: tuple[tuple[int, str], ...] = ()
+    """An SR-IOV PF's own ``nvidia/creatable_vgpu_types``, where the driver writes one."""
 
     def vgpus(self) -> dict[str, list[str]]:
         """Existing vGPUs by type key (mdev type directory, or the SR-IOV type ID as text) → their IDs."""
@@ -167,6 +174,7 @@ def _sriov_parent(fs: Sysfs, address: str, device_id: int) -> Parent:
         vfs=tuple(vfs),
         total_vfs=total,
         groups=tuple((vf.address, vf.group) for vf in vfs if vf.current),
+        listed=parse_creatable(fs.read(directory / "nvidia" / "creatable_vgpu_types") or ""),
     )
 
 
@@ -175,7 +183,7 @@ def gpu_indexes(fs: Sysfs) -> dict[str, int]:
     VF, in PCI address order."""
     gpus = []
     for address in all_addresses(fs):
-        if os.path.lexists(fs.pci_devices / address / "physfn"):
+        if fs.lexists(fs.pci_devices / address / "physfn"):
             continue
         function = read_function(fs, address)
         if function.vendor == NVIDIA_VENDOR and function.is_gpu:
@@ -198,7 +206,7 @@ def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
         if address in parents or (wanted and address not in wanted):
             continue
         directory = fs.pci_devices / address
-        if os.path.lexists(directory / "sriov_totalvfs"):
+        if fs.lexists(directory / "sriov_totalvfs"):
             function = read_function(fs, address)
             parents[address] = _sriov_parent(fs, address, function.device << 16 | function.vendor)
     missing = wanted - set(parents)
@@ -236,6 +244,13 @@ class ParentPlan:
     errors: list[str] = field(default_factory=list)
     known: dict[int, str] = field(default_factory=dict)
     """SR-IOV type ID → name as seen when planning (the state file keeps them for later runs)."""
+    unchecked: list[tuple[str, int]] = field(default_factory=list)
+    """(type name, count) asked of an SR-IOV GPU whose VFs are off and whose types nothing names yet."""
+
+    @property
+    def enables_vfs(self) -> bool:
+        """Whether applying starts by enabling the parent's VFs (an SR-IOV GPU with none that gets vGPUs)."""
+        return self.parent.kind == "sriov" and not self.parent.vfs and bool(self.wanted or self.unchecked)
 
 
 def resolve_type(parent: Parent, wanted: str, known: dict[int, str]) -> str | None:
@@ -252,8 +267,10 @@ def resolve_type(parent: Parent, wanted: str, known: dict[int, str]) -> str | No
 
 
 def known_sriov_types(parent: Parent, remembered: dict[int, str]) -> dict[int, str]:
-    """Type ID → name from every VF's creatable list, and from earlier runs (a VF with a type lists none)."""
+    """Type ID → name from every VF's creatable list, the PF's own, and from earlier runs (a VF with a type
+    lists none)."""
     known = dict(remembered)
+    known.update(parent.listed)
     for vf in parent.vfs:
         known.update(vf.creatable)
     return known
@@ -267,8 +284,12 @@ def plan_parent(
     plan = ParentPlan(parent)
     known = known_sriov_types(parent, remembered)
     plan.known = dict(known)
+    unknowable = parent.kind == "sriov" and not parent.vfs and not known
     for name, count in asked:
         key = resolve_type(parent, name, known)
+        if key is None and unknowable:
+            plan.unchecked.append((name, count))  # checked once the VFs exist (see the module doc)
+            continue
         if key is None:
             offered = (
                 [f"{k.type_id} ({k.name})" for k in parent.mdev_types]
@@ -312,7 +333,7 @@ def plan_parent(
                 )
     if parent.kind == "sriov":
         in_use = sum(len(ids) for ids in existing.values()) - len(plan.remove)
-        extra = sum(count for _, count in plan.create)
+        extra = sum(count for _, count in plan.create) + sum(count for _, count in plan.unchecked)
         room = (len(parent.vfs) or parent.total_vfs) - in_use
         if extra > room:
             plan.errors.append(
@@ -347,7 +368,7 @@ class ApplyReport:
         return {"changes": self.changes, "vgpus": self.vgpus, TYPE_NAMES: self.type_names, "writes": self.writes}
 
 
-def _held(fs: Sysfs, kernel: Kernel, parent: Parent) -> dict[str, list[str]]:
+def _held(fs: Sysfs, kernel: Kernel | None, parent: Parent) -> dict[str, list[str]]:
     held: dict[str, list[str]] = {}
     for vgpu, group in parent.groups:
         if group is None:
@@ -358,20 +379,39 @@ def _held(fs: Sysfs, kernel: Kernel, parent: Parent) -> dict[str, list[str]]:
     return held
 
 
+def _numvfs(fs: Sysfs, parent: Parent) -> Path:
+    return fs.pci_devices / parent.name / "sriov_numvfs"
+
+
 def _enable_vfs(fs: Sysfs, kernel: Kernel, parent: Parent, report: ApplyReport) -> None:
-    path = fs.pci_devices / parent.name / "sriov_numvfs"
-    kernel.write(path, str(parent.total_vfs))
+    kernel.write(_numvfs(fs, parent), str(parent.total_vfs))
     report.changes.append({"parent": parent.name, "action": "enable-vfs", "count": str(parent.total_vfs)})
+
+
+def _targets(fs: Sysfs, plans: list[ParentPlan]) -> list[Path]:
+    """The attributes a run of ``plans`` writes that are known before the first write (a VF to give a type
+    is chosen at the time; its attribute is opened inside the root then, before that write)."""
+    paths = [_numvfs(fs, plan.parent) for plan in plans if plan.enables_vfs]
+    for plan in plans:
+        for _, vgpu in plan.remove:
+            if plan.parent.kind == "mdev":
+                paths.append(fs.sys / "bus" / "mdev" / "devices" / vgpu / "remove")
+            else:
+                paths.append(fs.pci_devices / vgpu / "nvidia" / "current_vgpu_type")
+        if plan.parent.kind == "mdev":
+            paths.extend(_type_dir(fs, plan.parent, key) / "create" for key, _ in plan.create)
+    return paths
 
 
 def plan_all(
     fs: Sysfs,
-    kernel: Kernel,
+    kernel: Kernel | None,
     specs: tuple[VgpuSpec, ...],
     parent_names: Iterable[str],
     remembered: dict[str, dict[int, str]],
 ) -> list[ParentPlan]:
-    """Every managed parent's plan (reading the node and who holds its vGPUs)."""
+    """Every managed parent's plan (reading the node and who holds its vGPUs: without a ``kernel``, from /proc
+    only, never opening a group node, as a read-only probe must)."""
     plans = []
     for parent in read_parents(fs, parent_names):
         asked = asked_for(parent, specs)
@@ -386,6 +426,9 @@ def pending(plans: list[ParentPlan]) -> list[str]:
     missing = [error for plan in plans for error in plan.errors]
     for plan in plans:
         missing.extend(f"{plan.parent.name}: {count} {plan.labels[key]} vGPU(s) missing" for key, count in plan.create)
+        missing.extend(
+            f"{plan.parent.name}: {count} {name} vGPU(s) missing (its VFs are off)" for name, count in plan.unchecked
+        )
         missing.extend(f"{plan.parent.name}: {vgpu} ({key}) is not in the config" for key, vgpu in plan.remove)
     return missing
 
@@ -403,13 +446,26 @@ def apply(
     memory = remembered or {}
     report = ApplyReport()
     start = kernel.writes
-    for parent in read_parents(fs, names):
-        if parent.kind == "sriov" and not parent.vfs and asked_for(parent, specs):
-            _enable_vfs(fs, kernel, parent, report)
     plans = plan_all(fs, kernel, specs, names, memory)
     errors = [error for plan in plans for error in plan.errors]
     if errors:
         raise AgentError("; ".join(errors))
+    for path in _targets(fs, plans):
+        fs.check_writable(path)  # a link out of the host root: refused here, nothing written
+    enabled = [plan.parent for plan in plans if plan.enables_vfs]
+    for parent in enabled:
+        _enable_vfs(fs, kernel, parent, report)
+    if enabled:
+        plans = plan_all(fs, kernel, specs, names, memory)  # with the VFs and the types they offer
+        errors = [error for plan in plans for error in plan.errors]
+        if errors:
+            for parent in enabled:
+                kernel.write(_numvfs(fs, parent), "0")
+            turned = ", ".join(parent.name for parent in enabled)
+            raise AgentError(
+                "; ".join(errors) + f" (the VFs of {turned} were enabled to read the types they offer, and turned "
+                "off again: the node is as it was)"
+            )
     for plan in plans:
         _remove(fs, kernel, plan, report)
     for plan in plans:
@@ -422,6 +478,10 @@ def apply(
             report.type_names.update(encode_type_names({parent.name: known}))
     report.writes = kernel.writes - start
     return report
+
+
+def _type_dir(fs: Sysfs, parent: Parent, key: str) -> Path:
+    return fs.sys / "class" / "mdev_bus" / parent.name / "mdev_supported_types" / key
 
 
 def _remove(fs: Sysfs, kernel: Kernel, plan: ParentPlan, report: ApplyReport) -> None:
@@ -438,7 +498,7 @@ def _create(fs: Sysfs, kernel: Kernel, plan: ParentPlan, report: ApplyReport, ne
     for key, count in plan.create:
         label = plan.labels[key]
         if parent.kind == "mdev":
-            type_dir = fs.sys / "class" / "mdev_bus" / parent.name / "mdev_supported_types" / key
+            type_dir = _type_dir(fs, parent, key)
             fs.inside(type_dir)
             available = _int(fs.read(type_dir / "available_instances"), type_dir / "available_instances")
             if count > available:

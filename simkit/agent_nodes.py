@@ -86,3 +86,73 @@ def build_node(node: Node, root: Path, *, modules_alias: str | None = MODULES_AL
         path.parent.mkdir(parents=True)
         path.write_text(modules_alias)
     return SimKernel(root)
+
+
+INTEL = 0x8086
+SAMSUNG = 0x144D
+CLASS_NVME = 0x010802
+SHARED_GROUP = 7
+
+
+def shared_group_node() -> Node:
+    """A workstation without ACS: an RTX 2060 (VGA + audio) behind an Intel switch port, an Intel 82599 NIC
+    (``8086:10fb``, ``ixgbe``) and a Samsung NVMe drive (``144d:a808``, ``nvme``) all in IOMMU group 7."""
+    group = SHARED_GROUP
+    port = Function("0000:00:01.0", INTEL, 0x1901, 0x060400, "pcieport", group, 0)
+    return Node(
+        name="workstation",
+        functions=(
+            port,
+            Function("0000:01:00.0", NVIDIA, 0x1F08, CLASS_VGA, "nouveau", group, 0, parent=port.address),
+            Function("0000:01:00.1", NVIDIA, 0x10F9, CLASS_AUDIO, "snd_hda_intel", group, 0, parent=port.address),
+            Function("0000:01:00.2", NVIDIA, 0x1ADA, CLASS_USB_XHCI, "xhci_hcd", group, 0, parent=port.address),
+            Function("0000:02:00.0", INTEL, 0x10FB, 0x020000, "ixgbe", group, 0, parent=port.address),
+            Function("0000:03:00.0", SAMSUNG, 0xA808, CLASS_NVME, "nvme", group, 0, parent=port.address),
+        ),
+    )
+
+
+def _device_dir(root: Path, address: str) -> Path:
+    return Path(os.path.realpath(root / "sys" / "bus" / "pci" / "devices" / address))
+
+
+def _kobject(directory: Path, uevent: dict[str, str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "uevent").write_text("".join(f"{key}={value}\n" for key, value in uevent.items()))
+    return directory
+
+
+def add_interface(root: Path, address: str, name: str, *, up: bool) -> Path:
+    """``net/<name>`` below the function, as its network driver makes it (``operstate``, ``flags``)."""
+    directory = _kobject(_device_dir(root, address) / "net" / name, {"INTERFACE": name, "IFINDEX": "2"})
+    (directory / "operstate").write_text("up\n" if up else "down\n")
+    (directory / "flags").write_text("0x1003\n" if up else "0x1002\n")
+    return directory
+
+
+def add_disk(root: Path, below: str, name: str, major: int, partitions: int = 0) -> Path:
+    """A disk ``name`` (and its partitions) ``below`` (a path under the function's directory, e.g.
+    ``0000:03:00.0/nvme/nvme0``), with ``dev``, ``uevent`` and an empty ``holders``, as the block layer makes it."""
+    address, _, rest = below.partition("/")
+    parent = _device_dir(root, address) / rest
+    disk = _kobject(parent / name, {"MAJOR": str(major), "MINOR": "0", "DEVNAME": name, "DEVTYPE": "disk"})
+    (disk / "dev").write_text(f"{major}:0\n")
+    (disk / "holders").mkdir()
+    separator = "p" if name[-1].isdigit() else ""  # nvme0n1p1, sdb1: the kernel's own naming
+    for index in range(1, partitions + 1):
+        part = _kobject(
+            disk / f"{name}{separator}{index}",
+            {"MAJOR": str(major), "MINOR": str(index), "DEVNAME": f"{name}{separator}{index}", "DEVTYPE": "partition"},
+        )
+        (part / "dev").write_text(f"{major}:{index}\n")
+        (part / "holders").mkdir()
+    return disk
+
+
+def mount(root: Path, number: str, point: str, pid: str = "1") -> None:
+    """A line of ``/proc/<pid>/mountinfo`` mounting the block device ``number`` (``259:1``) on ``point``."""
+    path = root / "proc" / pid / "mountinfo"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = len(path.read_text().splitlines()) if path.exists() else 0
+    with path.open("a") as table:
+        table.write(f"{30 + count} 1 {number} / {point} rw,relatime shared:1 - ext4 /dev/x rw\n")

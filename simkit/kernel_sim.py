@@ -92,6 +92,7 @@ class SimKernel:
                 self.native[address] = driver
         for driver_dir in (self.sys / "bus" / "pci" / "drivers").glob("*"):
             self._driver_files(driver_dir)
+        self._attribute_files()
 
     # -- the Kernel protocol -------------------------------------------------------------------------------
 
@@ -198,6 +199,21 @@ class SimKernel:
             return int(os.path.basename(os.readlink(device_dir / "iommu_group")))
         except (OSError, ValueError):
             return None
+
+    def _attribute_files(self) -> None:
+        """The write-only attributes the kernel always has and a fixture tree leaves out: every PCI function's
+        ``driver_override`` (``(null)``), ``bus/pci/drivers_probe``, each mdev type's ``create``. The agent
+        writes only attributes that exist, as the kernel's are never created by a write."""
+        for address in os.listdir(self.sys / "bus" / "pci" / "devices"):
+            override = self._device_dir(address) / "driver_override"
+            if not os.path.lexists(override):
+                override.write_text("(null)\n")
+        probe = self.sys / "bus" / "pci" / "drivers_probe"
+        if not os.path.lexists(probe):
+            probe.write_text("")
+        for types in (self.sys / "class" / "mdev_bus").glob("*/mdev_supported_types/*"):
+            if not os.path.lexists(types / "create"):
+                (types / "create").write_text("")
 
     def _driver_files(self, driver_dir: Path) -> None:
         driver_dir.mkdir(parents=True, exist_ok=True)
@@ -378,6 +394,7 @@ class SimKernel:
         ):
             (vf_dir / name).write_text(text + "\n")
         (vf_dir / "uevent").write_text(f"PCI_ID=10DE:{gpu.vf_device:04X}\nPCI_SLOT_NAME={address}\n")
+        (vf_dir / "driver_override").write_text("(null)\n")
         _link(vf_dir / "physfn", pf_dir)
         _link(pf_dir / f"virtfn{index}", vf_dir)
         _link(vf_dir / "subsystem", self.sys / "bus" / "pci")

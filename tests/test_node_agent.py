@@ -229,7 +229,7 @@ def test_validate_passthrough_names_what_is_missing_and_keeps_the_readiness_file
 def test_the_real_kernel_writer_names_the_file_and_the_refusal(tmp_path: Path) -> None:
     from node_agent.kernel import RealKernel
 
-    kernel = RealKernel()
+    kernel = RealKernel(Sysfs(tmp_path))
     with pytest.raises(AgentError, match=r"cannot open .*/nope to write 'x'"):
         kernel.write(tmp_path / "nope", "x")  # sysfs attributes exist; the writer never creates files
     attribute = tmp_path / "attr"
@@ -255,7 +255,7 @@ def test_the_real_kernel_loads_the_driver_with_the_images_modprobe_from_the_host
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    kernel = RealKernel()
+    kernel = RealKernel(Sysfs(tmp_path))
     kernel.load_module("vfio_pci", Path("/host"))
     kernel.load_module("vfio_pci", Path("/"))
     assert calls.read_text().splitlines() == ["-d /host vfio_pci", "vfio_pci"]

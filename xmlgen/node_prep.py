@@ -155,6 +155,6 @@ def node_preparation(host_root: Path) -> NodePreparation:
         agent_fs = Sysfs(host_root)
         selected = select(agent_fs, [], [], nvidia_gpus=True)
         if selected:
-            missing = missing_bindings(agent_fs, selected, driver_chooser(agent_fs, load_aliases(host_root)))
+            missing = missing_bindings(agent_fs, selected, driver_chooser(agent_fs, load_aliases(agent_fs)))
             plan.bind = [line.replace(str(host_root), "", 1) for line in missing]
         return plan
