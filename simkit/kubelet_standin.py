@@ -262,6 +262,10 @@ class KubeletStandIn:
                 after_remove(name)
         return removed
 
+    def delete_sockets(self) -> list[str]:
+        """:meth:`cleanup_plugin_directory` in directory order (the name older callers know)."""
+        return self.cleanup_plugin_directory()
+
     @property
     def serving(self) -> bool:
         with self._changed:

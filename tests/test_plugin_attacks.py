@@ -131,7 +131,7 @@ def test_seven_idle_list_and_watch_streams_leave_workers_for_allocate(served: tu
         _unary_calls_answer(server.socket_path)
         assert server._servicer is not None and server._servicer.open_streams == MAX_OTHER_STREAMS
         admitted = [call for (_, call), no in zip(calls, refused, strict=True) if not no]
-        assert all(call.is_active() for call in admitted)  # type: ignore[attr-defined]
+        assert all(call.is_active() for call in admitted)
     finally:
         _close(calls)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-import plugin.manager
 from plugin.manager import PluginManager
+from plugin.registration import socket_identity
 from plugin.server import MAX_OTHER_STREAMS
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -286,11 +286,10 @@ def test_a_kubelet_sock_swapped_between_the_plugins_look_and_its_dial_gives_one_
     root = build_tree(NODE01, base)
     kubelet_dir = base / "kubelet"
     kubelet = KubeletStandIn(kubelet_dir)
-    real_identity = plugin.manager.socket_identity
     armed = threading.Event()
 
     def identity_then_swap(path: Path) -> tuple[int, int] | None:
-        seen = real_identity(path)
+        seen = socket_identity(path)
         if (
             armed.is_set()
             and threading.current_thread().name == "plugin-manager"
@@ -301,7 +300,7 @@ def test_a_kubelet_sock_swapped_between_the_plugins_look_and_its_dial_gives_one_
             kubelet.start()  # the cleanup removes the old kubelet.sock, then the new kubelet listens
         return seen
 
-    monkeypatch.setattr(plugin.manager, "socket_identity", identity_then_swap)
+    monkeypatch.setattr("plugin.manager.socket_identity", identity_then_swap)  # the loop's look, nobody else's
     kubelet.start()
     try:
         with running(manager_for(root, kubelet_dir)) as manager:
