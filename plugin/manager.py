@@ -11,8 +11,11 @@ on file descriptors (no busy polling):
 - a full rescan every ``scan_interval`` seconds catches the rest (a lost event, no netlink in a sandbox,
   group viability, hot-added cards): a new resource gets its own server and
   registration, a resource with no devices left has its server stopped and its socket removed;
-- inotify on the kubelet's device-plugin directory: a new ``kubelet.sock`` (a kubelet restart) or our own
-  socket deleted makes us serve again and re-register; with no kubelet we simply wait for its socket;
+- inotify on the kubelet's device-plugin directory: our own socket deleted (a starting kubelet removes every
+  socket there) makes us serve again and re-register; with no kubelet we simply wait for its socket;
+- the kubelet's ``ListAndWatch`` stream ending (the kubelet disconnected us, or died) wakes the loop, which
+  registers again at once: one ``Register`` per lost stream, none while the stream is open, whatever
+  ``kubelet.sock`` looks like (its identity only keys the back-off after a failure);
 - :meth:`PluginManager.request_stop` (SIGTERM in the CLI) ends the loop; every server stops and its socket
   is removed.
 
@@ -24,8 +27,8 @@ The roles are split: :class:`~plugin.watching.NodeWatcher` says when to look aga
 pipe), :class:`~plugin.registration.Registrar` registers servers and takes the kubelet's answers (they come back
 through a queue and the wake-up pipe into the same loop), and this module reconciles. All decisions about
 sockets and registrations are made in :meth:`PluginManager._reconcile`, which is idempotent: it compares what
-is (socket files, the kubelet socket's identity) with what we last did, so a missed or duplicated event cannot
-mislead it.
+is (socket files, the kubelet's stream, ``kubelet.sock`` there or not) with what we last did, so a missed or
+duplicated event cannot mislead it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from plugin.health import UsabilityRule
 from plugin.inventory import Inventory, Resource
 from plugin.log import log_event
 from plugin.metrics import NO_METRICS, MetricsRecorder
-from plugin.registration import Registrar, Registration, socket_identity
-from plugin.server import KUBELET_SOCKET, SOCKET_PROBE_TIMEOUT, ResourceServer, ServeError
+from plugin.registration import Identity, Registrar, Registration, socket_identity
+from plugin.server import KUBELET_SOCKET, SOCKET_PROBE_TIMEOUT, KubeletLink, ResourceServer, ServeError
 from plugin.sysfs import scan
 from plugin.watching import NodeWatcher
 from runtime.pciids import PciIds, locate_pci_ids
@@ -114,6 +117,8 @@ class PluginManager:
         self._last_warnings: tuple[str, ...] = ()
         self._last_ignored: dict[str, str] = {}
         self._kubelet_missing = False
+        self._silent_kubelet: Identity | None = None
+        """The ``kubelet.sock`` last found not answering (logged once per socket)."""
         self._kubelet_missing_since: float | None = None
         self.kubelet_missing_bound = kubelet_missing_bound
         self._serve_failures: dict[str, tuple[str, float]] = {}
@@ -153,8 +158,9 @@ class PluginManager:
         return tuple(sorted(self._served))
 
     def registered(self) -> tuple[str, ...]:
-        """Names of the resources registered with the current kubelet socket."""
-        return tuple(sorted(name for name, served in list(self._served.items()) if served.registered is not None))
+        """Names of the resources the kubelet has: registered, its stream open (or just on its way)."""
+        now = time.monotonic()
+        return tuple(sorted(name for name, served in list(self._served.items()) if served.holds(now)))
 
     def liveness(self) -> str | None:
         """None while the plugin is alive (``/healthz`` 200); else why not (``/healthz`` 503). Any thread.
@@ -205,15 +211,16 @@ class PluginManager:
         failures = dict(self._serve_failures)
         if failures:
             return "; ".join(f"cannot serve {name}: {error}" for name, (error, _) in sorted(failures.items()))
-        # Registered with the kubelet that is there now: a socket (lstat: not a file, directory or symlink)
-        # that answers, the one we registered with.
+        # Registered with a kubelet that is there now: a socket (lstat: not a file, directory or symlink) that
+        # answers, and the stream the registration granted open.
         waiting_for = f"not registered with the kubelet: {', '.join(sorted(self._served)) or 'no resources'}"
         kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             return f"{waiting_for} (no kubelet: {self.kubelet_socket} is missing or not a socket)"
         if not socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT):
             return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
-        waiting = sorted(name for name, served in list(self._served.items()) if served.registered != kubelet)
+        now = time.monotonic()
+        waiting = sorted(name for name, served in list(self._served.items()) if not served.holds(now))
         if waiting:
             return f"not registered with the kubelet: {', '.join(waiting)}"
         return None
@@ -273,6 +280,8 @@ class PluginManager:
         for served in self._served.values():
             if not served.pending and served.failed is not None and served.retry_at > now:
                 deadline = min(deadline, served.retry_at)
+            if served.registered is not None and served.link() == KubeletLink.WAITING:
+                deadline = min(deadline, served.stream_deadline())
         return max(0, int((deadline - now) * 1000) + 1)
 
     # -- discovery ---------------------------------------------------------------------------------------
@@ -315,6 +324,7 @@ class PluginManager:
                 self.host_root,
                 rule=UsabilityRule.from_config(self.config),
                 metrics=self.metrics,
+                notify=self._watcher.wake,  # the kubelet's stream ended: register again now
             )
             try:
                 server.start()
@@ -377,6 +387,7 @@ class PluginManager:
             self._kubelet_missing_since = now if kubelet is None else None
             if kubelet is None:
                 log_event("waiting_for_kubelet", socket=str(self.kubelet_socket))
+        answers: list[bool] = []
         for served in self._served.values():
             server = served.server
             if not server.socket_intact():
@@ -387,12 +398,37 @@ class PluginManager:
                 except Exception as exc:  # the directory gone, the path taken...: logged, health red, retried
                     self._serve_failed(server.name, server.socket_path, exc)
                     server.stop(grace=0)
-                    served.registered = served.failed = None
+                    served.registered = None
+                    served.restarted()
                     continue
                 self._serve_ok(server.name)
-                served.reset()
-            if kubelet is not None and served.due(kubelet, now):
+                served.restarted()
+            if served.registered is not None and not served.holds(now):
+                # The kubelet's stream ended (it disconnected us, died, or our server restarted) or never came:
+                # the kubelet no longer has us, whatever kubelet.sock looks like. Register again.
+                log_event(
+                    "kubelet_stream_lost",
+                    resource=server.name,
+                    stream=served.link(),
+                    action="registering again" if kubelet is not None else "waiting for the kubelet",
+                )
+                served.registered = None
+            if kubelet is not None and served.due(kubelet, now) and self._kubelet_answers(kubelet, answers):
                 self._registrar.register(served, kubelet)
+
+    def _kubelet_answers(self, kubelet: Identity, answers: list[bool]) -> bool:
+        """Whether somebody accepts connections on ``kubelet.sock`` (probed once per reconcile, in ``answers``).
+
+        A dead kubelet leaves its socket behind, and its streams end as it dies: registering then could only
+        fail. Instead the plugin waits for the new ``kubelet.sock`` (inotify wakes the loop; every scan looks
+        again), so a kubelet restart costs no failed ``Register`` and no back-off.
+        """
+        if not answers:
+            answers.append(socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT))
+            if not answers[0] and self._silent_kubelet != kubelet:
+                log_event("kubelet_not_answering", socket=str(self.kubelet_socket), retry="when it changes")
+            self._silent_kubelet = None if answers[0] else kubelet
+        return answers[0]
 
     # -- stopping ----------------------------------------------------------------------------------------
 

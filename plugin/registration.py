@@ -3,9 +3,16 @@
 One role of the plugin's lifecycle, apart from watching (:mod:`plugin.watching`) and reconciling
 (:mod:`plugin.manager`). ``Register`` is asynchronous (the kubelet dials us back inside it), so answers come
 back on gRPC's threads; they are queued here and taken by the manager's loop, which alone changes
-:class:`Registration` state. A registration is tied to the kubelet socket's identity (inode and mtime): a
-restarted kubelet is a new identity, and every resource registers again. A failed registration to the same
-kubelet is retried after :data:`RETRY_FIRST` seconds, doubling up to the scan interval.
+:class:`Registration` state.
+
+Whether the kubelet still has us is not read from ``kubelet.sock``'s identity (the kubelet's start removes and
+recreates that file while we look at it, and a kubelet can drop a client while its socket stays the same): each
+``Register`` grants the next ``ListAndWatch`` stream to the kubelet (:class:`plugin.server.KubeletLink`), and a
+registration holds while that stream is open, or for :data:`STREAM_WAIT` seconds after a successful answer
+while the stream is on its way. When the stream ends (the kubelet disconnected us, died, or our server was
+restarted) the resource registers again at once. A failed registration is retried after :data:`RETRY_FIRST`
+seconds, doubling up to the scan interval; the back-off is keyed on the kubelet socket's identity, so a new
+``kubelet.sock`` is tried at once.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import grpc
 
 from plugin.log import log_event
 from plugin.metrics import MetricsRecorder
-from plugin.server import ResourceServer, describe_rpc_error
+from plugin.server import KubeletLink, ResourceServer, describe_rpc_error
 
 RETRY_FIRST = 0.25
 """Seconds before retrying a failed registration to the same kubelet socket; doubles up to the scan interval."""
+STREAM_WAIT = 10.0
+"""Seconds a successful registration waits for the kubelet's ``ListAndWatch`` before it is sent again. The kubelet
+opens it as soon as its dial-back is done, so it comes in milliseconds; this only covers a stream that never
+comes (a kubelet that failed to open it has already dropped its client)."""
 
 Identity = tuple[int, int]
 
@@ -46,30 +57,51 @@ class Registration:
 
     server: ResourceServer
     registered: Identity | None = None
-    """The kubelet socket we are registered with (None: not registered with the current server)."""
+    """Set by a successful answer (to the kubelet socket's identity when the call was sent, for the logs);
+    None: not registered. Cleared when the granted stream ends or never comes (:meth:`holds`)."""
     pending: bool = False
     """A ``Register`` call is in flight."""
+    token: int | None = None
+    """The stream grant of the last ``Register`` sent."""
+    answered_at: float = 0.0
+    """``time.monotonic()`` of the last successful answer."""
     failed: Identity | None = None
     """The kubelet socket the last failed registration went to; retries to it wait for ``retry_at``."""
     failures: int = 0
     retry_at: float = 0.0
 
+    def link(self) -> str:
+        """The state of the kubelet's stream for the last ``Register`` (see :class:`plugin.server.KubeletLink`)."""
+        return self.server.link.status(self.token)
+
+    def holds(self, now: float) -> bool:
+        """Registered, and the kubelet's stream is open or (just after the answer) still on its way."""
+        if self.registered is None:
+            return False
+        status = self.link()
+        return status == KubeletLink.OPEN or (status == KubeletLink.WAITING and now < self.stream_deadline())
+
+    def stream_deadline(self) -> float:
+        """When a successful registration whose stream has not come is given up (and sent again)."""
+        return self.answered_at + STREAM_WAIT
+
     def due(self, kubelet: Identity, now: float) -> bool:
-        """Whether to register with ``kubelet`` now: not in flight, not registered there, no back-off running."""
-        if self.pending or self.registered == kubelet:
+        """Whether to register with ``kubelet`` now: not in flight, not registered, no back-off running."""
+        if self.pending or self.registered is not None:
             return False
         return not (self.failed == kubelet and now < self.retry_at)
 
-    def reset(self) -> None:
-        """The server was (re)started: nothing is registered with it yet."""
-        self.registered = self.failed = None
+    def restarted(self) -> None:
+        """The server was (re)started: the back-off starts over. A registration in flight stays so (the
+        kubelet's dial-back may reach the new server); one that held lost its stream, which :meth:`holds` sees."""
+        self.failed = None
         self.failures = 0
 
 
 @dataclass(frozen=True, slots=True)
 class _Answer:
     registration: Registration
-    generation: int
+    token: int
     kubelet: Identity
     error: BaseException | None
     channel: grpc.Channel
@@ -86,17 +118,19 @@ class Registrar:
 
     def register(self, registration: Registration, kubelet: Identity) -> None:
         """Start registering ``registration``'s server with the kubelet whose socket is ``kubelet`` now."""
-        generation = registration.server.generation
+        token = registration.server.link.grant()
 
         def done(error: BaseException | None, channel: grpc.Channel) -> None:
-            self._answers.put(_Answer(registration, generation, kubelet, error, channel))
+            self._answers.put(_Answer(registration, token, kubelet, error, channel))
             self._wake()
 
         registration.pending = True  # set before the call: its answer may come before register() returns
-        registration.server.register(self.kubelet_socket, done)
+        registration.registered = None
+        registration.token = token
+        registration.server.register(self.kubelet_socket, done, token)
 
     def take_answers(self, current: Mapping[str, Registration], max_backoff: float) -> None:
-        """Apply every answer received; an answer for a server since stopped or restarted only closes its channel."""
+        """Apply every answer received; an answer for a server since withdrawn only closes its channel."""
         while True:
             try:
                 answer = self._answers.get_nowait()
@@ -106,11 +140,14 @@ class Registrar:
             registration = answer.registration
             registration.pending = False
             server = registration.server
-            if current.get(server.name) is not registration or answer.generation != server.generation:
-                continue  # the manager's reconcile registers the new one
+            if answer.error is not None:
+                server.link.revoke(answer.token)
+            if current.get(server.name) is not registration or answer.token != registration.token:
+                continue
             self._metrics.record_registration(server.name, ok=answer.error is None)
             if answer.error is None:
                 registration.registered, registration.failed, registration.failures = answer.kubelet, None, 0
+                registration.answered_at = time.monotonic()
                 log_event("registered", resource=server.name, endpoint=server.socket_path.name)
                 continue
             registration.failures = registration.failures + 1 if registration.failed == answer.kubelet else 1

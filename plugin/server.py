@@ -2,12 +2,17 @@
 
 The kubelet talks to a device plugin per resource (docs/protocols.md, "Kubelet device plugin API"): it dials the
 plugin's socket inside ``Register``, so the server here must serve before :meth:`ResourceServer.register` is called;
-it keeps one ``ListAndWatch`` stream open for the plugin's whole life and treats the end of that stream as "every
-device unhealthy". This module is protocol only:
+it keeps one ``ListAndWatch`` stream open per registration and treats the end of *any* of the resource's streams
+as "disconnect the current client, every device unhealthy". This module is protocol only:
 
 - :class:`ResourceState` holds the resource as last discovered and a version; each ``ListAndWatch`` stream
   blocks on its condition variable (no polling) and sends the whole list whenever what the kubelet sees
   (IDs, health, NUMA) changes;
+- :class:`KubeletLink` tells the kubelet's stream from the others: each ``Register`` we send grants one stream,
+  the first ``ListAndWatch`` opened after it. The plugin never ends a stream itself (only stopping the server
+  does): the granted one has its own slot, the others share :data:`MAX_OTHER_STREAMS` slots and a stream beyond
+  them is refused with ``RESOURCE_EXHAUSTED``. The grant's state (waiting, open, ended) is what tells the
+  manager whether the kubelet still has us;
 - :class:`DevicePluginServicer` is a thin adapter: ``Allocate`` and ``GetPreferredAllocation`` hand the
   request to :mod:`plugin.allocation` and :mod:`plugin.preferred` (policy) and turn their answers into
   messages; bad input becomes a gRPC status, never a crash; each ``Allocate`` outcome is one counter
@@ -48,14 +53,18 @@ REGISTER_TIMEOUT = 15.0
 """Seconds a ``Register`` call may take: the kubelet gives its dial-back to us 10 s inside it."""
 MAX_DEVICES_PER_REQUEST = 4096
 """More IDs than any node has; a longer request is refused rather than processed."""
-MAX_STREAMS = 2
-"""Open ``ListAndWatch`` streams per resource. The kubelet holds one and opens a new one when it restarts, while
-the old one may linger; a stream beyond this ends the oldest (the newest wins), so streams never hold more than
-``MAX_STREAMS`` workers and the unary calls (``Allocate``, ``GetPreferredAllocation``) always find one."""
+MAX_KUBELET_STREAMS = 1
+"""Open ``ListAndWatch`` streams granted to the kubelet (the one that follows each of our ``Register`` calls);
+a granted stream beyond this (a grant replaced while the old stream is still open) counts as another stream."""
+MAX_OTHER_STREAMS = 2
+"""Open ``ListAndWatch`` streams without a grant (a duplicate kubelet client, a debugging tool, an attacker). A
+stream beyond this is refused with ``RESOURCE_EXHAUSTED``; no open stream is ever ended to make room, since the
+kubelet disconnects its current client when any of the resource's streams ends (docs/protocols.md)."""
 UNARY_WORKERS = 4
 """gRPC workers left for unary calls, which answer in milliseconds."""
-MAX_WORKERS = MAX_STREAMS + 1 + UNARY_WORKERS
-"""One more than the streams: a new stream's handler runs while it ends the oldest."""
+MAX_WORKERS = MAX_KUBELET_STREAMS + MAX_OTHER_STREAMS + 1 + UNARY_WORKERS
+"""Every admitted stream holds a worker; one more for a refused stream's handler (it returns at once), so the
+unary calls (``Allocate``, ``GetPreferredAllocation``) always find one."""
 MAX_CONCURRENT_RPCS = 64
 """Calls in progress or queued for a worker; gRPC answers ``RESOURCE_EXHAUSTED`` beyond (nothing queues forever)."""
 SOCKET_PROBE_TIMEOUT = 0.5
@@ -132,14 +141,71 @@ class ResourceState:
             return visible
 
 
-class _Stream:
-    """One open ``ListAndWatch`` call: its context (to cancel it) and whether it must end."""
+class KubeletLink:
+    """Which ``ListAndWatch`` stream is the kubelet's: each ``Register`` we send grants the next one opened.
 
-    __slots__ = ("context", "ended")
+    The grant outlives a server restart (a kubelet that dials back while we restart reaches the new server), and
+    only the latest grant counts. Its state: ``waiting`` (not claimed yet), ``open`` (a stream holds it),
+    ``ended`` (that stream ended: the kubelet dropped its client, or we stopped the server), ``revoked`` (the
+    ``Register`` failed). The lock is the resource state's condition; ``notify`` (the manager's wake-up) runs
+    whenever the granted stream ends, from gRPC's threads.
+    """
+
+    WAITING, OPEN, ENDED, REVOKED = "waiting", "open", "ended", "revoked"
+
+    def __init__(self, lock: threading.Condition, notify: Callable[[], None] | None = None) -> None:
+        self._lock = lock
+        self._notify = notify
+        self._token = 0
+        self._status = self.REVOKED
+
+    def grant(self) -> int:
+        """A ``Register`` is about to be sent: the next stream opened is the kubelet's. Returns the grant."""
+        with self._lock:
+            self._token += 1
+            self._status = self.WAITING
+            return self._token
+
+    def revoke(self, token: int) -> None:
+        """The ``Register`` of ``token`` failed: no stream is coming for it."""
+        with self._lock:
+            if token == self._token and self._status == self.WAITING:
+                self._status = self.REVOKED
+
+    def status(self, token: int | None) -> str:
+        """The state of grant ``token``; ``revoked`` for an older grant or none."""
+        with self._lock:
+            return self._status if token == self._token else self.REVOKED
+
+    def _claim(self) -> int | None:
+        """A new stream takes the waiting grant, if any (the lock is held)."""
+        if self._status != self.WAITING:
+            return None
+        self._status = self.OPEN
+        return self._token
+
+    def _ended(self, token: int) -> None:
+        """The stream holding ``token`` ended (the lock is held)."""
+        if token == self._token and self._status == self.OPEN:
+            self._status = self.ENDED
+            if self._notify is not None:
+                self._notify()
+
+    def server_stopped(self) -> None:
+        """Our server stopped: a granted stream it held is over, whether or not gRPC has said so yet."""
+        with self._lock:
+            self._ended(self._token)
+
+
+class _Stream:
+    """One open ``ListAndWatch`` call: its context, whether it must end, and its grant (None: not the kubelet's)."""
+
+    __slots__ = ("context", "ended", "token")
 
     def __init__(self, context: grpc.ServicerContext) -> None:
         self.context = context
         self.ended = False
+        self.token: int | None = None
 
 
 class DevicePluginServicer:
@@ -151,14 +217,20 @@ class DevicePluginServicer:
         host_root: Path,
         rule: UsabilityRule,
         metrics: MetricsRecorder | None = None,
+        link: KubeletLink | None = None,
     ) -> None:
         self._state = state
+        self._link = link if link is not None else KubeletLink(state.changed)
         self._allocator = allocation.Allocator(host_root, rule)
         """The host root's descriptor and the resource's plan, kept for this generation (closed by :meth:`stop`)."""
         self._metrics = metrics
         self._stopped = False
+        self._kubelet_streams: list[_Stream] = []
+        """Open granted ``ListAndWatch`` streams (guarded by the state's condition)."""
         self._streams: list[_Stream] = []
-        """Open ``ListAndWatch`` streams, oldest first (guarded by the state's condition)."""
+        """Other open ``ListAndWatch`` streams, oldest first (guarded by the state's condition)."""
+        self._refusing = False
+        """A stream was refused since the last one ended (logged once per full spell)."""
 
     def _count(self, resource: str, code: grpc.StatusCode) -> None:
         if self._metrics is not None:
@@ -180,16 +252,26 @@ class DevicePluginServicer:
         state = self._state
         stream = _Stream(context)
 
-        def on_done() -> None:  # the client went away, the stream was replaced or the server is stopping
+        def on_done() -> None:  # the client went away, or the server is stopping
             with state.changed:
                 stream.ended = True
-                if stream in self._streams:
-                    self._streams.remove(stream)
+                for streams in (self._kubelet_streams, self._streams):
+                    if stream in streams:
+                        streams.remove(stream)
+                        self._refusing = False
+                if stream.token is not None:
+                    self._link._ended(stream.token)
                 state.changed.notify_all()
 
         if not context.add_callback(on_done):
             return  # the call already ended
-        self._admit(stream)
+        if not self._admit(stream):
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{state.resource.name}: {MAX_OTHER_STREAMS} ListAndWatch streams besides the kubelet's are open "
+                "already; close one first",
+            )
         sent: int | None = None
         while True:
             with state.changed:
@@ -217,26 +299,40 @@ class DevicePluginServicer:
             yield response
             sent = version
 
-    def _admit(self, stream: _Stream) -> None:
-        """Count ``stream`` in; end the oldest streams beyond :data:`MAX_STREAMS` (the newest wins)."""
+    def _admit(self, stream: _Stream) -> bool:
+        """Count ``stream`` in: the kubelet's if it claims the waiting grant, else another if there is room.
+
+        False when it must be refused. No open stream is ever ended here: the kubelet disconnects its current
+        client when any stream of the resource ends, so ending one to make room would drop the kubelet.
+        """
         with self._state.changed:
-            self._streams.append(stream)
-            evicted = self._streams[:-MAX_STREAMS]
-            del self._streams[:-MAX_STREAMS]
-            for old in evicted:
-                old.ended = True
-            if evicted:
-                self._state.changed.notify_all()
-        for old in evicted:
-            log_event("stream_replaced", resource=self._state.resource.name, limit=MAX_STREAMS)
-            # Its handler returns once woken; cancelling also frees a worker stuck sending to a client that
-            # does not read.
-            old.context.cancel()
+            if stream.ended or self._stopped:
+                return True  # ends at once by itself
+            if len(self._kubelet_streams) < MAX_KUBELET_STREAMS:
+                stream.token = self._link._claim()
+            if stream.token is not None:
+                self._kubelet_streams.append(stream)
+            elif len(self._streams) < MAX_OTHER_STREAMS:
+                self._streams.append(stream)
+            else:
+                first, self._refusing = not self._refusing, True
+                if first:
+                    log_event("stream_refused", resource=self._state.resource.name, limit=MAX_OTHER_STREAMS)
+                return False
+        log_event("stream_opened", resource=self._state.resource.name, kubelet=stream.token is not None)
+        return True
 
     @property
     def open_streams(self) -> int:
+        """Open ``ListAndWatch`` streams, the kubelet's included."""
         with self._state.changed:
-            return len(self._streams)
+            return len(self._kubelet_streams) + len(self._streams)
+
+    @property
+    def kubelet_streams(self) -> int:
+        """Open granted (the kubelet's) ``ListAndWatch`` streams."""
+        with self._state.changed:
+            return len(self._kubelet_streams)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -329,6 +425,7 @@ class ResourceServer:
         rule: UsabilityRule = allocation.DEFAULT_RULE,
         max_workers: int = MAX_WORKERS,
         metrics: MetricsRecorder | None = None,
+        notify: Callable[[], None] | None = None,
     ) -> None:
         self.name = resource.name
         self.metrics = metrics
@@ -337,6 +434,8 @@ class ResourceServer:
         self.socket_path = self.kubelet_dir / resource.socket
         self.host_root = host_root
         self.state = ResourceState(resource)
+        self.link = KubeletLink(self.state.changed, notify)
+        """Which stream is the kubelet's, across restarts; ``notify`` runs when that stream ends."""
         self.generation = 0
         """Bumped by every (re)start; a registration answer for an older generation is stale."""
         self._max_workers = max_workers
@@ -372,7 +471,7 @@ class ResourceServer:
         if not self.kubelet_dir.is_dir():
             raise ServeError(f"cannot serve {self.socket_path}: the directory {self.kubelet_dir} does not exist")
         self._prepare_path()
-        servicer = DevicePluginServicer(self.state, self.host_root, self.rule, self.metrics)
+        servicer = DevicePluginServicer(self.state, self.host_root, self.rule, self.metrics, self.link)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=f"dp-{self.socket_path.stem}"),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
@@ -408,6 +507,7 @@ class ResourceServer:
         self._server = self._servicer = None
         if servicer is not None:
             servicer.stop()
+            self.link.server_stopped()
         if server is not None:
             server.stop(grace).wait()
         if self._inode is not None and _identity(self.socket_path) == self._inode:
@@ -420,12 +520,22 @@ class ResourceServer:
         self.stop(grace=0)
         self.start()
 
-    def register(self, kubelet_socket: Path, done: Callable[[BaseException | None, grpc.Channel], None]) -> None:
-        """Call ``Register`` on ``kubelet_socket`` without blocking.
+    def register(
+        self,
+        kubelet_socket: Path,
+        done: Callable[[BaseException | None, grpc.Channel], None],
+        token: int | None = None,
+    ) -> int:
+        """Call ``Register`` on ``kubelet_socket`` without blocking; return the stream grant it carries.
 
-        ``done(error or None, channel)`` runs on a gRPC thread when the call ends; the receiver closes the
-        channel from its own thread (closing it inside the callback could deadlock).
+        The next ``ListAndWatch`` opened is granted to the kubelet (:class:`KubeletLink`) from before the call
+        (``token``, from :meth:`KubeletLink.grant`; granted here if None), since the kubelet may open it before
+        its answer reaches us. ``done(error or None, channel)`` runs on a gRPC thread when the call ends (or at
+        once, here, if it already has); the receiver closes the channel from its own thread (closing it inside
+        the callback could deadlock) and revokes the grant if the call failed.
         """
+        if token is None:
+            token = self.link.grant()
         request = pb.RegisterRequest(
             version=API_VERSION, endpoint=self.socket_path.name, resource_name=self.name, options=plugin_options()
         )
@@ -441,6 +551,7 @@ class ResourceServer:
             done(error, channel)
 
         call.add_done_callback(finished)
+        return token
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

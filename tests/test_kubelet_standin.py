@@ -280,22 +280,86 @@ def test_a_plugin_that_dies_makes_every_device_unhealthy(kubelet: KubeletStandIn
         assert kubelet.wait_for_devices(RESOURCE, all_unhealthy) == {GPU_A: "Unhealthy"}
 
 
-def test_a_new_register_replaces_the_old_endpoint_and_stream(kubelet: KubeletStandIn, kubelet_dir: Path) -> None:
+def test_a_new_register_keeps_the_replaced_clients_stream_open_and_reads_it(
+    kubelet: KubeletStandIn, kubelet_dir: Path
+) -> None:
     old, new = FakePlugin(), FakePlugin()
     old.set_devices({GPU_A: "Healthy"})
     new.set_devices({GPU_B: "Healthy"})
     with serving(old, kubelet_dir / "old.sock"), serving(new, kubelet_dir / "new.sock"):
         register(kubelet_dir, endpoint="old.sock")
         kubelet.wait_for_devices(RESOURCE, lambda d: d == {GPU_A: "Healthy"})
-        old.wait_streams(1)
         register(kubelet_dir, endpoint="new.sock")
         assert kubelet.wait_for_registration(RESOURCE, count=2).endpoint == "new.sock"
         assert kubelet.wait_for_devices(RESOURCE, lambda d: d == {GPU_B: "Healthy"}) == {GPU_B: "Healthy"}
-        old.wait_streams(0)  # the kubelet dropped the old stream
-        # The old stream's end does not touch the new endpoint's devices.
-        assert kubelet.devices(RESOURCE) == {GPU_B: "Healthy"}
+        new.wait_streams(1)
+        # The kubelet does not close the client it replaced: its stream stays open and its messages still
+        # update the resource (the kubelet keys them by resource name only).
+        old.set_devices({GPU_A: "Unhealthy"})
+        assert kubelet.wait_for_devices(RESOURCE, lambda d: d == {GPU_A: "Unhealthy"}) == {GPU_A: "Unhealthy"}
+        assert old.streams_open == 1
+        assert kubelet.open_streams(RESOURCE) == 2
+        assert kubelet.stream_open(RESOURCE)
+        # Calls go to the endpoint of the last registration.
         kubelet.allocate(RESOURCE, [GPU_B])
         assert (old.allocate_requests, new.allocate_requests) == ([], [[GPU_B]])
+        assert kubelet.disconnects(RESOURCE) == 0
+
+
+def test_the_end_of_any_stream_disconnects_the_current_client_and_marks_every_device_unhealthy(
+    kubelet: KubeletStandIn, kubelet_dir: Path
+) -> None:
+    old, new = FakePlugin(), FakePlugin()
+    old.set_devices({GPU_A: "Healthy"})
+    new.set_devices({GPU_A: "Healthy", GPU_B: "Healthy"})
+    with serving(old, kubelet_dir / "old.sock"), serving(new, kubelet_dir / "new.sock"):
+        register(kubelet_dir, endpoint="old.sock")
+        old.wait_streams(1)
+        register(kubelet_dir, endpoint="new.sock")
+        kubelet.wait_for_devices(RESOURCE, lambda d: d == {GPU_A: "Healthy", GPU_B: "Healthy"})
+        new.wait_streams(1)
+        old.finish()  # the replaced client's stream ends: the kubelet disconnects the current client, the new one
+        assert kubelet.wait_for_devices(RESOURCE, all_unhealthy) == {GPU_A: "Unhealthy", GPU_B: "Unhealthy"}
+        new.wait_streams(0)  # its connection was closed
+        assert kubelet.disconnects(RESOURCE) == 1
+        assert not kubelet.stream_open(RESOURCE)
+        kubelet.wait_for_open_streams(RESOURCE, 0)
+        with pytest.raises(StandInError, match="disconnected"):
+            kubelet.allocate(RESOURCE, [GPU_B])
+        # Registering again connects a new client.
+        register(kubelet_dir, endpoint="new.sock")
+        kubelet.wait_for_devices(RESOURCE, all_healthy)
+        assert kubelet.stream_open(RESOURCE)
+
+
+def test_disconnect_closes_the_current_clients_connection_as_a_streams_end_does(
+    kubelet: KubeletStandIn, kubelet_dir: Path
+) -> None:
+    plugin = FakePlugin()
+    plugin.set_devices({GPU_A: "Healthy"})
+    with serving(plugin, kubelet_dir / ENDPOINT):
+        assert not kubelet.disconnect(RESOURCE)  # nothing registered
+        register(kubelet_dir)
+        kubelet.wait_for_devices(RESOURCE, all_healthy)
+        assert kubelet.disconnect(RESOURCE)
+        plugin.wait_streams(0)
+        assert kubelet.devices(RESOURCE) == {GPU_A: "Unhealthy"}
+        assert kubelet.disconnects(RESOURCE) == 1
+        assert not kubelet.disconnect(RESOURCE)  # already gone
+        assert kubelet.disconnects(RESOURCE) == 1
+
+
+def test_every_register_call_is_counted_refused_or_not(kubelet: KubeletStandIn, kubelet_dir: Path) -> None:
+    with pytest.raises(grpc.RpcError):
+        register(kubelet_dir)  # nobody serves the endpoint
+    with pytest.raises(grpc.RpcError):
+        register(kubelet_dir, version="v1alpha")
+    plugin = FakePlugin()
+    with serving(plugin, kubelet_dir / ENDPOINT):
+        register(kubelet_dir)
+    assert kubelet.request_count(RESOURCE) == 3
+    assert kubelet.registration_count(RESOURCE) == 1
+    assert kubelet.requests == [(RESOURCE, ENDPOINT)] * 3
 
 
 def test_allocate_and_preferred_allocation_reach_the_registered_plugin(
@@ -360,6 +424,80 @@ def test_restart_deletes_every_socket_keeps_other_files_and_serves_anew(
     assert kubelet.starts == 2
 
 
+def test_stop_leaves_the_very_same_kubelet_sock_as_a_killed_kubelet_does(kubelet_dir: Path) -> None:
+    standin = KubeletStandIn(kubelet_dir, dial_timeout=1.0)
+    standin.start()
+    before = (kubelet_dir / "kubelet.sock").lstat()
+    standin.stop()
+    after = (kubelet_dir / "kubelet.sock").lstat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert os.listdir(kubelet_dir) == ["kubelet.sock"]
+    with pytest.raises(grpc.RpcError) as caught:
+        register(kubelet_dir)
+    assert caught.value.code() is grpc.StatusCode.UNAVAILABLE  # nobody listens on it
+
+
+def _bind(path: Path) -> None:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.close()  # the file stays, as a dead process leaves it
+
+
+def test_start_removes_the_sockets_a_dead_kubelet_and_its_plugins_left_before_it_listens(kubelet_dir: Path) -> None:
+    _bind(kubelet_dir / "kubelet.sock")  # the old kubelet's, nobody listens on it
+    _bind(kubelet_dir / ENDPOINT)  # a plugin's, served before this kubelet started
+    (kubelet_dir / "dir.sock").mkdir()  # a directory: kept, and not looked into
+    _bind(kubelet_dir / "dir.sock" / "inner.sock")
+    (kubelet_dir / "linked.sock").symlink_to(kubelet_dir / "dir.sock" / "inner.sock")  # stat follows it: removed
+    (kubelet_dir / "dangling.sock").symlink_to(kubelet_dir / "missing")  # stat fails: kept
+    (kubelet_dir / "kubelet_internal_checkpoint").write_text("{}")
+    (kubelet_dir / "DEPRECATION").write_text("")
+    standin = KubeletStandIn(kubelet_dir, dial_timeout=1.0)
+    with standin:
+        assert sorted(os.listdir(kubelet_dir)) == [
+            "DEPRECATION",
+            "dangling.sock",
+            "dir.sock",
+            "kubelet.sock",
+            "kubelet_internal_checkpoint",
+        ]
+        assert (kubelet_dir / "dir.sock" / "inner.sock").is_socket()  # the link went, not its target
+        assert (kubelet_dir / "kubelet.sock").is_socket()
+        with pytest.raises(grpc.RpcError) as caught:
+            register(kubelet_dir)  # the plugin's socket is gone: it must serve again before it registers
+        assert "GetDevicePluginOptions" in (caught.value.details() or "")  # a new kubelet answered
+
+
+def test_start_hooks_choose_the_cleanups_order_and_run_between_its_steps(kubelet_dir: Path) -> None:
+    _bind(kubelet_dir / "kubelet.sock")
+    _bind(kubelet_dir / "a.sock")
+    _bind(kubelet_dir / "b.sock")
+    seen: list[tuple[str, list[str]]] = []
+
+    def after_remove(name: str) -> None:
+        seen.append((name, sorted(os.listdir(kubelet_dir))))
+
+    def before_listen() -> None:
+        seen.append(("listen", sorted(os.listdir(kubelet_dir))))
+
+    standin = KubeletStandIn(kubelet_dir, dial_timeout=1.0)
+    standin.start(order=["b.sock", "kubelet.sock"], after_remove=after_remove, before_listen=before_listen)
+    try:
+        assert seen == [
+            ("b.sock", ["a.sock", "kubelet.sock"]),
+            ("kubelet.sock", ["a.sock"]),
+            ("a.sock", []),
+            ("listen", []),
+        ]
+        assert (kubelet_dir / "kubelet.sock").is_socket()
+        seen.clear()
+        _bind(kubelet_dir / "c.sock")
+        standin.restart(after_remove=after_remove)
+        assert [name for name, _ in seen] == ["c.sock", "kubelet.sock"]
+    finally:
+        standin.stop()
+
+
 def _fds() -> dict[str, str]:
     links = {}
     for name in os.listdir("/proc/self/fd"):
@@ -388,13 +526,16 @@ def test_stop_joins_its_threads_and_closes_its_channels(kubelet_dir: Path) -> No
     def cycle() -> None:
         plugin = FakePlugin()
         plugin.set_devices({GPU_A: "Healthy"})
+        standin = KubeletStandIn(kubelet_dir)
+        standin.start()  # first: a starting kubelet removes the sockets it finds
         with serving(plugin, kubelet_dir / ENDPOINT):
-            standin = KubeletStandIn(kubelet_dir)
-            with standin:
+            try:
                 register(kubelet_dir)
                 standin.wait_for_devices(RESOURCE, all_healthy)
                 standin.allocate(RESOURCE, [GPU_A])
                 assert len(standin.threads()) == 1
+            finally:
+                standin.stop()
             assert standin.threads() == []
             assert not standin.serving
             plugin.wait_streams(0)
@@ -425,9 +566,9 @@ def test_stop_during_a_dial_back_cancels_it_and_leaks_nothing(kubelet_dir: Path)
         except grpc.RpcError as error:
             errors.append(error)
 
+    standin = KubeletStandIn(kubelet_dir)
+    standin.start()  # first: a starting kubelet removes the sockets it finds
     with serving(Slow(), kubelet_dir / ENDPOINT):
-        standin = KubeletStandIn(kubelet_dir)
-        standin.start()
         caller = threading.Thread(target=call_register)
         caller.start()
         try:

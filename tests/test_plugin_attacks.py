@@ -1,7 +1,8 @@
 """Issue 11's attacks on the device plugin, each reproduced as it was reported, then what must hold instead.
 
-- 1: idle ``ListAndWatch`` streams must not take the workers ``Allocate`` and ``GetPreferredAllocation`` need,
-  and a kubelet that reconnects while an old stream lingers must still be served (the newest stream wins);
+- 1: idle ``ListAndWatch`` streams must not take the workers ``Allocate`` and ``GetPreferredAllocation`` need
+  (beyond a cap they are refused, none is ended: issue 22's finding 2, tests/test_plugin_streams.py), and a
+  kubelet that reconnects while foreign streams linger must still be served;
 - 3: the kubelet's directory removed under the plugin: caught, logged, health red, served again once it is back;
 - 9: a ``ListAndWatch`` message that cannot be built is logged and turns health red (no silent 0 devices);
 - 11: a second server on a live socket refuses instead of unlinking it; a stale one is still replaced;
@@ -32,7 +33,7 @@ import pytest
 
 from plugin import metrics
 from plugin.inventory import Resource
-from plugin.server import MAX_STREAMS, ResourceServer, ServeError, SocketInUse
+from plugin.server import MAX_OTHER_STREAMS, ResourceServer, ServeError, SocketInUse
 from runtime.sockets import socket_is_live
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -88,20 +89,15 @@ def _events(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
     return [json.loads(record.getMessage()) for record in caplog.records if record.getMessage().startswith("{")]
 
 
-def _ends(call: grpc.Call) -> bool:
-    """Read ``call`` to its end in a thread; True if it ended within the wait."""
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            for _ in call:  # type: ignore[attr-defined]
-                pass
-        except grpc.RpcError:
-            pass
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return done.wait(WAIT)
+def _refused(call: grpc.Call) -> bool:
+    """Read ``call``'s first message; True if it was refused with ``RESOURCE_EXHAUSTED`` instead (an admitted
+    stream gets the device list at once and stays open)."""
+    try:
+        for _ in call:  # type: ignore[attr-defined]
+            return False
+    except grpc.RpcError as error:
+        return error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    return False
 
 
 def _unary_calls_answer(path: Path) -> None:
@@ -128,13 +124,14 @@ def test_seven_idle_list_and_watch_streams_leave_workers_for_allocate(served: tu
     server, _ = served
     calls = _idle_streams(server.socket_path, 7)
     try:
-        wait_until(lambda: server._servicer is not None and server._servicer.open_streams >= 1, what="a stream open")
-        time.sleep(0.3)  # let every stream reach its handler
+        # Those beyond the cap are refused at once (they end before any message); none is ended to make room,
+        # so the ones admitted stay open. (The calls reach the server in any order.)
+        refused = [_refused(call) for _, call in calls]
+        assert refused.count(True) == 7 - MAX_OTHER_STREAMS
         _unary_calls_answer(server.socket_path)
-        assert server._servicer is not None and server._servicer.open_streams <= MAX_STREAMS
-        # the oldest streams were ended (newest wins): read, they end after their first message
-        assert _ends(calls[0][1]) and _ends(calls[1][1])
-        assert server._servicer is not None and server._servicer.open_streams == MAX_STREAMS
+        assert server._servicer is not None and server._servicer.open_streams == MAX_OTHER_STREAMS
+        admitted = [call for (_, call), no in zip(calls, refused, strict=True) if not no]
+        assert all(call.is_active() for call in admitted)
     finally:
         _close(calls)
 
@@ -157,17 +154,21 @@ def test_a_reconnecting_kubelet_is_served_while_old_streams_linger(base: Path) -
     with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)):
         kubelet.wait_for_registration(TU106)
         kubelet.wait_for_devices(TU106, lambda devices: len(devices) == 4)
-        lingering = _idle_streams(kubelet_dir / TU106_SOCKET, 7)  # e.g. a dead kubelet's streams
+        lingering = _idle_streams(kubelet_dir / TU106_SOCKET, 7)  # the cap's worth stay open, the rest refused
         try:
             kubelet.restart()  # the kubelet comes back: deletes the sockets, the plugin serves and registers anew
             kubelet.wait_for_registration(TU106, count=2)
             kubelet.wait_for_devices(TU106, lambda devices: devices == dict.fromkeys(devices, "Healthy") != {})
             assert kubelet.preferred_allocation(TU106, [GPU, "0000:5e:00.0"], [], 1, timeout=UNARY_DEADLINE)
             assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs
-            # and streams opened against the new server: the kubelet's own stream is the newest until then
+            # and streams opened against the new server: refused beyond the cap, the kubelet's left alone
             more = _idle_streams(kubelet_dir / TU106_SOCKET, 7)
             try:
+                assert [_refused(call) for _, call in more].count(True) == 7 - MAX_OTHER_STREAMS
                 assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs
+                assert kubelet.stream_open(TU106)
+                assert kubelet.disconnects(TU106) == 0
+                assert kubelet.registration_count(TU106) == 2
             finally:
                 _close(more)
         finally:

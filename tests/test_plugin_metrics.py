@@ -255,6 +255,7 @@ def test_readyz_waits_for_the_kubelet_and_healthz_fails_when_it_stays_away(base:
         with KubeletStandIn(kubelet_dir) as kubelet:
             kubelet.wait_for_registration(TU106)
             wait_until(lambda: get(server.port, "/readyz")[0] == 200, what="/readyz 200")
+    (kubelet_dir / "kubelet.sock").unlink()  # the stopped kubelet left it, as a killed one does; not this time
     like = manager_for(root, kubelet_dir)
     impatient = PluginManager(
         like.config,

@@ -186,6 +186,7 @@ def test_register_with_the_stand_in_which_dials_back(served: tuple[ResourceServe
     server, resource = served
     answers: queue.Queue[BaseException | None] = queue.Queue()
     with KubeletStandIn(base / "kubelet") as kubelet:
+        server.restart()  # the starting kubelet removed every socket in its directory, ours too
 
         def done(error: BaseException | None, channel: grpc.Channel) -> None:
             channel.close()

@@ -1,0 +1,320 @@
+"""Issue 22's stream and registration findings (2, 10, 11, 12), each reproduced as reported, then what must hold.
+
+The real plugin (an in-process :class:`~plugin.manager.PluginManager`) runs against the kubelet stand-in, which
+behaves as the kubelet's device manager does (docs/protocols.md, "Kubelet device plugin API"): a replaced
+client's stream stays open, the end of *any* stream disconnects the current client and marks every device
+unhealthy, and a starting kubelet removes every socket in its directory before it listens on a new
+``kubelet.sock``. Foreign clients are raw gRPC clients on the plugin's socket. Restart interleavings are made
+deterministic with the stand-in's hooks (and, for the one reported race, by running the kubelet's start inside
+the plugin's own identity check); no sleep stands in for a sync, and waits are generous deadlines.
+
+- 2: foreign ``ListAndWatch`` streams never end the kubelet's; beyond a cap they are refused
+  (``RESOURCE_EXHAUSTED``), and ``Allocate``/``GetPreferredAllocation`` still answer;
+- 10: a kubelet restart gives exactly one ``Register``, whatever the order of the kubelet's cleanup and the
+  plugin's reactions, also when the old ``kubelet.sock`` was left behind;
+- 11: duplicate kubelet clients and foreign streams together leave the resource allocatable;
+- 12: after the kubelet drops the plugin (its streams closed) the plugin registers again by itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from plugin.manager import PluginManager
+from plugin.registration import socket_identity
+from plugin.server import MAX_OTHER_STREAMS
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as pb
+from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from simkit.fixture_nodes import NODE01
+from simkit.kubelet_standin import KubeletStandIn
+from tests.plugin_support import (
+    WAIT,
+    build_tree,
+    manager_for,
+    remove_group_node,
+    restore_group_node,
+    running,
+    short_dir,
+    wait_until,
+)
+
+TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
+TU106_SOCKET = "kubevirt-TU106_GEFORCE_RTX_2060_REV__A.sock"
+GPUS = ("0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0")
+GPU, GPU_GROUP = "0000:3b:00.0", 30
+"""The first GPU of node01 and its IOMMU group (removing ``/dev/vfio/30`` makes just that GPU unhealthy)."""
+UNARY_DEADLINE = 3.0
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    with short_dir() as directory:
+        yield directory
+
+
+class Foreign:
+    """A raw ``ListAndWatch`` client on the plugin's socket, reading in a thread (as a tool or an attacker would)."""
+
+    def __init__(self, path: Path) -> None:
+        self.channel = grpc.insecure_channel(f"unix:{path}")
+        self.call = pb_grpc.DevicePluginStub(self.channel).ListAndWatch(pb.Empty())
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for _ in self.call:
+                self.first.set()
+        except grpc.RpcError as error:
+            self.code, self.details = error.code(), error.details() or ""
+        self.done.set()
+
+    def admitted(self) -> bool:
+        """Whether the plugin sent this stream its device list (an admitted stream gets it at once)."""
+        return self.first.wait(WAIT)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.channel.close()
+
+
+@pytest.fixture
+def foreign() -> Iterator[Callable[[Path], Foreign]]:
+    opened: list[Foreign] = []
+
+    def open_stream(path: Path) -> Foreign:
+        opened.append(Foreign(path))
+        return opened[-1]
+
+    try:
+        yield open_stream
+    finally:
+        for stream in opened:
+            stream.close()
+
+
+def _healthy_but(devices: dict[str, str], unhealthy: str) -> bool:
+    return devices == {gpu: "Unhealthy" if gpu == unhealthy else "Healthy" for gpu in GPUS}
+
+
+def _all_healthy(devices: dict[str, str]) -> bool:
+    return devices == dict.fromkeys(GPUS, "Healthy")
+
+
+def _the_kubelets_stream_carries_news(root: Path, kubelet: KubeletStandIn) -> None:
+    """A health change reaches the kubelet exactly (one GPU unhealthy, the rest healthy), then back: proof
+    that the kubelet's own stream is open and was never ended (an ended one leaves every device unhealthy)."""
+    remove_group_node(root, GPU_GROUP)
+    kubelet.wait_for_devices(TU106, lambda devices: _healthy_but(devices, GPU))
+    restore_group_node(root, GPU_GROUP)
+    kubelet.wait_for_devices(TU106, _all_healthy)
+
+
+def _unary_calls_answer(kubelet: KubeletStandIn, socket: Path) -> None:
+    assert kubelet.preferred_allocation(TU106, list(GPUS), [], 1, timeout=UNARY_DEADLINE)
+    assert kubelet.allocate(TU106, [GPU], timeout=UNARY_DEADLINE).container_responses[0].envs
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[GPU])])
+        assert pb_grpc.DevicePluginStub(channel).Allocate(request, timeout=UNARY_DEADLINE).container_responses
+
+
+def _loop_turns(manager: PluginManager, turns: int = 3) -> None:
+    """Let the plugin's loop scan (and so reconcile) ``turns`` more times: anything it would still do is done."""
+    target = manager.scans + turns
+    wait_until(lambda: manager.scans >= target, what=f"{turns} more turns of the plugin's loop")
+
+
+# -- 2: foreign streams ---------------------------------------------------------------------------------------
+
+
+def test_foreign_streams_never_end_the_kubelets_and_beyond_the_cap_are_refused(
+    base: Path, foreign: Callable[[Path], Foreign]
+) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    socket = kubelet_dir / TU106_SOCKET
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)):
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        streams = [foreign(socket) for _ in range(MAX_OTHER_STREAMS)]
+        assert all(stream.admitted() for stream in streams)
+        # The reported attack: two foreign streams ended the kubelet's, which then showed 0 healthy for good.
+        _the_kubelets_stream_carries_news(root, kubelet)
+        assert kubelet.disconnects(TU106) == 0
+        assert kubelet.registration_count(TU106) == 1
+        # One more is refused at once; the ones admitted stay open.
+        refused = foreign(socket)
+        assert refused.done.wait(WAIT)
+        assert refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ListAndWatch" in refused.details and str(MAX_OTHER_STREAMS) in refused.details
+        assert not any(stream.done.is_set() for stream in streams)
+        _unary_calls_answer(kubelet, socket)
+        # A slot given back is free again.
+        streams[0].close()
+        assert streams[0].done.wait(WAIT)
+        wait_until(lambda: foreign(socket).admitted(), what="a foreign stream admitted after one closed")
+        _the_kubelets_stream_carries_news(root, kubelet)
+        assert (kubelet.disconnects(TU106), kubelet.registration_count(TU106)) == (0, 1)
+
+
+# -- 11: duplicate kubelet clients ----------------------------------------------------------------------------
+
+
+def test_a_duplicate_kubelet_client_and_a_foreign_stream_leave_the_resource_allocatable(
+    base: Path, foreign: Callable[[Path], Foreign]
+) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)):
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        # A second Register of the plugin's endpoint (the reported duplicates): the kubelet makes a second
+        # client, keeps the first one's stream open, and now has two streams on the plugin.
+        with grpc.insecure_channel(f"unix:{kubelet_dir / 'kubelet.sock'}") as channel:
+            pb_grpc.RegistrationStub(channel).Register(
+                pb.RegisterRequest(version="v1beta1", endpoint=TU106_SOCKET, resource_name=TU106), timeout=WAIT
+            )
+        kubelet.wait_for_open_streams(TU106, 2)
+        assert foreign(kubelet_dir / TU106_SOCKET).admitted()  # the third stream, which ended the oldest
+        _the_kubelets_stream_carries_news(root, kubelet)
+        assert kubelet.disconnects(TU106) == 0
+        assert kubelet.open_streams(TU106) == 2
+        assert kubelet.allocatable(TU106) == 4
+
+
+# -- 12: the kubelet drops the plugin -------------------------------------------------------------------------
+
+
+def test_after_the_kubelet_drops_the_plugin_it_registers_again_by_itself(base: Path) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir, scan_interval=60)):
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        for drop in (2, 3):  # and again: each drop is answered by one new Register
+            assert kubelet.disconnect(TU106)  # what the kubelet does when any of the resource's streams ends
+            # Registered again within a second (a generous deadline: behaviour, not timing), no rescan needed.
+            kubelet.wait_for_registration(TU106, count=drop, timeout=WAIT)
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            assert kubelet.stream_open(TU106)
+        assert kubelet.registration_count(TU106) == 3
+        _the_kubelets_stream_carries_news(root, kubelet)
+
+
+def test_a_plugin_registered_with_a_kubelet_that_dies_registers_with_the_next_one(base: Path) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    kubelet = KubeletStandIn(kubelet_dir)
+    kubelet.start()
+    try:
+        with running(manager_for(root, kubelet_dir)) as manager:
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            kubelet.stop()  # killed: the streams end, kubelet.sock stays, nobody answers on it
+            _loop_turns(manager)  # the plugin tries the dead socket and backs off
+            assert manager.registered() == ()
+            kubelet.start()
+            kubelet.wait_for_registration(TU106, count=2)
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            _loop_turns(manager)
+            assert kubelet.request_count(TU106) == 2
+            assert manager.registered() == (TU106,)
+            assert manager.readiness() is None
+    finally:
+        kubelet.stop()
+
+
+# -- 10: exactly one Register per kubelet restart --------------------------------------------------------------
+
+
+def _plugin_serves_again(kubelet_dir: Path) -> Callable[[str], None]:
+    """An ``after_remove`` hook: once the plugin's socket is removed, wait until the plugin serves it again."""
+
+    def after_remove(name: str) -> None:
+        if name == TU106_SOCKET:
+            wait_until((kubelet_dir / TU106_SOCKET).is_socket, what="the plugin to serve again")
+
+    return after_remove
+
+
+@pytest.mark.parametrize(
+    "interleaving",
+    [
+        "kubelet.sock first",
+        "plugin socket first",
+        "plugin serves again while the old kubelet.sock is left",
+        "plugin serves again before the new kubelet listens",
+    ],
+)
+def test_a_kubelet_restart_gives_exactly_one_register(base: Path, interleaving: str) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)) as manager:
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        serves_again = _plugin_serves_again(kubelet_dir)
+        if interleaving == "kubelet.sock first":
+            kubelet.restart(order=["kubelet.sock", TU106_SOCKET])
+        elif interleaving == "plugin socket first":
+            kubelet.restart(order=[TU106_SOCKET, "kubelet.sock"])
+        elif interleaving == "plugin serves again while the old kubelet.sock is left":
+            kubelet.restart(order=[TU106_SOCKET, "kubelet.sock"], after_remove=serves_again)
+        else:
+            kubelet.restart(
+                order=["kubelet.sock", TU106_SOCKET],
+                after_remove=serves_again,
+                before_listen=lambda: _loop_turns(manager),
+            )
+        kubelet.wait_for_registration(TU106, count=2)
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        _loop_turns(manager)
+        assert kubelet.request_count(TU106) == 2
+        assert kubelet.registration_count(TU106) == 2
+        assert kubelet.stream_open(TU106)
+        assert manager.readiness() is None
+
+
+def test_a_kubelet_sock_swapped_between_the_plugins_look_and_its_dial_gives_one_register(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reported race: the old ``kubelet.sock`` is left; the plugin notices its socket gone and reads the
+    kubelet socket's identity (the old one), and the kubelet's cleanup swaps in the new socket before the plugin
+    dials. Running the kubelet's start inside the plugin's identity check makes that order certain."""
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    kubelet = KubeletStandIn(kubelet_dir)
+    armed = threading.Event()
+
+    def identity_then_swap(path: Path) -> tuple[int, int] | None:
+        seen = socket_identity(path)
+        if (
+            armed.is_set()
+            and threading.current_thread().name == "plugin-manager"
+            and path.name == "kubelet.sock"
+            and not (kubelet_dir / TU106_SOCKET).exists()
+        ):
+            armed.clear()
+            kubelet.start()  # the cleanup removes the old kubelet.sock, then the new kubelet listens
+        return seen
+
+    monkeypatch.setattr("plugin.manager.socket_identity", identity_then_swap)  # the loop's look, nobody else's
+    kubelet.start()
+    try:
+        with running(manager_for(root, kubelet_dir)) as manager:
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            kubelet.stop()  # the old kubelet.sock stays
+            armed.set()
+            (kubelet_dir / TU106_SOCKET).unlink()  # the cleanup's first step: the plugin's socket
+            kubelet.wait_for_registration(TU106, count=2)
+            assert not armed.is_set()
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            _loop_turns(manager)
+            assert kubelet.request_count(TU106) == 2
+            assert kubelet.registration_count(TU106) == 2
+            assert kubelet.disconnects(TU106) == 0
+            assert manager.readiness() is None
+    finally:
+        kubelet.stop()
