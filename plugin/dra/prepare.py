@@ -33,7 +33,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import threading
 from collections import defaultdict
@@ -45,7 +44,15 @@ from plugin import allocation
 from plugin.allocation import AllocationError
 from plugin.dra import cdi, checkpoint
 from plugin.dra.checkpoint import PreparedClaim, PreparedDevice
-from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, ClaimSource, check_ref
+from plugin.dra.claims import (
+    AllocatedDevice,
+    ClaimError,
+    ClaimRef,
+    ClaimSource,
+    check_ref,
+    is_dns_label,
+    is_request_name,
+)
 from plugin.health import UsabilityRule
 from plugin.inventory import Device, Inventory, Resource
 from plugin.log import log_event
@@ -64,8 +71,6 @@ METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
 _UID = checkpoint.UID_PATTERN
-_REQUEST = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-"""A request name (a DNS label), the part before ``/`` of a subrequest's result."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +223,7 @@ class PrepareCore:
         """The claim's devices: the recorded answer, or a new prepare. The claim source (perhaps an API GET)
         is asked outside the lock, so a slow one does not hold up other claims."""
         check_ref(ref)
-        if not _UID.match(ref.uid):
+        if not _UID.fullmatch(ref.uid):
             raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
         with self._lock:
             known = self._known(ref)
@@ -322,8 +327,11 @@ class PrepareCore:
         by_request: dict[str, list[tuple[AllocatedDevice, Resource, Device]]] = defaultdict(list)
         for result, (resource, device) in zip(ours, chosen, strict=True):
             base = result.request.partition("/")[0]
-            if not _REQUEST.match(base):
-                raise ClaimError(f"claim {ref}: request {result.request[:80]!r} is not a request name")
+            if not is_request_name(result.request) or not is_dns_label(base):
+                raise ClaimError(
+                    f"claim {ref}: request {base[:80]!r} (result {result.request[:80]!r}) is not a request name "
+                    "(a DNS label: it names a directory and a CDI device)"
+                )
             by_request[base].append((result, resource, device))
         files: dict[str, str] = {}
         cdi_devices: list[cdi.CdiDevice] = []
