@@ -300,7 +300,7 @@ def test_a_claim_source_that_breaks_fails_only_that_claim(tmp_path: Path) -> Non
     static = StaticClaims.from_results(s.claims)
 
     class Flaky:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             if claim == CLAIM:
                 raise ConnectionResetError("API server went away")
             return static.allocated(claim)
@@ -370,7 +370,7 @@ def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) ->
     both_reading = threading.Barrier(2)
 
     class Slow:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             both_reading.wait(5)  # both calls are past the first look and read the claim at once
             return static.allocated(claim)
 
@@ -398,7 +398,7 @@ def test_an_unprepare_while_the_claim_is_read_wins_and_nothing_is_left_prepared(
     reading, release = threading.Event(), threading.Event()
 
     class Slow:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             reading.set()
             assert release.wait(10)
             return static.allocated(claim)

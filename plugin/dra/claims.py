@@ -111,8 +111,9 @@ class AllocatedDevice:
 class ClaimSource(Protocol):
     """The allocation results of a claim, every driver's (the caller keeps its own driver's)."""
 
-    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
-        """The claim's results; :class:`ClaimError` naming the claim when it cannot be read, is not the claim
+    def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
+        """The claim's results; :class:`ClaimError` naming the claim when it cannot be read (by ``until``, a
+        ``time.monotonic()`` time, when given: the kubelet's call must be answered in time), is not the claim
         with that UID, or is not allocated."""
         ...
 
@@ -255,7 +256,7 @@ class StaticClaims:
         """Claims built from results directly (tests, benchmarks): each becomes a v1 ResourceClaim object."""
         return cls({(ref.namespace, ref.name): claim_object(ref, devices) for ref, devices in claims.items()})
 
-    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+    def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
         check_ref(claim)
         obj = self._objects.get((claim.namespace, claim.name))
         if obj is None and self._directory is not None:

@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ MAX_CLAIMS_PER_CALL = 256
 """Claims in one NodePrepareResources/NodeUnprepareResources call (a pod has a few)."""
 MAX_DEVICES_PER_CLAIM = 32
 """Devices of this driver in one claim (Kubernetes allows 32 allocation results per claim)."""
+PREPARE_BUDGET = 30.0
+"""Seconds one NodePrepareResources call may spend reading its claims from the claim source (an API server):
+the kubelet gives the whole call 45 s (``defaultClientCallTimeout``, k8s.io/kubernetes
+pkg/kubelet/cm/dra/plugin/dra_plugin.go); what is left covers the file writes and the answer."""
 LOCK_FILE = "lock"
 """Under the state directory: held (a POSIX lock) by the one plugin process that owns the checkpoint and files."""
 METADATA_DIR = "metadata"
@@ -197,14 +202,18 @@ class PrepareCore:
 
     # -- prepare ------------------------------------------------------------------------------------------
 
-    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimOutcome]:
-        """Prepare each claim; the answer by UID (every claim of ``refs`` has one)."""
+    def prepare(self, refs: Sequence[ClaimRef], until: float | None = None) -> dict[str, ClaimOutcome]:
+        """Prepare each claim; the answer by UID (every claim of ``refs`` has one). Claims are read from the
+        claim source by ``until`` (``time.monotonic()``; default :data:`PREPARE_BUDGET` from now): the reads of
+        one call share that time, so the kubelet gets an answer, some claims failed, before its own deadline."""
         if len(refs) > MAX_CLAIMS_PER_CALL:
             raise InputError(f"{len(refs)} claims in one call, over the limit of {MAX_CLAIMS_PER_CALL}")
+        if until is None:
+            until = time.monotonic() + PREPARE_BUDGET
         answers: dict[str, ClaimOutcome] = {}
         for ref in refs:
             try:
-                outcome = ClaimOutcome(devices=self._prepare_one(ref))
+                outcome = ClaimOutcome(devices=self._prepare_one(ref, until))
             except (ClaimError, InputError, AllocationError, ValueError) as exc:
                 text = exc.message if isinstance(exc, AllocationError) else str(exc)
                 if not text.startswith("claim "):
@@ -219,7 +228,7 @@ class PrepareCore:
                 self.on_outcome("prepare", "error" if outcome.error else "ok")
         return answers
 
-    def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+    def _prepare_one(self, ref: ClaimRef, until: float) -> tuple[PreparedDevice, ...]:
         """The claim's devices: the recorded answer, or a new prepare. The claim source (perhaps an API GET)
         is asked outside the lock, so a slow one does not hold up other claims."""
         check_ref(ref)
@@ -232,7 +241,12 @@ class PrepareCore:
             self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
         try:
             try:
-                results = self.claims.allocated(ref)
+                if time.monotonic() >= until:
+                    raise ClaimError(
+                        f"claim {ref}: not read: the call's time ran out reading the claims before it (the kubelet "
+                        "asks again)"
+                    )
+                results = self.claims.allocated(ref, until)
             except InputError:
                 raise
             except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
