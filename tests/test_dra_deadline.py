@@ -34,7 +34,7 @@ from schemas.generated.kubelet.dra.v1 import api_pb2 as v1
 from schemas.generated.kubelet.dra.v1 import api_pb2_grpc as v1_grpc
 from simkit.fixture_nodes import NODE01
 from tests.discovery_support import build_node, discover
-from tests.plugin_support import WAIT
+from tests.plugin_support import WAIT, short_dir
 
 DRIBBLE = 0.05
 """Seconds between two bytes of the server's answer: far inside every read timeout used here."""
@@ -177,9 +177,7 @@ def test_an_unprepare_is_answered_while_every_prepare_reads_from_a_trickling_ser
     root = build_node(NODE01, tmp_path)
     ready = ClaimRef("vms", "ready", UID_READY)
     static = StaticClaims.from_results({ready: [AllocatedDevice("gpu", DRIVER_NAME, "node01", "pci-0000-86-00-0")]})
-    base = Path(f"/tmp/dra-dl-{id(tmp_path) % 100000}")
-    base.mkdir(exist_ok=True)
-    with trickling() as server:
+    with short_dir() as base, trickling() as server:
         api = KubeApi.for_host(server.url, timeout=(WAIT, WAIT), deadline=WAIT * 20)  # the deadline alone won't do
         core = PrepareCore(Split(static, KubeClaims(api)), root, base / "plugin", tmp_path / "cdi", pool="node01")
         core.update_inventory(discover(root))
