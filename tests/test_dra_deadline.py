@@ -71,6 +71,14 @@ class Trickler:
             self.in_flight += 1
             self.changed.notify_all()
         try:
+            if self.part == "tls":  # a TLS handshake that never gets its ServerHello: read, never answer
+                conn.settimeout(DRIBBLE)
+                while not self.released.is_set():
+                    try:
+                        if not conn.recv(4096):
+                            return  # the client gave up
+                    except TimeoutError:
+                        continue
             conn.settimeout(WAIT)
             request = b""
             while b"\r\n\r\n" not in request:
@@ -131,10 +139,12 @@ def ended(target: Any) -> tuple[bool, list[BaseException]]:
     return not thread.is_alive(), errors
 
 
-@pytest.mark.parametrize("part", ["headers", "body"])
+@pytest.mark.parametrize("part", ["headers", "body", "tls"])
 def test_a_call_to_a_trickling_server_ends_at_its_deadline(part: str) -> None:
     with trickling(part) as server:
-        api = KubeApi.for_host(server.url, timeout=(1.0, 1.0), deadline=0.5)
+        # Per-operation timeouts longer than the wait: only the call's deadline can end it in time.
+        url = server.url.replace("http://", "https://") if part == "tls" else server.url
+        api = KubeApi.for_host(url, timeout=(WAIT * 4, WAIT * 4), deadline=0.5)
         done, errors = ended(lambda: api.read_claim("vms", "gpu-claim"))
         assert done, "the call is still reading the trickle"
         (error,) = errors

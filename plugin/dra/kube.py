@@ -96,6 +96,7 @@ class _Deadline:
         self.expired = False
         self._lock = threading.Lock()
         self._connections: list[urllib3.connection.HTTPConnection] = []
+        self._sockets: list[socket.socket] = []
         self._done = False
         self._timer = threading.Timer(max(0.0, seconds), self._expire)
         self._timer.daemon = True
@@ -108,13 +109,28 @@ class _Deadline:
         if expired:
             raise TimeoutError(f"the call's deadline of {self.seconds:g} s has passed")
 
+    def watch_socket(self, sock: socket.socket) -> None:
+        """A new connection's socket, before TLS wraps it (and detaches this object from its descriptor): a
+        duplicate descriptor of it is kept until :meth:`finish`, so a handshake dribbled byte by byte is cut too
+        (``shutdown`` acts on the connection, whichever descriptor names it)."""
+        duplicate = sock.dup()
+        with self._lock:
+            if self._done:
+                duplicate.close()
+                return
+            self._sockets.append(duplicate)
+            expired = self.expired
+        if expired:
+            with suppress(OSError):
+                duplicate.shutdown(socket.SHUT_RDWR)
+
     def _expire(self) -> None:
         with self._lock:
             if self._done:
                 return
             self.expired = True
-            for connection in self._connections:
-                sock = getattr(connection, "sock", None)
+            socks = [getattr(connection, "sock", None) for connection in self._connections] + self._sockets
+            for sock in socks:
                 if sock is not None:  # the plain socket's shutdown, also under TLS: the reader sees EOF, gives up
                     with suppress(OSError):
                         socket.socket.shutdown(sock, socket.SHUT_RDWR)
@@ -125,7 +141,10 @@ class _Deadline:
     def finish(self) -> None:
         with self._lock:
             self._done = True
+            duplicates, self._sockets = self._sockets, []
         self._timer.cancel()
+        for duplicate in duplicates:
+            duplicate.close()
 
 
 _calls = threading.local()
@@ -138,6 +157,13 @@ def _current_deadline() -> _Deadline | None:
 
 class _WatchedConnection(urllib3.connection.HTTPConnection):
     """An HTTP connection that puts itself under the calling thread's :class:`_Deadline` when it is used."""
+
+    def _new_conn(self) -> socket.socket:
+        sock: socket.socket = super()._new_conn()
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch_socket(sock)
+        return sock
 
     def connect(self) -> None:
         deadline = _current_deadline()
@@ -153,6 +179,13 @@ class _WatchedConnection(urllib3.connection.HTTPConnection):
 
 
 class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    def _new_conn(self) -> socket.socket:
+        sock: socket.socket = super()._new_conn()
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch_socket(sock)
+        return sock
+
     def connect(self) -> None:
         deadline = _current_deadline()
         if deadline is not None:
