@@ -172,3 +172,14 @@ def test_readiness_tells_of_the_quarantine_and_the_kubelet_still_gets_answers(tm
                 what="readiness naming the quarantine",
             )
             assert kubelet.prepare(DRIVER_NAME, [key])[UID] == (devices, "")  # the running claim: its own answer
+
+
+@pytest.mark.parametrize("spec_text", ["[]", '{"devices": 3}', "[" * 100_000, '{"devices": [{"name": 1}]}'])
+def test_a_spec_of_ours_of_any_shape_never_stops_the_start(tmp_path: Path, spec_text: str) -> None:
+    node = Node(tmp_path)
+    node.core().prepare([RUNNING])
+    (node.cdi_dir / cdi.spec_file_name(UID)).write_text(spec_text)
+    node.tear()
+    core = node.core()  # no exception: the claim is not rebuilt, its files are left, new claims refused
+    assert UID not in core.prepared() and (node.cdi_dir / cdi.spec_file_name(UID)).exists()
+    assert "cannot be read after a damaged checkpoint" in core.prepare([SECOND])[UID2].error

@@ -245,7 +245,7 @@ class PrepareCore:
                     continue
                 try:
                     rebuilt[entry.name] = self._rebuilt_claim(entry.name)
-                except (InputError, OSError, ValueError) as exc:
+                except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
                     self._unreadable.append(entry.path)
                     log_event("dra_rebuild_failed", claim=entry.name, error=str(exc)[:300])
         self._prepared = rebuilt
@@ -309,7 +309,7 @@ class PrepareCore:
                         for device in json.loads(text)["devices"]
                         for node in device["containerEdits"].get("deviceNodes", [])
                     }
-                except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError):
+                except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
                     self._unreadable.append(entry.path)
                     continue
                 for node in nodes - SHARED_NODES:
