@@ -34,6 +34,8 @@ LEVELS: dict[str, int] = {
     "dra_publish_failed": logging.WARNING,
     "dra_restore_failed": logging.ERROR,
     "dra_checkpoint_damaged": logging.ERROR,
+    "dra_checkpoint_unwritable": logging.ERROR,
+    "dra_rebuild_failed": logging.ERROR,
     "dra_internal_error": logging.ERROR,
 }
 """Events above INFO; every other event is INFO."""

@@ -72,6 +72,7 @@ def test_dra_manifests_validate_strictly(version: str | None) -> None:
     files = dra_files()
     names = {path.relative_to(DRA).as_posix() for path in files}
     assert names == {
+        "admission.yaml",
         "daemonset.yaml",
         "deviceclasses.yaml",
         "rbac.yaml",
@@ -138,6 +139,11 @@ def test_the_dra_daemonset_mounts_what_serve_dra_uses(built: list[Doc]) -> None:
         (mount,) = [m for path, m in mounts.items() if default == Path(path) or default.is_relative_to(path)]
         assert volumes[mount["name"]] == mount["mountPath"] and not mount.get("readOnly", False), default
     assert mounts["/host/sys"]["readOnly"] and mounts["/host/dev/vfio"]["readOnly"]
+    # Only its own plugin directory, never /var/lib/kubelet/plugins whole (every CSI and DRA driver's sockets).
+    kubelet = Path("/var/lib/kubelet")
+    under_kubelet = {Path(volume) for volume in volumes.values() if Path(volume).is_relative_to(kubelet)}
+    assert under_kubelet == {DEFAULT_PLUGIN_DIR, DEFAULT_REGISTRY_DIR}
+    assert {Path(path) for path in mounts if Path(path).is_relative_to(kubelet)} == under_kubelet
     security = main["securityContext"]
     assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-dra-plugin"
@@ -151,8 +157,8 @@ def test_rbac_grants_what_the_plugin_calls_and_no_more(built: list[Doc]) -> None
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    assert grants == {
-        ("resource.k8s.io", "resourceslices"): sorted(["get", "list", "watch", "create", "update", "delete"]),
+    assert grants == {  # the calls of plugin/dra/kube.py: list (its node's), create, replace, delete; no watch
+        ("resource.k8s.io", "resourceslices"): sorted(["list", "create", "update", "delete"]),
         ("resource.k8s.io", "resourceclaims"): ["get"],
         ("", "nodes"): ["get"],
     }
@@ -163,6 +169,20 @@ def test_rbac_grants_what_the_plugin_calls_and_no_more(built: list[Doc]) -> None
         {"kind": "ServiceAccount", "name": "gpu-dra-plugin", "namespace": account["metadata"]["namespace"]}
     ]
     assert one(built, "DaemonSet", "gpu-dra-plugin")["metadata"]["namespace"] == account["metadata"]["namespace"]
+
+
+def test_the_admission_policy_names_the_plugins_service_account_and_is_bound(built: list[Doc]) -> None:
+    """The ValidatingAdmissionPolicy (its CEL: tests/test_dra_admission.py) applies to the very account the
+    DaemonSet runs as, and is bound, so the API server enforces it."""
+    account = one(built, "ServiceAccount", "gpu-dra-plugin")
+    daemonset = one(built, "DaemonSet", "gpu-dra-plugin")
+    assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    user = f"system:serviceaccount:{account['metadata']['namespace']}:{account['metadata']['name']}"
+    policy = one(built, "ValidatingAdmissionPolicy", "gpu-dra-plugin-resourceslices")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == f'request.userInfo.username == "{user}"'
+    binding = one(built, "ValidatingAdmissionPolicyBinding", "gpu-dra-plugin-resourceslices")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
 
 def test_the_sample_vm_reaches_the_template_and_a_device_class(example: list[Doc]) -> None:

@@ -175,15 +175,17 @@ def test_a_restart_removes_files_no_claim_owns_and_restores_missing_ones(tmp_pat
     assert spec.read_text() == text
 
 
-def test_a_damaged_checkpoint_is_set_aside_and_our_files_removed(tmp_path: Path) -> None:
+def test_a_tampered_checkpoint_is_set_aside_and_ownership_rebuilt_from_our_files(tmp_path: Path) -> None:
+    # tests/test_dra_checkpoint_damage.py: the quarantine in full (issue 22, finding 6)
     s = setup(tmp_path)
     s.claims[CLAIM] = [gpu("pci-0000-86-00-0")]
     s.core().prepare([CLAIM])
     (s.state / "checkpoint.json").write_text('{"version": 1, "claims": {"x": {"files": {"/etc/passwd": ""}}}}')
     core = s.core()
-    assert core.prepared() == {}
-    assert (s.state / "checkpoint.json.damaged").exists()
-    assert list(s.cdi_dir.iterdir()) == []
+    assert set(core.prepared()) == {UID}
+    assert list(s.state.glob("checkpoint.json.damaged-*"))
+    assert [path.name for path in s.cdi_dir.iterdir()] == [cdi.spec_file_name(UID)]
+    assert Path("/etc/passwd").exists()
 
 
 @pytest.mark.parametrize(
@@ -300,7 +302,7 @@ def test_a_claim_source_that_breaks_fails_only_that_claim(tmp_path: Path) -> Non
     static = StaticClaims.from_results(s.claims)
 
     class Flaky:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             if claim == CLAIM:
                 raise ConnectionResetError("API server went away")
             return static.allocated(claim)
@@ -370,7 +372,7 @@ def test_two_concurrent_prepares_of_one_claim_prepare_it_once(tmp_path: Path) ->
     both_reading = threading.Barrier(2)
 
     class Slow:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             both_reading.wait(5)  # both calls are past the first look and read the claim at once
             return static.allocated(claim)
 
@@ -398,7 +400,7 @@ def test_an_unprepare_while_the_claim_is_read_wins_and_nothing_is_left_prepared(
     reading, release = threading.Event(), threading.Event()
 
     class Slow:
-        def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+        def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
             reading.set()
             assert release.wait(10)
             return static.allocated(claim)
@@ -554,8 +556,8 @@ def test_a_checkpoint_naming_another_vendors_cdi_spec_is_damaged_and_that_spec_s
     obj["claims"][UID]["files"][str(foreign)] = "replaced"
     path.write_text(json.dumps(obj))
     core = s.core()
-    assert core.prepared() == {}
-    assert (s.state / "checkpoint.json.damaged").exists()
+    assert set(core.prepared()) == {UID}  # rebuilt from its own files, never from the record naming another's
+    assert list(s.state.glob("checkpoint.json.damaged-*"))
     core.unprepare([CLAIM])
     assert foreign.read_text() == '{"cdiVersion": "0.5.0"}'
     assert not (s.cdi_dir / cdi.spec_file_name(UID)).exists()
@@ -569,4 +571,4 @@ def test_a_checkpoint_nested_too_deep_or_of_no_version_is_set_aside(tmp_path: Pa
     s.state.mkdir()
     (s.state / checkpoint.FILE_NAME).write_text(text)
     assert s.core().prepared() == {}
-    assert (s.state / "checkpoint.json.damaged").exists()
+    assert list(s.state.glob("checkpoint.json.damaged-*"))

@@ -32,8 +32,10 @@ SPEC_PREFIX = CDI_KIND.replace("/", "-") + "_"
 DEVICE_PERMISSIONS = "rw"
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
 
-_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
-"""A CDI device name (SPEC.md, "CDI Devices")."""
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
+"""A CDI device name (SPEC.md, "CDI Devices"); used with ``fullmatch`` (``$`` lets a trailing newline in)."""
+_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,126}[A-Za-z0-9])?")
+"""A claim UID as spec files are named after it (``plugin.dra.checkpoint.UID_PATTERN``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,7 @@ class CdiDevice:
 def device_name(claim_uid: str, request: str) -> str:
     """The CDI device of one claim request: ``<uid>-<request>``; ValueError when it is not a CDI name."""
     name = f"{claim_uid}-{request}"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ValueError(f"{name[:100]!r} is not a CDI device name")
     return name
 
@@ -72,7 +74,7 @@ def claim_uid_of_spec(file_name: str) -> str | None:
     """The claim UID a spec file of ours is for; None for any other file (another vendor's, a temporary)."""
     if file_name.startswith(SPEC_PREFIX) and file_name.endswith(".json"):
         uid = file_name[len(SPEC_PREFIX) : -len(".json")]
-        return uid or None
+        return uid if _UID.fullmatch(uid) else None
     return None
 
 

@@ -39,8 +39,8 @@ MAX_CLAIMS = 4096
 MAX_FILES_PER_CLAIM = 64
 MAX_FILE_BYTES = 256 * 1024
 
-UID_PATTERN = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,126}[A-Za-z0-9])?$")
-"""A claim UID as the plugin names files after it (Kubernetes UIDs are UUIDs)."""
+UID_PATTERN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,126}[A-Za-z0-9])?")
+"""A claim UID as the plugin names files after it (Kubernetes UIDs are UUIDs); used with ``fullmatch``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ def load(state_dir: Path, owned: Iterable[Path]) -> dict[str, PreparedClaim]:
 
 def _claim(uid: str, raw: object, roots: list[Path], shown: str) -> PreparedClaim:
     where = f"DRA checkpoint {shown}: claim {uid[:80]!r}"
-    if not UID_PATTERN.match(uid):
+    if not UID_PATTERN.fullmatch(uid):
         raise InputError(f"{where}: not a Kubernetes UID")
     if not isinstance(raw, dict):
         raise InputError(f"{where} is not an object")

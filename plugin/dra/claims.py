@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from plugin.dra.checkpoint import UID_PATTERN
 from runtime.files import read_regular_file
 from schemas.errors import InputError
 
@@ -39,8 +40,38 @@ API_VERSIONS = frozenset({"resource.k8s.io/v1", "resource.k8s.io/v1beta2", "reso
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
 """Kubernetes' annotation on a ResourceClaim generated from a template: the pod's name for the claim."""
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+DNS_LABEL_MAX = 63
+DNS_SUBDOMAIN_MAX = 253
+DRIVER_NAME_MAX = 63
+"""``resource.k8s.io`` ``DriverNameMaxLength``: a driver name is a DNS subdomain of at most 63 characters."""
+POOL_NAME_MAX = 253
+"""``resource.k8s.io`` ``PoolNameMaxLength``: ``/``-separated DNS subdomains, 253 characters in all."""
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""apimachinery's ``IsDNS1123Label`` / ``IsDNS1123Subdomain`` patterns, always used with ``fullmatch`` (``$``
+would let a trailing newline through)."""
+
+
+def is_dns_label(value: str) -> bool:
+    """Kubernetes' ``IsDNS1123Label``: lower-case alphanumerics and ``-``, at most 63 characters."""
+    return len(value) <= DNS_LABEL_MAX and _DNS_LABEL.fullmatch(value) is not None
+
+
+def is_dns_subdomain(value: str, limit: int = DNS_SUBDOMAIN_MAX) -> bool:
+    """Kubernetes' ``IsDNS1123Subdomain``: dot-separated DNS labels' characters, at most ``limit`` characters."""
+    return len(value) <= limit and _DNS_SUBDOMAIN.fullmatch(value) is not None
+
+
+def is_pool_name(value: str) -> bool:
+    """A ResourceSlice pool name as the API server validates it: ``/``-separated DNS subdomains."""
+    return len(value) <= POOL_NAME_MAX and all(is_dns_subdomain(part) for part in value.split("/"))
+
+
+def is_request_name(value: str) -> bool:
+    """An allocation result's ``request``: a request name (DNS label), or ``<request>/<subrequest>``."""
+    parts = value.split("/")
+    return len(parts) <= 2 and all(is_dns_label(part) for part in parts)
 
 
 class ClaimError(InputError):
@@ -80,8 +111,9 @@ class AllocatedDevice:
 class ClaimSource(Protocol):
     """The allocation results of a claim, every driver's (the caller keeps its own driver's)."""
 
-    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
-        """The claim's results; :class:`ClaimError` naming the claim when it cannot be read, is not the claim
+    def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
+        """The claim's results; :class:`ClaimError` naming the claim when it cannot be read (by ``until``, a
+        ``time.monotonic()`` time, when given: the kubelet's call must be answered in time), is not the claim
         with that UID, or is not allocated."""
         ...
 
@@ -92,6 +124,14 @@ def _text(value: object, what: str, claim: ClaimRef) -> str:
     if len(value) > MAX_NAME:
         raise ClaimError(f"claim {claim}: {what} {value[:80]!r}... is over {MAX_NAME} characters")
     return value
+
+
+def _named(value: object, what: str, claim: ClaimRef, rule: Callable[[str], bool], rule_name: str) -> str:
+    """``value`` when it is a string that ``rule`` accepts; :class:`ClaimError` naming ``what`` and the value."""
+    text = _text(value, what, claim)
+    if not rule(text):
+        raise ClaimError(f"claim {claim}: {what} {text[:80]!r} is not {rule_name} (as Kubernetes validates it)")
+    return text
 
 
 def _shown(value: object) -> str:
@@ -106,13 +146,18 @@ def _mapping(value: object, what: str, claim: ClaimRef) -> Mapping[str, Any]:
 
 
 def check_ref(claim: ClaimRef) -> ClaimRef:
-    """``claim`` when its namespace is a DNS label, its name a DNS subdomain and its UID a bounded string;
-    :class:`ClaimError` otherwise (the kubelet never sends such a claim; a stand-in or an attacker might)."""
-    if not _DNS_LABEL.match(claim.namespace):
-        raise ClaimError(f"claim namespace {claim.namespace[:80]!r} is not a DNS label")
-    if not _DNS_SUBDOMAIN.match(claim.name):
-        raise ClaimError(f"claim name {claim.name[:80]!r} in namespace {claim.namespace} is not a DNS subdomain")
-    if not claim.uid or len(claim.uid) > MAX_NAME or not claim.uid.isprintable() or "/" in claim.uid:
+    """``claim`` when its namespace is a DNS label, its name a DNS subdomain (apimachinery's rules, the whole
+    string) and its UID a bounded run of letters, digits and ``-``; :class:`ClaimError` naming the culprit
+    otherwise (the kubelet never sends such a claim; a stand-in or an attacker might). These names reach file
+    paths and the CDI spec."""
+    if not is_dns_label(claim.namespace):
+        raise ClaimError(f"claim namespace {claim.namespace[:80]!r} is not a DNS label (RFC 1123, at most 63)")
+    if not is_dns_subdomain(claim.name):
+        raise ClaimError(
+            f"claim name {claim.name[:80]!r} in namespace {claim.namespace} is not a DNS subdomain (RFC 1123, "
+            "at most 253)"
+        )
+    if UID_PATTERN.fullmatch(claim.uid) is None:
         raise ClaimError(f"claim {claim.namespace}/{claim.name}: uid {claim.uid[:80]!r} is not a plain UID")
     return claim
 
@@ -140,7 +185,9 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
     annotations = _mapping(metadata.get("annotations") or {}, "metadata.annotations", claim)
     pod_claim_name = annotations.get(POD_CLAIM_NAME_ANNOTATION)
     if pod_claim_name is not None:
-        pod_claim_name = _text(pod_claim_name, f"annotation {POD_CLAIM_NAME_ANNOTATION}", claim)
+        pod_claim_name = _named(
+            pod_claim_name, f"annotation {POD_CLAIM_NAME_ANNOTATION}", claim, is_dns_label, "a DNS label"
+        )
     status = _mapping(obj.get("status", {}), "status", claim)
     allocation = status.get("allocation")
     if allocation is None:
@@ -160,10 +207,22 @@ def results_from_claim_object(obj: Mapping[str, Any], claim: ClaimRef) -> list[A
             raise ClaimError(f"claim {claim}: {where}.adminAccess is {_shown(admin_access)}, not a bool")
         found_devices.append(
             AllocatedDevice(
-                request=_text(result.get("request"), f"{where}.request", claim),
-                driver=_text(result.get("driver"), f"{where}.driver", claim),
-                pool=_text(result.get("pool"), f"{where}.pool", claim),
-                device=_text(result.get("device"), f"{where}.device", claim),
+                request=_named(
+                    result.get("request"),
+                    f"{where}.request",
+                    claim,
+                    is_request_name,
+                    "a request name (a DNS label, or two joined by '/')",
+                ),
+                driver=_named(
+                    result.get("driver"),
+                    f"{where}.driver",
+                    claim,
+                    lambda value: is_dns_subdomain(value, DRIVER_NAME_MAX),
+                    f"a DNS subdomain of at most {DRIVER_NAME_MAX}",
+                ),
+                pool=_named(result.get("pool"), f"{where}.pool", claim, is_pool_name, "a pool name"),
+                device=_named(result.get("device"), f"{where}.device", claim, is_dns_label, "a DNS label"),
                 pod_claim_name=pod_claim_name,
                 admin_access=bool(admin_access),
             )
@@ -197,7 +256,7 @@ class StaticClaims:
         """Claims built from results directly (tests, benchmarks): each becomes a v1 ResourceClaim object."""
         return cls({(ref.namespace, ref.name): claim_object(ref, devices) for ref, devices in claims.items()})
 
-    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+    def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
         check_ref(claim)
         obj = self._objects.get((claim.namespace, claim.name))
         if obj is None and self._directory is not None:

@@ -7,7 +7,11 @@ never leave this module). Objects travel as plain JSON dicts (``_preload_content
 once and checked before use. Only ``serve --dra`` imports this module, so the device-plugin path never loads
 the client.
 
-- Every call has a timeout (connect, read) and no client-side retries: a failed sync is retried whole on the
+- Every call has a timeout (connect, each read) **and a total deadline** (:data:`DEFAULT_DEADLINE`, shorter
+  than the kubelet's 45 s for a NodePrepareResources call): urllib3's timeouts bound each socket operation,
+  so a server trickling a byte every few seconds would hold a call forever. A watchdog
+  (:class:`_Deadline`) shuts down the sockets the call is using when its deadline passes, so the call fails
+  at once with a :class:`KubeError` saying so. No client-side retries: a failed sync is retried whole on the
   next inventory (the serve loop calls :meth:`SlicePublisher.publish` on each new inventory; it logs
   ``dra_slices_published`` when something changed). Errors are
   :class:`KubeError` naming the operation, the object and the API server's answer.
@@ -25,7 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,8 @@ from typing import Any
 import kubernetes.client
 import kubernetes.config
 import urllib3
+import urllib3.connection
+import urllib3.connectionpool
 
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
 from plugin.dra.slices import API_VERSION, KIND, ProductNames, build_slices, check_node_name
@@ -43,7 +53,11 @@ from schemas.dra import DRIVER_NAME
 from schemas.errors import InputError
 
 DEFAULT_TIMEOUT = (5.0, 15.0)
-"""Seconds to connect and to wait for the answer, for every call."""
+"""Seconds to connect and to wait for each read of the answer, for every call."""
+DEFAULT_DEADLINE = 20.0
+"""Seconds a whole call may take, however the server dribbles its answer: well below the kubelet's 45 s for
+NodePrepareResources (``defaultClientCallTimeout``, k8s.io/kubernetes pkg/kubelet/cm/dra/plugin), so a claim
+read that cannot finish fails the claim with a clear error before the kubelet gives up on the whole call."""
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 """Largest answer read (a list of our slices: a few hundred KiB at most; etcd's object limit is 1.5 MiB)."""
 MAX_SLICES = 64
@@ -70,27 +84,178 @@ def _reason(body: bytes | str | None) -> str:
     return text[:300].strip() or "(no body)"
 
 
+class _Deadline:
+    """One call's deadline: when it passes, every connection the call used has its socket shut down, so a
+    read blocked on a trickling server returns at once (on the calling thread, which then reports the deadline).
+
+    The connections register themselves (:class:`_WatchedConnection`) through a thread-local: the client is
+    synchronous, so the connection a call uses is used on the thread that made the call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = False
+        self._lock = threading.Lock()
+        self._connections: list[urllib3.connection.HTTPConnection] = []
+        self._sockets: list[socket.socket] = []
+        self._done = False
+        self._timer = threading.Timer(max(0.0, seconds), self._expire)
+        self._timer.daemon = True
+
+    def watch(self, connection: urllib3.connection.HTTPConnection) -> None:
+        with self._lock:
+            if connection not in self._connections:
+                self._connections.append(connection)
+            expired = self.expired
+        if expired:
+            raise TimeoutError(f"the call's deadline of {self.seconds:g} s has passed")
+
+    def watch_socket(self, sock: socket.socket) -> None:
+        """A new connection's socket, before TLS wraps it (and detaches this object from its descriptor): a
+        duplicate descriptor of it is kept until :meth:`finish`, so a handshake dribbled byte by byte is cut too
+        (``shutdown`` acts on the connection, whichever descriptor names it)."""
+        duplicate = sock.dup()
+        with self._lock:
+            if self._done:
+                duplicate.close()
+                return
+            self._sockets.append(duplicate)
+            expired = self.expired
+        if expired:
+            with suppress(OSError):
+                duplicate.shutdown(socket.SHUT_RDWR)
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            socks = [getattr(connection, "sock", None) for connection in self._connections] + self._sockets
+            for sock in socks:
+                if sock is not None:  # the plain socket's shutdown, also under TLS: the reader sees EOF, gives up
+                    with suppress(OSError):
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+            duplicates, self._sockets = self._sockets, []
+        self._timer.cancel()
+        for duplicate in duplicates:
+            duplicate.close()
+
+
+_calls = threading.local()
+
+
+def _current_deadline() -> _Deadline | None:
+    deadline: _Deadline | None = getattr(_calls, "deadline", None)
+    return deadline
+
+
+class _WatchedConnection(urllib3.connection.HTTPConnection):
+    """An HTTP connection that puts itself under the calling thread's :class:`_Deadline` when it is used."""
+
+    def _new_conn(self) -> socket.socket:
+        sock: socket.socket = super()._new_conn()
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch_socket(sock)
+        return sock
+
+    def connect(self) -> None:
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch(self)
+        super().connect()
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch(self)
+        super().request(*args, **kwargs)
+
+
+class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    def _new_conn(self) -> socket.socket:
+        sock: socket.socket = super()._new_conn()
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch_socket(sock)
+        return sock
+
+    def connect(self) -> None:
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch(self)
+        super().connect()
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        deadline = _current_deadline()
+        if deadline is not None:
+            deadline.watch(self)
+        super().request(*args, **kwargs)
+
+
+class _WatchedPool(urllib3.connectionpool.HTTPConnectionPool):
+    ConnectionCls = _WatchedConnection
+
+
+class _WatchedHTTPSPool(urllib3.connectionpool.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[_Deadline]:
+    deadline = _Deadline(seconds)
+    _calls.deadline = deadline
+    deadline.start()
+    try:
+        yield deadline
+    finally:
+        deadline.finish()
+        _calls.deadline = None
+
+
 class KubeApi:
     """The few calls the DRA plugin makes, with JSON dicts in and out (the typed face of the untyped client)."""
 
-    def __init__(self, configuration: Any, timeout: tuple[float, float] = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, configuration: Any, timeout: tuple[float, float] = DEFAULT_TIMEOUT, deadline: float = DEFAULT_DEADLINE
+    ) -> None:
+        if deadline <= 0:
+            raise ValueError("deadline must be positive")
         configuration.retries = False  # no silent retries: a failed sync is retried whole, and logged
         self._client = kubernetes.client.ApiClient(configuration)
+        # Every connection the client opens answers to the calling thread's deadline (see _Deadline).
+        self._client.rest_client.pool_manager.pool_classes_by_scheme = {
+            "http": _WatchedPool,
+            "https": _WatchedHTTPSPool,
+        }
         self._resource = kubernetes.client.ResourceV1Api(self._client)
         self._core = kubernetes.client.CoreV1Api(self._client)
         self._timeout = timeout
+        self.deadline = deadline
+        """Seconds a whole call may take (connect, send, the whole answer read)."""
         self.host = str(configuration.host)
 
     @classmethod
-    def for_host(cls, host: str, timeout: tuple[float, float] = DEFAULT_TIMEOUT) -> KubeApi:
+    def for_host(
+        cls, host: str, timeout: tuple[float, float] = DEFAULT_TIMEOUT, deadline: float = DEFAULT_DEADLINE
+    ) -> KubeApi:
         """An unauthenticated client of ``host`` (``http://127.0.0.1:PORT``): tests and ``kubectl proxy``."""
         configuration = kubernetes.client.Configuration()
         configuration.host = host
-        return cls(configuration, timeout)
+        return cls(configuration, timeout, deadline)
 
     @classmethod
     def from_environment(
-        cls, kubeconfig: Path | None = None, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+        cls,
+        kubeconfig: Path | None = None,
+        timeout: tuple[float, float] = DEFAULT_TIMEOUT,
+        deadline: float = DEFAULT_DEADLINE,
     ) -> KubeApi:
         """The pod's service account when running in a cluster (``KUBERNETES_SERVICE_HOST`` set) and no
         ``kubeconfig`` is given, else ``kubeconfig`` (default: ``$KUBECONFIG``, then ``~/.kube/config``)."""
@@ -107,13 +272,33 @@ class KubeApi:
             shown = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
             where = "the in-cluster service account" if in_cluster else f"kubeconfig {str(shown)!r}"
             raise KubeError(f"cannot configure the Kubernetes client from {where}: {exc}") from None
-        return cls(configuration, timeout)
+        return cls(configuration, timeout, deadline)
 
     def close(self) -> None:
         self._client.close()
 
-    def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> JSON:
-        """Call ``method`` for the raw answer and return its JSON object; :class:`KubeError` naming ``what``."""
+    def _call(
+        self, what: str, method: Callable[..., Any], *args: Any, until: float | None = None, **kwargs: Any
+    ) -> JSON:
+        """Call ``method`` for the raw answer and return its JSON object; :class:`KubeError` naming ``what``.
+
+        The call has :attr:`deadline` seconds in all, fewer when ``until`` (a ``time.monotonic()`` time: the
+        caller's own deadline) comes sooner."""
+        seconds = self.deadline if until is None else min(self.deadline, until - time.monotonic())
+        if seconds <= 0:
+            raise KubeError(f"{what}: not sent to {self.host}: no time left before the caller's deadline")
+        with _deadline(seconds) as deadline:
+            try:
+                return self._call_within(what, method, *args, **kwargs)
+            except Exception:
+                if deadline.expired:
+                    raise KubeError(
+                        f"{what}: no complete answer from {self.host} within {seconds:.3g} s (the call's deadline; "
+                        "a server that answers this slowly is stuck or overloaded)"
+                    ) from None
+                raise
+
+    def _call_within(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> JSON:
         try:
             response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
         except kubernetes.client.ApiException as exc:
@@ -173,9 +358,14 @@ class KubeApi:
     def read_node(self, name: str) -> JSON:
         return self._call(f"read Node {name}", self._core.read_node, name)
 
-    def read_claim(self, namespace: str, name: str) -> JSON:
+    def read_claim(self, namespace: str, name: str, until: float | None = None) -> JSON:
+        """The ResourceClaim, read within :attr:`deadline` and by ``until`` (``time.monotonic()``) if given."""
         return self._call(
-            f"read ResourceClaim {namespace}/{name}", self._resource.read_namespaced_resource_claim, name, namespace
+            f"read ResourceClaim {namespace}/{name}",
+            self._resource.read_namespaced_resource_claim,
+            name,
+            namespace,
+            until=until,
         )
 
 
@@ -354,11 +544,14 @@ class SlicePublisher:
 
 
 def cluster_side(
-    node_name: str, kubeconfig: Path | None = None, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+    node_name: str,
+    kubeconfig: Path | None = None,
+    timeout: tuple[float, float] = DEFAULT_TIMEOUT,
+    deadline: float = DEFAULT_DEADLINE,
 ) -> tuple[KubeClaims, SlicePublisher]:
     """What ``serve --dra`` needs from the API server, on one client: the claim source and the slice publisher
     for ``node_name`` (in-cluster credentials, or ``kubeconfig`` for a plugin run by hand)."""
-    api = KubeApi.from_environment(kubeconfig, timeout)
+    api = KubeApi.from_environment(kubeconfig, timeout, deadline)
     return KubeClaims(api), SlicePublisher(api, node_name)
 
 
@@ -368,10 +561,10 @@ class KubeClaims:
     def __init__(self, api: KubeApi) -> None:
         self._api = api
 
-    def allocated(self, claim: ClaimRef) -> list[AllocatedDevice]:
+    def allocated(self, claim: ClaimRef, until: float | None = None) -> list[AllocatedDevice]:
         check_ref(claim)
         try:
-            obj = self._api.read_claim(claim.namespace, claim.name)
+            obj = self._api.read_claim(claim.namespace, claim.name, until)
         except KubeError as exc:
             raise ClaimError(f"claim {claim}: {exc}") from None
         return results_from_claim_object(obj, claim)

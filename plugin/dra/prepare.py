@@ -33,9 +33,9 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,10 +45,19 @@ from plugin import allocation
 from plugin.allocation import AllocationError
 from plugin.dra import cdi, checkpoint
 from plugin.dra.checkpoint import PreparedClaim, PreparedDevice
-from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, ClaimSource, check_ref
+from plugin.dra.claims import (
+    AllocatedDevice,
+    ClaimError,
+    ClaimRef,
+    ClaimSource,
+    check_ref,
+    is_dns_label,
+    is_request_name,
+)
 from plugin.health import UsabilityRule
 from plugin.inventory import Device, Inventory, Resource
 from plugin.log import log_event
+from runtime.files import read_regular_file
 from schemas import dra_metadata
 from schemas.dra import DRIVER_NAME, device_id_of
 from schemas.errors import InputError
@@ -58,14 +67,22 @@ MAX_CLAIMS_PER_CALL = 256
 """Claims in one NodePrepareResources/NodeUnprepareResources call (a pod has a few)."""
 MAX_DEVICES_PER_CLAIM = 32
 """Devices of this driver in one claim (Kubernetes allows 32 allocation results per claim)."""
+PREPARE_BUDGET = 30.0
+"""Seconds one NodePrepareResources call may spend reading its claims from the claim source (an API server):
+the kubelet gives the whole call 45 s (``defaultClientCallTimeout``, k8s.io/kubernetes
+pkg/kubelet/cm/dra/plugin/dra_plugin.go); what is left covers the file writes and the answer."""
+DAMAGED_SUFFIX = ".damaged-"
+"""``checkpoint.json.damaged-<ns>``: a checkpoint that could not be read, kept for the operator."""
+MAX_DAMAGED_KEPT = 3
+"""Damaged checkpoints kept aside at most (each up to ``checkpoint.MAX_CHECKPOINT_BYTES``); the oldest go."""
+SHARED_NODES = frozenset({"/dev/vfio/vfio", "/dev/iommu"})
+"""Device nodes every VFIO claim is given (the container endpoint, not a device)."""
 LOCK_FILE = "lock"
 """Under the state directory: held (a POSIX lock) by the one plugin process that owns the checkpoint and files."""
 METADATA_DIR = "metadata"
 """Under the state directory: ``metadata/<claim uid>/<request>/<driver>-metadata.json``."""
 
 _UID = checkpoint.UID_PATTERN
-_REQUEST = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-"""A request name (a DNS label), the part before ``/`` of a subrequest's result."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +128,10 @@ class PrepareCore:
         self._state_lock_fd: int | None = None
         self._reading: dict[str, int] = {}
         """Claim UID → prepares reading its allocation right now (outside the lock)."""
+        self._foreign_nodes: dict[str, str] = {}
+        """Device node → the CDI spec of ours that gives it and that no claim could be rebuilt for (quarantine)."""
+        self._unreadable: list[str] = []
+        """Files of ours that could be neither read nor attributed to a claim (quarantine)."""
         self._withdrawn: set[str] = set()
         """UIDs unprepared while a prepare of them was reading: that prepare must not record them."""
 
@@ -133,23 +154,166 @@ class PrepareCore:
 
     def start(self) -> None:
         """Load the checkpoint and reconcile the files: restore a recorded claim's missing file, remove files
-        of ours no recorded claim owns. A damaged checkpoint is set aside (``.damaged``) and counts as empty:
-        the kubelet prepares again what it still needs."""
+        of ours no recorded claim owns.
+
+        A checkpoint that cannot be read (torn, tampered) is **quarantined**, not reconciled: it is kept aside
+        as ``checkpoint.json.damaged-<ns>`` (the newest :data:`MAX_DAMAGED_KEPT`), and who owns which GPU is
+        rebuilt from the files prepares wrote (each claim's metadata files name its claim and devices; its CDI
+        spec its nodes), so no running claim loses its files and no GPU is prepared for a second claim. While a
+        damaged copy is kept, no file of ours is removed at start, a device node named by a spec of ours that
+        no claim could be rebuilt for is refused to new claims, and :meth:`quarantine` (``/readyz``) says so."""
         with self._lock:
             self._take_state_lock()
+            damaged: str | None = None
             try:
                 self._prepared = checkpoint.load(self.state_dir, (self.cdi_dir, self.metadata_dir))
                 for claim in self._prepared.values():
                     self._check_own_files(claim)
             except InputError as exc:
-                log_event("dra_checkpoint_damaged", error=str(exc))
-                path = self.state_dir / checkpoint.FILE_NAME
-                with contextlib.suppress(OSError):
-                    os.replace(path, path.with_name(path.name + ".damaged"))
-                self._prepared = {}
+                damaged = str(exc)
+            self._foreign_nodes, self._unreadable = {}, []
+            if damaged is not None:
+                kept = self._keep_damaged()
+                self._prepared = self._rebuild()
+                log_event(
+                    "dra_checkpoint_damaged",
+                    error=damaged,
+                    kept_as=kept,
+                    rebuilt=sorted(self._prepared),
+                    unattributed=sorted(set(self._foreign_nodes.values()) | set(self._unreadable)),
+                )
+                try:
+                    checkpoint.save(self.state_dir, self._prepared.values())
+                except OSError as exc:
+                    log_event("dra_checkpoint_unwritable", error=exc.strerror or str(exc))
+            elif self._damaged_copies():
+                self._find_unattributed()
             restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
-            removed = self._remove_orphans()
+            removed = [] if self._damaged_copies() else self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
+
+    def quarantine(self) -> str | None:
+        """None unless a damaged checkpoint is kept aside (this start's or an earlier one's); else what that
+        means, for ``/readyz``. The operator ends it by removing the kept copies once read."""
+        copies = self._damaged_copies()
+        if not copies:
+            return None
+        parts = [
+            f"quarantined: a damaged DRA checkpoint is kept as {copies[-1]}"
+            + (f" (and {len(copies) - 1} older)" if len(copies) > 1 else ""),
+            "claim ownership was rebuilt from the files on disk and no file of ours is removed at start",
+        ]
+        unattributed = sorted(set(self._foreign_nodes.values()) | set(self._unreadable))
+        if unattributed:
+            parts.append(
+                f"files no claim could be rebuilt from, their devices refused to new claims: {unattributed[:4]}"
+            )
+        parts.append(f"remove {self.state_dir / checkpoint.FILE_NAME}.damaged-* once checked")
+        return "; ".join(parts)
+
+    def _damaged_copies(self) -> list[str]:
+        """The damaged checkpoints kept aside, oldest first."""
+        prefix = checkpoint.FILE_NAME + DAMAGED_SUFFIX
+        try:
+            names = [entry.name for entry in os.scandir(self.state_dir) if entry.name.startswith(prefix)]
+        except OSError:
+            return []
+        return [str(self.state_dir / name) for name in sorted(names, key=lambda name: (len(name), name))]
+
+    def _keep_damaged(self) -> str | None:
+        """Rename the damaged checkpoint to ``checkpoint.json.damaged-<ns>``, dropping the oldest copies beyond
+        :data:`MAX_DAMAGED_KEPT`; the new name (None when it cannot be renamed). Lock held."""
+        path = self.state_dir / checkpoint.FILE_NAME
+        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{time.time_ns()}")
+        try:
+            os.replace(path, target)
+        except OSError as exc:
+            log_event("dra_checkpoint_unwritable", error=f"cannot keep {path} aside: {exc.strerror or exc}")
+            return None
+        for old in self._damaged_copies()[:-MAX_DAMAGED_KEPT]:
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+        return str(target)
+
+    def _rebuild(self) -> dict[str, PreparedClaim]:
+        """The claims whose files are on disk, read back from them (a damaged checkpoint). Lock held."""
+        rebuilt: dict[str, PreparedClaim] = {}
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in sorted(os.scandir(self.metadata_dir), key=lambda entry: entry.name)[: self.max_claims]:
+                if not entry.is_dir(follow_symlinks=False) or not _UID.fullmatch(entry.name):
+                    self._unreadable.append(entry.path)
+                    continue
+                try:
+                    rebuilt[entry.name] = self._rebuilt_claim(entry.name)
+                except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+                    self._unreadable.append(entry.path)
+                    log_event("dra_rebuild_failed", claim=entry.name, error=str(exc)[:300])
+        self._prepared = rebuilt
+        self._find_unattributed()
+        return rebuilt
+
+    def _rebuilt_claim(self, uid: str) -> PreparedClaim:
+        """One claim from its metadata files (``metadata/<uid>/<request>/<driver>-metadata.json``) and its CDI
+        spec; InputError when they do not agree with what a prepare of it writes."""
+        base = self.metadata_dir / uid
+        files: dict[str, str] = {}
+        devices: list[PreparedDevice] = []
+        names: set[tuple[str, str]] = set()
+        requests = sorted(os.scandir(base), key=lambda entry: entry.name)
+        if not requests or len(requests) > checkpoint.MAX_FILES_PER_CLAIM - 1:
+            raise InputError(f"{base}: {len(requests)} request directories")
+        for request in requests:
+            path = Path(request.path) / f"{self.driver}{dra_metadata.FILE_SUFFIX}"
+            if not request.is_dir(follow_symlinks=False) or not is_dns_label(request.name):
+                raise InputError(f"{request.path} is not a request directory of ours")
+            data = read_regular_file(path, checkpoint.MAX_FILE_BYTES, "DRA metadata file")
+            metadata = dra_metadata.parse_metadata(data, str(path))
+            ref = check_ref(ClaimRef(metadata.namespace, metadata.claim_name, metadata.uid))
+            if ref.uid != uid:
+                raise InputError(f"{path} is for claim uid {ref.uid!r}, not {uid}")
+            names.add((ref.namespace, ref.name))
+            cdi_id = cdi.device_id(cdi.device_name(uid, request.name))
+            for entry in metadata.requests:
+                if entry.name.partition("/")[0] != request.name:
+                    raise InputError(f"{path} lists request {entry.name!r} in the directory of {request.name!r}")
+                devices += [
+                    PreparedDevice((request.name,), device.pool, device.name, (cdi_id,))
+                    for device in entry.devices
+                    if device.driver == self.driver
+                ]
+            files[str(path)] = data.decode("utf-8")
+        if len(names) != 1 or not devices:
+            raise InputError(f"{base}: its files name {len(names)} claims and {len(devices)} devices of ours")
+        spec = self.cdi_dir / cdi.spec_file_name(uid)
+        if os.path.lexists(spec):
+            text = read_regular_file(spec, checkpoint.MAX_FILE_BYTES, "CDI spec").decode("utf-8")
+            found = {device["name"] for device in json.loads(text)["devices"]}
+            if found != {cdi.device_name(uid, request.name) for request in requests}:
+                raise InputError(f"{spec} names CDI devices {sorted(found)}, not the claim's requests")
+            files[str(spec)] = text
+        ((namespace, name),) = names
+        return PreparedClaim(namespace, name, uid, tuple(devices), files)
+
+    def _find_unattributed(self) -> None:
+        """Note the device nodes of every CDI spec of ours that no claim owns (refused to new claims while a
+        damaged checkpoint is kept) and the specs that cannot even be read. Lock held."""
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in sorted(os.scandir(self.cdi_dir), key=lambda entry: entry.name)[: self.max_claims * 2]:
+                uid = cdi.claim_uid_of_spec(entry.name)
+                if uid is None or uid in self._prepared:
+                    continue
+                try:
+                    text = read_regular_file(Path(entry.path), checkpoint.MAX_FILE_BYTES, "CDI spec")
+                    nodes = {
+                        node["path"]
+                        for device in json.loads(text)["devices"]
+                        for node in device["containerEdits"].get("deviceNodes", [])
+                    }
+                except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+                    self._unreadable.append(entry.path)
+                    continue
+                for node in nodes - SHARED_NODES:
+                    self._foreign_nodes[node] = entry.path
 
     def _take_state_lock(self) -> None:
         """Hold ``<state dir>/lock`` for the life of the process; InputError when another process holds it.
@@ -192,14 +356,18 @@ class PrepareCore:
 
     # -- prepare ------------------------------------------------------------------------------------------
 
-    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimOutcome]:
-        """Prepare each claim; the answer by UID (every claim of ``refs`` has one)."""
+    def prepare(self, refs: Sequence[ClaimRef], until: float | None = None) -> dict[str, ClaimOutcome]:
+        """Prepare each claim; the answer by UID (every claim of ``refs`` has one). Claims are read from the
+        claim source by ``until`` (``time.monotonic()``; default :data:`PREPARE_BUDGET` from now): the reads of
+        one call share that time, so the kubelet gets an answer, some claims failed, before its own deadline."""
         if len(refs) > MAX_CLAIMS_PER_CALL:
             raise InputError(f"{len(refs)} claims in one call, over the limit of {MAX_CLAIMS_PER_CALL}")
+        if until is None:
+            until = time.monotonic() + PREPARE_BUDGET
         answers: dict[str, ClaimOutcome] = {}
         for ref in refs:
             try:
-                outcome = ClaimOutcome(devices=self._prepare_one(ref))
+                outcome = ClaimOutcome(devices=self._prepare_one(ref, until))
             except (ClaimError, InputError, AllocationError, ValueError) as exc:
                 text = exc.message if isinstance(exc, AllocationError) else str(exc)
                 if not text.startswith("claim "):
@@ -214,11 +382,11 @@ class PrepareCore:
                 self.on_outcome("prepare", "error" if outcome.error else "ok")
         return answers
 
-    def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+    def _prepare_one(self, ref: ClaimRef, until: float) -> tuple[PreparedDevice, ...]:
         """The claim's devices: the recorded answer, or a new prepare. The claim source (perhaps an API GET)
         is asked outside the lock, so a slow one does not hold up other claims."""
         check_ref(ref)
-        if not _UID.match(ref.uid):
+        if not _UID.fullmatch(ref.uid):
             raise ClaimError(f"claim {ref}: the uid is not a Kubernetes UID")
         with self._lock:
             known = self._known(ref)
@@ -227,7 +395,12 @@ class PrepareCore:
             self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
         try:
             try:
-                results = self.claims.allocated(ref)
+                if time.monotonic() >= until:
+                    raise ClaimError(
+                        f"claim {ref}: not read: the call's time ran out reading the claims before it (the kubelet "
+                        "asks again)"
+                    )
+                results = self.claims.allocated(ref, until)
             except InputError:
                 raise
             except Exception as exc:  # the source's own trouble (a connection reset...): this claim fails
@@ -322,14 +495,29 @@ class PrepareCore:
         by_request: dict[str, list[tuple[AllocatedDevice, Resource, Device]]] = defaultdict(list)
         for result, (resource, device) in zip(ours, chosen, strict=True):
             base = result.request.partition("/")[0]
-            if not _REQUEST.match(base):
-                raise ClaimError(f"claim {ref}: request {result.request[:80]!r} is not a request name")
+            if not is_request_name(result.request) or not is_dns_label(base):
+                raise ClaimError(
+                    f"claim {ref}: request {base[:80]!r} (result {result.request[:80]!r}) is not a request name "
+                    "(a DNS label: it names a directory and a CDI device)"
+                )
             by_request[base].append((result, resource, device))
         files: dict[str, str] = {}
         cdi_devices: list[cdi.CdiDevice] = []
         prepared: list[PreparedDevice] = []
+        if self._unreadable:
+            raise ClaimError(
+                f"claim {ref}: not prepared: file {self._unreadable[0]} of ours cannot be read after a damaged "
+                'checkpoint, so which GPU it gives is unknown (quarantine: docs/dra.md, "Restarts")'
+            )
         for request, members in sorted(by_request.items()):
             nodes = self._device_nodes([(resource, device) for _, resource, device in members])
+            taken = sorted(set(nodes) & self._foreign_nodes.keys())
+            if taken:
+                raise ClaimError(
+                    f"claim {ref}: device node {taken[0]} is given by CDI spec {self._foreign_nodes[taken[0]]}, of a "
+                    "claim whose ownership could not be rebuilt after a damaged checkpoint (quarantine: docs/dra.md, "
+                    '"Restarts"); not prepared twice'
+                )
             host_path, container_path, text = self._metadata(ref, request, members)
             files[str(host_path)] = text
             name = cdi.device_name(ref.uid, request)

@@ -133,7 +133,8 @@ class DraRunner:
         return None
 
     def readiness(self) -> str | None:
-        """None once scanned, served and registered by the kubelet (``/readyz``); else why not."""
+        """None once scanned, served and registered by the kubelet, and no damaged checkpoint is kept aside
+        (``/readyz``: :meth:`PrepareCore.quarantine`); else why not."""
         problem = self.liveness()
         if problem is not None:
             return problem
@@ -143,7 +144,7 @@ class DraRunner:
         if status.registered is not True:
             why = f": {status.error}" if status.error else " yet"
             return f"not registered with the kubelet{why} ({self.server.registration_socket})"
-        return None
+        return self.core.quarantine()
 
     def run(self) -> None:
         log_event("dra_starting", host_root=str(self.host_root), scan_interval=self.scan_interval)

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from plugin.dra.claims import ClaimRef
-from plugin.dra.prepare import MAX_CLAIMS_PER_CALL, PrepareCore
+from plugin.dra.prepare import MAX_CLAIMS_PER_CALL, PREPARE_BUDGET, PrepareCore
 from plugin.log import log_event
 from runtime import sockets
 from schemas.dra import DRIVER_NAME
@@ -51,9 +51,18 @@ SOCKET_NAME = "dra.sock"
 REGISTRATION_SOCKET = f"{DRIVER_NAME}-reg.sock"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest request accepted: 256 claims of three names each are ~200 KiB; gRPC refuses more before we parse."""
-WORKERS = 4
+WORKERS = 8
+"""Threads serving the DRAPlugin socket."""
+PREPARE_CALLS = WORKERS - 2
+"""NodePrepareResources calls served at once. A prepare may wait on the API server (reading its claims, up to
+``plugin.dra.prepare.PREPARE_BUDGET``); the other workers are never taken by prepares, so an unprepare (which
+reads nothing: it works from the checkpoint) is answered at once however slow the API server is. A prepare
+beyond this is answered ``RESOURCE_EXHAUSTED`` at once (the kubelet retries it), never queued on a worker."""
 MAX_CONCURRENT_RPCS = 16
 """Calls in progress or queued; beyond, gRPC answers ``RESOURCE_EXHAUSTED`` (the kubelet retries)."""
+ANSWER_MARGIN = 5.0
+"""Seconds kept, of the caller's deadline for a prepare, for writing files and answering after the reads (a
+quarter of it when that is less)."""
 SOCKET_PROBE_TIMEOUT = 0.5
 
 
@@ -67,16 +76,34 @@ def _refs(claims: Any, context: grpc.ServicerContext) -> list[ClaimRef]:
 
 
 class DraServicer:
-    """``DRAPlugin`` of one API version (``pb`` is the v1 or v1beta1 module: the same messages)."""
+    """``DRAPlugin`` of one API version (``pb`` is the v1 or v1beta1 module: the same messages). ``prepare_slots``
+    bounds the prepares served at once (shared by both versions' servicers: :data:`PREPARE_CALLS`)."""
 
-    def __init__(self, core: PrepareCore, pb: Any) -> None:
+    def __init__(self, core: PrepareCore, pb: Any, prepare_slots: threading.Semaphore | None = None) -> None:
         self.core = core
         self.pb = pb
+        self.prepare_slots = prepare_slots or threading.BoundedSemaphore(PREPARE_CALLS)
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         refs = _refs(request.claims, context)
+        if not self.prepare_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{PREPARE_CALLS} NodePrepareResources calls are in progress (the API server is slow to answer "
+                "their claims?); try again",
+            )
         try:
-            outcomes = self.core.prepare(refs)
+            return self._prepare(refs, context)
+        finally:
+            self.prepare_slots.release()
+
+    def _prepare(self, refs: list[ClaimRef], context: grpc.ServicerContext) -> Any:
+        until = time.monotonic() + PREPARE_BUDGET
+        remaining = context.time_remaining()
+        if remaining is not None:  # the kubelet's own deadline (45 s), less the time to write and answer
+            until = min(until, time.monotonic() + remaining - min(ANSWER_MARGIN, remaining / 4))
+        try:
+            outcomes = self.core.prepare(refs, until)
         except InputError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a bug must not end the server: the kubelet retries
@@ -251,10 +278,11 @@ class DraServer:
         self.plugin_socket = plugin_dir.absolute() / SOCKET_NAME
         self.registration_socket = registry_dir.absolute() / REGISTRATION_SOCKET
         self.registration = RegistrationServicer(self.plugin_socket)
+        slots = threading.BoundedSemaphore(PREPARE_CALLS)
         self._plugin = _Socket(
             self.plugin_socket,
             (v1_grpc.add_DRAPluginServicer_to_server, v1beta1_grpc.add_DRAPluginServicer_to_server),
-            (DraServicer(core, v1), DraServicer(core, v1beta1)),
+            (DraServicer(core, v1, slots), DraServicer(core, v1beta1, slots)),
         )
         self._registrar = _Socket(
             self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,), (self.registration,)
