@@ -45,8 +45,9 @@ from tests.plugin_support import WAIT, build_tree, manager_for, running, serve_p
 TU106 = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 TU106_SOCKET = "kubevirt-TU106_GEFORCE_RTX_2060_REV__A.sock"
 GPU = "0000:3b:00.0"
-UNARY_DEADLINE = 3.0
-"""The attack made unary calls wait for the kubelet's 10 s deadline; a served call answers in milliseconds."""
+UNARY_DEADLINE = 30.0
+"""The attack made unary calls wait forever (the kubelet gives up after its 10 s deadline); a served call
+answers in milliseconds. The bound is far above that, so a busy machine does not reach it."""
 
 
 @pytest.fixture
@@ -178,6 +179,14 @@ def test_a_reconnecting_kubelet_is_served_while_old_streams_linger(base: Path) -
 # -- 3: the kubelet directory removed ------------------------------------------------------------------------
 
 
+def _remove_at_once(directory: Path) -> None:
+    """``directory`` gone in one step (renamed away, then deleted), as an operator's ``rm -rf`` looks once it
+    is done. Deleting in place races the plugin, which serves its socket again as soon as it sees it gone:
+    ``rmdir`` then finds the new socket (seen on a loaded machine)."""
+    gone = directory.with_name(directory.name + ".removed")
+    directory.rename(gone)
+    shutil.rmtree(gone)
+
 def test_kubelet_dir_removed_is_logged_red_and_served_again_when_back(
     base: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -193,7 +202,7 @@ def test_kubelet_dir_removed_is_logged_red_and_served_again_when_back(
             kubelet.wait_for_registration(TU106)
             wait_until(lambda: manager.readiness() is None, what="ready")
             kubelet.stop()
-            shutil.rmtree(kubelet_dir)
+            _remove_at_once(kubelet_dir)
             wait_until(lambda: (manager.readiness() or "").startswith("cannot serve"), what="readiness red")
             assert "does not exist" in (manager.readiness() or "")
             wait_until(lambda: manager.liveness() is not None, what="liveness red")  # after the bound (0.5 s)
@@ -220,7 +229,7 @@ def test_serve_process_survives_its_kubelet_dir_removed_and_serves_again(base: P
         with serve_process(root, kubelet_dir, log=log) as process:
             kubelet.wait_for_registration(TU106, timeout=15)
             kubelet.stop()
-            shutil.rmtree(kubelet_dir)
+            _remove_at_once(kubelet_dir)
             wait_until(lambda: "serve_failed" in log.read_text(), timeout=15, what="serve_failed")
             time.sleep(1.0)  # several loop turns and scans without the directory
             assert process.poll() is None, log.read_text()[-2000:]
@@ -413,13 +422,18 @@ def http_endpoint() -> Iterator[metrics.MetricsServer]:
 def test_500_idle_connections_keep_threads_bounded_and_healthz_answering(
     http_endpoint: metrics.MetricsServer,
 ) -> None:
-    before = threading.active_count()
+    before = set(threading.enumerate())
     idle = _connect_idle(http_endpoint.port, IDLE_CONNECTIONS)
     try:
+        # Answered before any idle connection times out (the attack made it wait for them), on a busy machine too.
         started = time.monotonic()
-        assert _get(http_endpoint.port, "/healthz") == (200, "ok\n")
-        assert time.monotonic() - started < 2.0
-        assert threading.active_count() <= before + 2  # was one thread per connection: 500 more
+        assert _get(http_endpoint.port, "/healthz", timeout=metrics.IDLE_TIMEOUT / 2) == (200, "ok\n")
+        assert time.monotonic() - started < metrics.IDLE_TIMEOUT / 2
+        # One thread serves them all: no per-connection thread (was: 500 more). Threads other pieces of the
+        # test process start or end meanwhile are not the server's, so only its kind is looked for.
+        started_threads = set(threading.enumerate()) - before
+        assert not [thread.name for thread in started_threads if "process_request" in thread.name]
+        assert len(started_threads) < IDLE_CONNECTIONS // 10
         assert http_endpoint.connections <= metrics.MAX_CONNECTIONS
         assert _get(http_endpoint.port, "/metrics")[0] == 200
     finally:
