@@ -134,6 +134,8 @@ class PrepareCore:
         """Files of ours that could be neither read nor attributed to a claim (quarantine)."""
         self._withdrawn: set[str] = set()
         """UIDs unprepared while a prepare of them was reading: that prepare must not record them."""
+        self._not_kept: str | None = None
+        """The damaged checkpoint this start could not rename aside (quarantine while this process runs)."""
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -171,7 +173,7 @@ class PrepareCore:
                     self._check_own_files(claim)
             except InputError as exc:
                 damaged = str(exc)
-            self._foreign_nodes, self._unreadable = {}, []
+            self._foreign_nodes, self._unreadable, self._not_kept = {}, [], None
             if damaged is not None:
                 kept = self._keep_damaged()
                 self._prepared = self._rebuild()
@@ -182,25 +184,35 @@ class PrepareCore:
                     rebuilt=sorted(self._prepared),
                     unattributed=sorted(set(self._foreign_nodes.values()) | set(self._unreadable)),
                 )
-                try:
-                    checkpoint.save(self.state_dir, self._prepared.values())
-                except OSError as exc:
-                    log_event("dra_checkpoint_unwritable", error=exc.strerror or str(exc))
+                if kept is None:
+                    # Not kept aside: saving the rebuilt claims over it would lose it, and the next start would
+                    # trust the rebuilt record (removing the files it could not attribute). So it stays where it
+                    # is (each start rebuilds again) and this process is quarantined all the same; the next
+                    # prepare or unprepare writes a checkpoint, the rebuilt claims in it.
+                    self._not_kept = str(self.state_dir / checkpoint.FILE_NAME)
+                else:
+                    try:
+                        checkpoint.save(self.state_dir, self._prepared.values())
+                    except OSError as exc:
+                        log_event("dra_checkpoint_unwritable", error=exc.strerror or str(exc))
             elif self._damaged_copies():
                 self._find_unattributed()
             restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
-            removed = [] if self._damaged_copies() else self._remove_orphans()
+            removed = [] if self._quarantined() else self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
 
     def quarantine(self) -> str | None:
         """None unless a damaged checkpoint is kept aside (this start's or an earlier one's); else what that
         means, for ``/readyz``. The operator ends it by removing the kept copies once read."""
         copies = self._damaged_copies()
-        if not copies:
+        if not copies and self._not_kept is None:
             return None
+        if self._not_kept is not None:
+            first = f"quarantined: the damaged DRA checkpoint {self._not_kept} could not be kept aside (renamed)"
+        else:
+            first = f"quarantined: a damaged DRA checkpoint is kept as {copies[-1]}"
         parts = [
-            f"quarantined: a damaged DRA checkpoint is kept as {copies[-1]}"
-            + (f" (and {len(copies) - 1} older)" if len(copies) > 1 else ""),
+            first + (f" (and {len(copies) - 1} older)" if len(copies) > 1 else ""),
             "claim ownership was rebuilt from the files on disk and no file of ours is removed at start",
         ]
         unattributed = sorted(set(self._foreign_nodes.values()) | set(self._unreadable))
@@ -210,6 +222,9 @@ class PrepareCore:
             )
         parts.append(f"remove {self.state_dir / checkpoint.FILE_NAME}.damaged-* once checked")
         return "; ".join(parts)
+
+    def _quarantined(self) -> bool:
+        return self._not_kept is not None or bool(self._damaged_copies())
 
     def _damaged_copies(self) -> list[str]:
         """The damaged checkpoints kept aside, oldest first."""
@@ -298,7 +313,14 @@ class PrepareCore:
         """Note the device nodes of every CDI spec of ours that no claim owns (refused to new claims while a
         damaged checkpoint is kept) and the specs that cannot even be read. Lock held."""
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for entry in sorted(os.scandir(self.cdi_dir), key=lambda entry: entry.name)[: self.max_claims * 2]:
+            # Only our specs count toward the bound: /var/run/cdi holds other vendors' too, however many.
+            ours = sorted(
+                (entry for entry in os.scandir(self.cdi_dir) if cdi.claim_uid_of_spec(entry.name) is not None),
+                key=lambda entry: entry.name,
+            )
+            if len(ours) > self.max_claims * 2:
+                self._unreadable.append(f"{self.cdi_dir} ({len(ours)} CDI specs of ours, over {self.max_claims * 2})")
+            for entry in ours[: self.max_claims * 2]:
                 uid = cdi.claim_uid_of_spec(entry.name)
                 if uid is None or uid in self._prepared:
                     continue
