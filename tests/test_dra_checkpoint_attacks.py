@@ -73,8 +73,9 @@ def test_a_checkpoint_giving_one_gpu_to_two_claims_is_damage(tmp_path: Path) -> 
     assert node.kept() and (core.quarantine() or "").startswith("quarantined")
 
 
-def test_a_damaged_checkpoint_that_cannot_be_kept_aside_still_quarantines(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("note_too", [False, True], ids=["rename-fails", "rename-and-note-fail"])
+def test_a_damaged_checkpoint_that_cannot_be_renamed_aside_still_quarantines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, note_too: bool
 ) -> None:
     node = Node(tmp_path)
     node.core().prepare([RUNNING])
@@ -84,11 +85,12 @@ def test_a_damaged_checkpoint_that_cannot_be_kept_aside_still_quarantines(
     torn = (node.state / checkpoint.FILE_NAME).read_text()
     before = node.files()
     real_replace = os.replace
+    path = str(node.state / checkpoint.FILE_NAME)
 
-    def replace(src: object, dst: object) -> None:
-        if str(src) == str(node.state / checkpoint.FILE_NAME):
+    def replace(src: str, dst: str) -> None:
+        if str(src) == path or (note_too and Path(dst).name.startswith(checkpoint.FILE_NAME + ".damaged-")):
             raise PermissionError(13, "Permission denied")  # the rename aside fails (EBUSY, EACCES, ...)
-        real_replace(src, dst)  # type: ignore[arg-type]
+        real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
     core = node.core()
@@ -96,9 +98,14 @@ def test_a_damaged_checkpoint_that_cannot_be_kept_aside_still_quarantines(
     assert node.files() == before  # nothing removed
     assert "cannot be read after a damaged checkpoint" in core.prepare([SECOND])[UID2].error
     problem = core.quarantine()
-    assert problem is not None and problem.startswith("quarantined") and "could not be kept aside" in problem
-    assert (node.state / checkpoint.FILE_NAME).read_text() == torn  # left for the next start to see again
-    again = node.core()
+    assert problem is not None and problem.startswith("quarantined")
+    if note_too:
+        assert "could not be kept aside" in problem and not node.kept()
+        assert (node.state / checkpoint.FILE_NAME).read_text() == torn  # left for the next start to see again
+    else:
+        (kept,) = node.kept()
+        assert "could not be renamed" in kept.read_text() and "not JSON" in kept.read_text()
+    again = node.core()  # the next start, renames working again
     assert node.files() == before and (again.quarantine() or "").startswith("quarantined")
 
 

@@ -175,7 +175,7 @@ class PrepareCore:
                 damaged = str(exc)
             self._foreign_nodes, self._unreadable, self._not_kept = {}, [], None
             if damaged is not None:
-                kept = self._keep_damaged()
+                kept = self._keep_damaged(damaged)
                 self._prepared = self._rebuild()
                 log_event(
                     "dra_checkpoint_damaged",
@@ -185,10 +185,11 @@ class PrepareCore:
                     unattributed=sorted(set(self._foreign_nodes.values()) | set(self._unreadable)),
                 )
                 if kept is None:
-                    # Not kept aside: saving the rebuilt claims over it would lose it, and the next start would
-                    # trust the rebuilt record (removing the files it could not attribute). So it stays where it
-                    # is (each start rebuilds again) and this process is quarantined all the same; the next
-                    # prepare or unprepare writes a checkpoint, the rebuilt claims in it.
+                    # Nothing kept aside: saving the rebuilt claims over it would end the quarantine at the next
+                    # start (it would trust the rebuilt record and remove the files it could not attribute). So
+                    # it stays where it is, each start rebuilds again, and this process is quarantined all the
+                    # same (a prepare or unprepare that saves will fail the same way, most likely: a state
+                    # directory that takes no new file).
                     self._not_kept = str(self.state_dir / checkpoint.FILE_NAME)
                 else:
                     try:
@@ -235,16 +236,24 @@ class PrepareCore:
             return []
         return [str(self.state_dir / name) for name in sorted(names, key=lambda name: (len(name), name))]
 
-    def _keep_damaged(self) -> str | None:
+    def _keep_damaged(self, damaged: str) -> str | None:
         """Rename the damaged checkpoint to ``checkpoint.json.damaged-<ns>``, dropping the oldest copies beyond
-        :data:`MAX_DAMAGED_KEPT`; the new name (None when it cannot be renamed). Lock held."""
+        :data:`MAX_DAMAGED_KEPT`; the new name. When it cannot be renamed (a mount point, a directory the plugin
+        may write files in but not rename this one), a note of what was wrong with it takes the copy's place (the
+        quarantine lasts as long as a copy is kept); None when not even that can be written. Lock held."""
         path = self.state_dir / checkpoint.FILE_NAME
         target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{time.time_ns()}")
         try:
             os.replace(path, target)
         except OSError as exc:
-            log_event("dra_checkpoint_unwritable", error=f"cannot keep {path} aside: {exc.strerror or exc}")
-            return None
+            why = exc.strerror or str(exc)
+            log_event("dra_checkpoint_unwritable", error=f"cannot keep {path} aside: {why}")
+            note = f"{path} could not be renamed to this name ({why}); it was damaged: {damaged}\n"
+            try:
+                checkpoint.write_atomic(target, note, 0o600)
+            except OSError as exc:
+                log_event("dra_checkpoint_unwritable", error=f"cannot write {target}: {exc.strerror or exc}")
+                return None
         for old in self._damaged_copies()[:-MAX_DAMAGED_KEPT]:
             with contextlib.suppress(OSError):
                 os.unlink(old)
