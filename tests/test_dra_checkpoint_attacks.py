@@ -123,3 +123,24 @@ def test_other_vendors_specs_do_not_hide_an_unattributed_spec_of_ours(tmp_path: 
     assert UID not in core.prepared()
     refused = core.prepare([third])[third.uid].error
     assert "is given by CDI spec" in refused and cdi.spec_file_name(UID) in refused
+
+
+@pytest.mark.parametrize("damage", ["no-metadata", "torn-metadata"])
+def test_the_kubelets_unprepare_of_an_unattributed_claim_frees_its_gpu(tmp_path: Path, damage: str) -> None:
+    """A claim whose files survived a damaged checkpoint but could not be rebuilt kept its GPU (or, with a file
+    that cannot be read, every GPU) refused until the operator cleaned up by hand, even once the kubelet had
+    unprepared it: the kubelet's word that no pod uses it frees what its own files named."""
+    node = Node(tmp_path)
+    node.core().prepare([RUNNING])
+    if damage == "no-metadata":
+        shutil.rmtree(node.state / "metadata" / UID)
+    else:
+        next((node.state / "metadata" / UID).rglob("*metadata.json")).write_text("{torn")
+    node.tear()
+    core = node.core()
+    assert core.prepare([SECOND])[UID2].error  # refused while the running claim's files are unattributed
+    assert core.unprepare([RUNNING]) == {UID: ""}
+    assert node.files() == {}
+    assert core.prepare([SECOND])[UID2].error == ""
+    problem = core.quarantine()
+    assert problem is not None and "files no claim could be rebuilt from" not in problem

@@ -660,6 +660,8 @@ class PrepareCore:
                     self._withdrawn.add(ref.uid)  # a prepare reading it now must not record it afterwards
                 claim = self._prepared.pop(ref.uid, None)
                 error = ""
+                if claim is None and _UID.fullmatch(ref.uid):
+                    self._release_unattributed(ref)
                 if claim is not None:
                     try:
                         checkpoint.save(self.state_dir, self._prepared.values())
@@ -675,6 +677,23 @@ class PrepareCore:
                 if self.on_outcome is not None:
                     self.on_outcome("unprepare", "error" if error else "ok")
         return answers
+
+    def _release_unattributed(self, ref: ClaimRef) -> None:
+        """The kubelet unprepares a claim whose files of ours survived a damaged checkpoint but could not be
+        rebuilt into a claim (quarantine): no pod on this node uses it any more, so its spec and metadata go and
+        the devices they named are free again, as after the unprepare of a recorded claim. Lock held."""
+        spec = str(self.cdi_dir / cdi.spec_file_name(ref.uid))
+        metadata = str(self.metadata_dir / ref.uid)
+        if spec not in self._foreign_nodes.values() and not {spec, metadata} & set(self._unreadable):
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(spec)
+        shutil.rmtree(metadata, ignore_errors=True)
+        if os.path.lexists(spec) or os.path.lexists(metadata):
+            return  # still there (a directory where the spec should be...): still refused, still reported
+        self._foreign_nodes = {node: path for node, path in self._foreign_nodes.items() if path != spec}
+        self._unreadable = [path for path in self._unreadable if path not in (spec, metadata)]
+        log_event("dra_unattributed_released", claim=str(ref), files=[spec, metadata])
 
     # -- files --------------------------------------------------------------------------------------------
 
