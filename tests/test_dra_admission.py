@@ -168,3 +168,39 @@ def test_the_policy_is_bound_to_deny_and_covers_every_write_of_a_slice() -> None
 def test_the_policy_file_is_in_the_build() -> None:
     assert "admission.yaml" in yaml.safe_load((DEPLOY / "dra" / "kustomization.yaml").read_text())["resources"]
     assert Path(POLICY_FILE).is_file()
+
+
+@pytest.mark.parametrize("operation", ["UPDATE", "DELETE"])
+def test_a_change_or_delete_without_the_old_object_is_refused(policy: Policy, operation: str) -> None:
+    """The API server sends the stored object as ``oldObject`` on UPDATE and on DELETE (on DELETE since
+    Kubernetes 1.15, kubernetes/kubernetes#76346); the policy does not rely on it: without the slice it would
+    change or delete, the node it is on is unknown, so the write is refused, not admitted by default."""
+    obj = slice_on("node01") if operation == "UPDATE" else None
+    matched, failed = policy.admit(request(operation), obj, None)
+    assert matched and failed and any("no old object" in message for message in failed)
+
+
+def test_a_create_without_an_object_is_refused(policy: Policy) -> None:
+    matched, failed = policy.admit(request("CREATE"), None, None)
+    assert matched and failed
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [{"nodeSelector": {"nodeSelectorTerms": [{"matchFields": []}]}}, {"perDeviceNodeSelection": True}],
+    ids=["nodeSelector", "perDeviceNodeSelection"],
+)
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE", "DELETE"])
+def test_a_slice_placed_otherwise_than_by_node_name_is_refused(
+    policy: Policy, operation: str, placement: dict[str, Any]
+) -> None:
+    target = slice_on(None)
+    del target["spec"]["allNodes"]
+    target["spec"].update(placement)
+    matched, failed = policy.admit(request(operation), *for_operation(operation, target))
+    assert matched and failed and all("node (none)" in message for message in failed)
+
+
+def test_an_update_that_moves_its_own_slice_to_another_node_is_refused(policy: Policy) -> None:
+    matched, failed = policy.admit(request("UPDATE"), slice_on("node02"), slice_on("node01"))
+    assert matched and len(failed) == 1 and "node node02" in failed[0]

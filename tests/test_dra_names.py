@@ -24,6 +24,8 @@ from plugin.dra.claims import (
     results_from_claim_object,
 )
 from plugin.dra.prepare import PrepareCore
+from plugin.dra.slices import build_slices, check_node_name
+from plugin.inventory import Inventory
 from schemas.dra import DRIVER_NAME
 from simkit.fixture_nodes import NODE01
 from tests.discovery_support import build_node, discover
@@ -125,3 +127,12 @@ def test_a_uid_with_a_newline_names_no_file() -> None:
     with pytest.raises(ValueError, match="CDI device name"):
         cdi.device_name(UID + "\n", "gpu")
     assert cdi.claim_uid_of_spec(cdi.spec_file_name(UID + "\n")) is None
+
+
+@pytest.mark.parametrize("name", ["a" * 64, "n" * 253, ("x" * 100) + "." + ("y" * 100)])
+def test_a_node_name_kubernetes_accepts_is_accepted(name: str) -> None:
+    """apimachinery's IsDNS1123Subdomain (ValidateNodeName, and each part of a pool name) bounds the whole name
+    at 253 characters and sets no bound per label (a DNS label's 63 is IsDNS1123Label's): a node Kubernetes
+    admits, with a long first label, is one the plugin serves."""
+    assert check_node_name(name) == name
+    assert build_slices(Inventory(()), name) == []

@@ -19,6 +19,7 @@ directories the plugin owns, so a tampered checkpoint cannot make the plugin wri
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.files import read_regular_file
+from runtime.files import read_open_file
 from schemas.errors import InputError
 
 FILE_NAME = "checkpoint.json"
@@ -100,12 +101,21 @@ def save(state_dir: Path, claims: Iterable[PreparedClaim]) -> None:
 
 def load(state_dir: Path, owned: Iterable[Path]) -> dict[str, PreparedClaim]:
     """The recorded claims by UID; empty when there is no checkpoint. InputError naming the file when it is
-    damaged, oversized or names a file outside the ``owned`` directories."""
+    damaged, oversized, not a regular file (a symbolic link too, even one whose target is gone: :func:`save`
+    only ever renames a regular file over it), names a file outside the ``owned`` directories or one device
+    for two claims."""
     path = state_dir / FILE_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         return {}
     shown = str(path)
-    data = read_regular_file(path, MAX_CHECKPOINT_BYTES, "DRA checkpoint")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return {}  # removed since the look: the same as none
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        raise InputError(f"DRA checkpoint {shown} cannot be read: {why}") from None
+    data = read_open_file(fd, MAX_CHECKPOINT_BYTES, "DRA checkpoint", shown)
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -116,7 +126,17 @@ def load(state_dir: Path, owned: Iterable[Path]) -> dict[str, PreparedClaim]:
     if not isinstance(raw_claims, dict) or len(raw_claims) > MAX_CLAIMS:
         raise InputError(f"DRA checkpoint {shown}: claims must be an object of at most {MAX_CLAIMS} entries")
     roots = [root.absolute() for root in owned]
-    return {uid: _claim(uid, raw, roots, shown) for uid, raw in raw_claims.items()}
+    claims = {uid: _claim(uid, raw, roots, shown) for uid, raw in raw_claims.items()}
+    owner: dict[tuple[str, str], str] = {}
+    for claim in claims.values():
+        for device in sorted({(device.pool, device.device) for device in claim.devices}):
+            other = owner.setdefault(device, claim.uid)
+            if other != claim.uid:
+                raise InputError(
+                    f"DRA checkpoint {shown}: device {device[1][:80]!r} of pool {device[0][:80]!r} is recorded for "
+                    f"two claims ({other} and {claim.uid}); a prepare never gives one device twice"
+                )
+    return claims
 
 
 def _claim(uid: str, raw: object, roots: list[Path], shown: str) -> PreparedClaim:

@@ -134,6 +134,8 @@ class PrepareCore:
         """Files of ours that could be neither read nor attributed to a claim (quarantine)."""
         self._withdrawn: set[str] = set()
         """UIDs unprepared while a prepare of them was reading: that prepare must not record them."""
+        self._not_kept: str | None = None
+        """The damaged checkpoint this start could not rename aside (quarantine while this process runs)."""
 
     # -- state --------------------------------------------------------------------------------------------
 
@@ -171,9 +173,9 @@ class PrepareCore:
                     self._check_own_files(claim)
             except InputError as exc:
                 damaged = str(exc)
-            self._foreign_nodes, self._unreadable = {}, []
+            self._foreign_nodes, self._unreadable, self._not_kept = {}, [], None
             if damaged is not None:
-                kept = self._keep_damaged()
+                kept = self._keep_damaged(damaged)
                 self._prepared = self._rebuild()
                 log_event(
                     "dra_checkpoint_damaged",
@@ -182,25 +184,36 @@ class PrepareCore:
                     rebuilt=sorted(self._prepared),
                     unattributed=sorted(set(self._foreign_nodes.values()) | set(self._unreadable)),
                 )
-                try:
-                    checkpoint.save(self.state_dir, self._prepared.values())
-                except OSError as exc:
-                    log_event("dra_checkpoint_unwritable", error=exc.strerror or str(exc))
+                if kept is None:
+                    # Nothing kept aside: saving the rebuilt claims over it would end the quarantine at the next
+                    # start (it would trust the rebuilt record and remove the files it could not attribute). So
+                    # it stays where it is, each start rebuilds again, and this process is quarantined all the
+                    # same (a prepare or unprepare that saves will fail the same way, most likely: a state
+                    # directory that takes no new file).
+                    self._not_kept = str(self.state_dir / checkpoint.FILE_NAME)
+                else:
+                    try:
+                        checkpoint.save(self.state_dir, self._prepared.values())
+                    except OSError as exc:
+                        log_event("dra_checkpoint_unwritable", error=exc.strerror or str(exc))
             elif self._damaged_copies():
                 self._find_unattributed()
             restored = sum(self._restore(claim)[0] for claim in self._prepared.values())
-            removed = [] if self._damaged_copies() else self._remove_orphans()
+            removed = [] if self._quarantined() else self._remove_orphans()
             log_event("dra_reconciled", prepared=sorted(self._prepared), restored_files=restored, removed=removed)
 
     def quarantine(self) -> str | None:
         """None unless a damaged checkpoint is kept aside (this start's or an earlier one's); else what that
         means, for ``/readyz``. The operator ends it by removing the kept copies once read."""
         copies = self._damaged_copies()
-        if not copies:
+        if not copies and self._not_kept is None:
             return None
+        if self._not_kept is not None:
+            first = f"quarantined: the damaged DRA checkpoint {self._not_kept} could not be kept aside (renamed)"
+        else:
+            first = f"quarantined: a damaged DRA checkpoint is kept as {copies[-1]}"
         parts = [
-            f"quarantined: a damaged DRA checkpoint is kept as {copies[-1]}"
-            + (f" (and {len(copies) - 1} older)" if len(copies) > 1 else ""),
+            first + (f" (and {len(copies) - 1} older)" if len(copies) > 1 else ""),
             "claim ownership was rebuilt from the files on disk and no file of ours is removed at start",
         ]
         unattributed = sorted(set(self._foreign_nodes.values()) | set(self._unreadable))
@@ -211,6 +224,9 @@ class PrepareCore:
         parts.append(f"remove {self.state_dir / checkpoint.FILE_NAME}.damaged-* once checked")
         return "; ".join(parts)
 
+    def _quarantined(self) -> bool:
+        return self._not_kept is not None or bool(self._damaged_copies())
+
     def _damaged_copies(self) -> list[str]:
         """The damaged checkpoints kept aside, oldest first."""
         prefix = checkpoint.FILE_NAME + DAMAGED_SUFFIX
@@ -220,16 +236,24 @@ class PrepareCore:
             return []
         return [str(self.state_dir / name) for name in sorted(names, key=lambda name: (len(name), name))]
 
-    def _keep_damaged(self) -> str | None:
+    def _keep_damaged(self, damaged: str) -> str | None:
         """Rename the damaged checkpoint to ``checkpoint.json.damaged-<ns>``, dropping the oldest copies beyond
-        :data:`MAX_DAMAGED_KEPT`; the new name (None when it cannot be renamed). Lock held."""
+        :data:`MAX_DAMAGED_KEPT`; the new name. When it cannot be renamed (a mount point, a directory the plugin
+        may write files in but not rename this one), a note of what was wrong with it takes the copy's place (the
+        quarantine lasts as long as a copy is kept); None when not even that can be written. Lock held."""
         path = self.state_dir / checkpoint.FILE_NAME
         target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{time.time_ns()}")
         try:
             os.replace(path, target)
         except OSError as exc:
-            log_event("dra_checkpoint_unwritable", error=f"cannot keep {path} aside: {exc.strerror or exc}")
-            return None
+            why = exc.strerror or str(exc)
+            log_event("dra_checkpoint_unwritable", error=f"cannot keep {path} aside: {why}")
+            note = f"{path} could not be renamed to this name ({why}); it was damaged: {damaged}\n"
+            try:
+                checkpoint.write_atomic(target, note, 0o600)
+            except OSError as exc:
+                log_event("dra_checkpoint_unwritable", error=f"cannot write {target}: {exc.strerror or exc}")
+                return None
         for old in self._damaged_copies()[:-MAX_DAMAGED_KEPT]:
             with contextlib.suppress(OSError):
                 os.unlink(old)
@@ -298,7 +322,14 @@ class PrepareCore:
         """Note the device nodes of every CDI spec of ours that no claim owns (refused to new claims while a
         damaged checkpoint is kept) and the specs that cannot even be read. Lock held."""
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for entry in sorted(os.scandir(self.cdi_dir), key=lambda entry: entry.name)[: self.max_claims * 2]:
+            # Only our specs count toward the bound: /var/run/cdi holds other vendors' too, however many.
+            ours = sorted(
+                (entry for entry in os.scandir(self.cdi_dir) if cdi.claim_uid_of_spec(entry.name) is not None),
+                key=lambda entry: entry.name,
+            )
+            if len(ours) > self.max_claims * 2:
+                self._unreadable.append(f"{self.cdi_dir} ({len(ours)} CDI specs of ours, over {self.max_claims * 2})")
+            for entry in ours[: self.max_claims * 2]:
                 uid = cdi.claim_uid_of_spec(entry.name)
                 if uid is None or uid in self._prepared:
                     continue
@@ -629,6 +660,8 @@ class PrepareCore:
                     self._withdrawn.add(ref.uid)  # a prepare reading it now must not record it afterwards
                 claim = self._prepared.pop(ref.uid, None)
                 error = ""
+                if claim is None and _UID.fullmatch(ref.uid):
+                    self._release_unattributed(ref)
                 if claim is not None:
                     try:
                         checkpoint.save(self.state_dir, self._prepared.values())
@@ -644,6 +677,23 @@ class PrepareCore:
                 if self.on_outcome is not None:
                     self.on_outcome("unprepare", "error" if error else "ok")
         return answers
+
+    def _release_unattributed(self, ref: ClaimRef) -> None:
+        """The kubelet unprepares a claim whose files of ours survived a damaged checkpoint but could not be
+        rebuilt into a claim (quarantine): no pod on this node uses it any more, so its spec and metadata go and
+        the devices they named are free again, as after the unprepare of a recorded claim. Lock held."""
+        spec = str(self.cdi_dir / cdi.spec_file_name(ref.uid))
+        metadata = str(self.metadata_dir / ref.uid)
+        if spec not in self._foreign_nodes.values() and not {spec, metadata} & set(self._unreadable):
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(spec)
+        shutil.rmtree(metadata, ignore_errors=True)
+        if os.path.lexists(spec) or os.path.lexists(metadata):
+            return  # still there (a directory where the spec should be...): still refused, still reported
+        self._foreign_nodes = {node: path for node, path in self._foreign_nodes.items() if path != spec}
+        self._unreadable = [path for path in self._unreadable if path not in (spec, metadata)]
+        log_event("dra_unattributed_released", claim=str(ref), files=[spec, metadata])
 
     # -- files --------------------------------------------------------------------------------------------
 

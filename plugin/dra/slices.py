@@ -22,10 +22,10 @@ The shape follows Kubernetes' own types and validation (k8s.io/api/resource/v1 `
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from plugin.dra.claims import is_dns_subdomain
 from plugin.inventory import Device, Inventory, Resource
 from schemas.dra import (
     ATTR_DEVICE_ID,
@@ -58,9 +58,8 @@ MAX_ATTRIBUTES_PER_DEVICE = 32
 MAX_STRING_VALUE = 64
 """``DeviceAttributeMaxValueLength``: the longest string attribute value."""
 MAX_NODE_NAME = 253
-"""A node name (and so the pool name) is a DNS subdomain."""
-
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*")
+"""A node name (and so the pool name) is a DNS subdomain: apimachinery's ``IsDNS1123Subdomain`` bounds the whole
+name, not each label (ValidateNodeName; ValidatePoolName checks each ``/`` part the same way)."""
 
 ProductNames = Callable[[int, int], str | None]
 """``(vendor, device) -> name`` from pci.ids (``runtime.pciids.PciIds.device_name``), or None when unknown."""
@@ -131,7 +130,7 @@ def slice_devices(inventory: Inventory, product_names: ProductNames = _no_names)
 
 def check_node_name(node_name: str) -> str:
     """``node_name`` if it can name a node and a pool (a DNS subdomain), else an InputError naming it."""
-    if len(node_name) > MAX_NODE_NAME or not _DNS_SUBDOMAIN.fullmatch(node_name):
+    if not is_dns_subdomain(node_name, MAX_NODE_NAME):
         raise InputError(f"node name {node_name[:80]!r} is not a DNS subdomain (lower-case letters, digits, '-', '.')")
     return node_name
 
