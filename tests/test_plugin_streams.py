@@ -318,3 +318,27 @@ def test_a_kubelet_sock_swapped_between_the_plugins_look_and_its_dial_gives_one_
             assert manager.readiness() is None
     finally:
         kubelet.stop()
+
+
+# -- attacks on the above -------------------------------------------------------------------------------------
+
+
+def test_a_kubelet_whose_streams_keep_ending_is_not_answered_by_a_register_storm(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buggy kubelet drops the plugin each time its stream opens: the first loss is answered at once, a
+    second one soon after its Register backs off (here for an hour) instead of registering again in a loop."""
+    monkeypatch.setattr("plugin.registration.RETRY_FIRST", 3600.0)
+    monkeypatch.setattr("plugin.registration.STREAM_STABLE", 3600.0)  # every stream ends "soon"
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)) as manager:
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        assert kubelet.disconnect(TU106)
+        kubelet.wait_for_registration(TU106, count=2)  # the first loss: registered again at once
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        assert kubelet.disconnect(TU106)  # and again, soon after that Register
+        wait_until(lambda: "keeps ending" in (manager.readiness() or ""), what="the plugin to back off and say why")
+        _loop_turns(manager)
+        assert kubelet.registration_count(TU106) == 2
+        assert kubelet.request_count(TU106) == 2
