@@ -77,7 +77,9 @@ class Registration:
     """The kubelet's streams lost in a row, each sooner than :data:`STREAM_STABLE` after its answer (or never
     opened); the first is answered at once, the next ones after a back-off (:meth:`lost`)."""
     hold_until: float = 0.0
-    """``time.monotonic()`` before which no ``Register`` is sent after a lost stream (:meth:`lost`)."""
+    """``time.monotonic()`` before which no ``Register`` is sent after a lost stream (:meth:`lost`) to the same
+    kubelet: ``held_for``, the ``kubelet.sock`` the lost registration went to (a new kubelet is not held)."""
+    held_for: Identity | None = None
 
     def link(self) -> str:
         """The state of the kubelet's stream for the last ``Register`` (see :class:`plugin.server.KubeletLink`)."""
@@ -96,17 +98,20 @@ class Registration:
 
     def due(self, kubelet: Identity, now: float) -> bool:
         """Whether to register with ``kubelet`` now: not in flight, not registered, no back-off running."""
-        if self.pending or self.registered is not None or now < self.hold_until:
+        if self.pending or self.registered is not None or (now < self.hold_until and kubelet == self.held_for):
             return False
         return not (self.failed == kubelet and now < self.retry_at)
 
     def lost(self, now: float, max_backoff: float) -> float:
         """The kubelet's stream for this registration ended or never came (:meth:`holds` turned False): forget
         the registration and return the seconds before the next ``Register``. 0 unless the stream before was
-        lost soon too: then :data:`RETRY_FIRST`, doubling up to ``max_backoff``, whatever ``kubelet.sock`` is
-        (a kubelet that drops each client at once, or a flapping one, would otherwise get a ``Register`` storm)."""
-        if self.link() == KubeletLink.ENDED and now - self.answered_at >= STREAM_STABLE:
+        lost soon to the same kubelet: then :data:`RETRY_FIRST`, doubling up to ``max_backoff`` (a kubelet that
+        drops each client at once would otherwise get a ``Register`` storm). A new ``kubelet.sock`` (a kubelet
+        restart) starts over: each restart still gets its one ``Register`` at once."""
+        stable = self.link() == KubeletLink.ENDED and now - self.answered_at >= STREAM_STABLE
+        if stable or self.registered != self.held_for:
             self.losses = 0
+        self.held_for = self.registered
         self.losses += 1
         delay = 0.0
         if self.losses > 1:
