@@ -220,9 +220,14 @@ class PluginManager:
         if not socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT):
             return f"{waiting_for} (no kubelet: nobody answers on {self.kubelet_socket})"
         now = time.monotonic()
-        waiting = sorted(name for name, served in list(self._served.items()) if not served.holds(now))
+        waiting = [(name, served) for name, served in sorted(dict(self._served).items()) if not served.holds(now)]
         if waiting:
-            return f"not registered with the kubelet: {', '.join(waiting)}"
+            return "not registered with the kubelet: " + ", ".join(
+                name
+                if served.hold_until <= now
+                else f"{name} (its stream keeps ending: registering again in {served.hold_until - now:.1f} s)"
+                for name, served in waiting
+            )
         return None
 
     def _serve_failed(self, name: str, socket: Path, error: BaseException) -> None:
@@ -282,6 +287,8 @@ class PluginManager:
                 deadline = min(deadline, served.retry_at)
             if served.registered is not None and served.link() == KubeletLink.WAITING:
                 deadline = min(deadline, served.stream_deadline())
+            if served.registered is None and served.hold_until > now:
+                deadline = min(deadline, served.hold_until)
         return max(0, int((deadline - now) * 1000) + 1)
 
     # -- discovery ---------------------------------------------------------------------------------------
@@ -406,13 +413,15 @@ class PluginManager:
             if served.registered is not None and not served.holds(now):
                 # The kubelet's stream ended (it disconnected us, died, or our server restarted) or never came:
                 # the kubelet no longer has us, whatever kubelet.sock looks like. Register again.
+                stream = served.link()
+                delay = served.lost(now, self.scan_interval)
                 log_event(
                     "kubelet_stream_lost",
                     resource=server.name,
-                    stream=served.link(),
+                    stream=stream,
                     action="registering again" if kubelet is not None else "waiting for the kubelet",
+                    retry_in=round(delay, 3),
                 )
-                served.registered = None
             if kubelet is not None and served.due(kubelet, now) and self._kubelet_answers(kubelet, answers):
                 self._registrar.register(served, kubelet)
 

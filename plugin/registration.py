@@ -36,6 +36,10 @@ STREAM_WAIT = 10.0
 """Seconds a successful registration waits for the kubelet's ``ListAndWatch`` before it is sent again. The kubelet
 opens it as soon as its dial-back is done, so it comes in milliseconds; this only covers a stream that never
 comes (a kubelet that failed to open it has already dropped its client)."""
+STREAM_STABLE = 10.0
+"""Seconds after a successful answer from which the end of the kubelet's stream is answered by a ``Register`` at
+once. A stream that ends sooner, or never comes, twice in a row (a kubelet that drops every client it gets) is
+answered after :data:`RETRY_FIRST` seconds, doubling up to the scan interval, instead of in a loop."""
 
 Identity = tuple[int, int]
 
@@ -69,6 +73,13 @@ class Registration:
     """The kubelet socket the last failed registration went to; retries to it wait for ``retry_at``."""
     failures: int = 0
     retry_at: float = 0.0
+    losses: int = 0
+    """The kubelet's streams lost in a row, each sooner than :data:`STREAM_STABLE` after its answer (or never
+    opened); the first is answered at once, the next ones after a back-off (:meth:`lost`)."""
+    hold_until: float = 0.0
+    """``time.monotonic()`` before which no ``Register`` is sent after a lost stream (:meth:`lost`) to the same
+    kubelet: ``held_for``, the ``kubelet.sock`` the lost registration went to (a new kubelet is not held)."""
+    held_for: Identity | None = None
 
     def link(self) -> str:
         """The state of the kubelet's stream for the last ``Register`` (see :class:`plugin.server.KubeletLink`)."""
@@ -87,9 +98,27 @@ class Registration:
 
     def due(self, kubelet: Identity, now: float) -> bool:
         """Whether to register with ``kubelet`` now: not in flight, not registered, no back-off running."""
-        if self.pending or self.registered is not None:
+        if self.pending or self.registered is not None or (now < self.hold_until and kubelet == self.held_for):
             return False
         return not (self.failed == kubelet and now < self.retry_at)
+
+    def lost(self, now: float, max_backoff: float) -> float:
+        """The kubelet's stream for this registration ended or never came (:meth:`holds` turned False): forget
+        the registration and return the seconds before the next ``Register``. 0 unless the stream before was
+        lost soon to the same kubelet: then :data:`RETRY_FIRST`, doubling up to ``max_backoff`` (a kubelet that
+        drops each client at once would otherwise get a ``Register`` storm). A new ``kubelet.sock`` (a kubelet
+        restart) starts over: each restart still gets its one ``Register`` at once."""
+        stable = self.link() == KubeletLink.ENDED and now - self.answered_at >= STREAM_STABLE
+        if stable or self.registered != self.held_for:
+            self.losses = 0
+        self.held_for = self.registered
+        self.losses += 1
+        delay = 0.0
+        if self.losses > 1:
+            delay = min(RETRY_FIRST * 2 ** (self.losses - 2), max(max_backoff, RETRY_FIRST))
+        self.registered = None
+        self.hold_until = now + delay
+        return delay
 
     def restarted(self) -> None:
         """The server was (re)started: the back-off starts over. A registration in flight stays so (the

@@ -18,6 +18,7 @@ the plugin's own identity check); no sleep stands in for a sync, and waits are g
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -315,6 +316,73 @@ def test_a_kubelet_sock_swapped_between_the_plugins_look_and_its_dial_gives_one_
             assert kubelet.request_count(TU106) == 2
             assert kubelet.registration_count(TU106) == 2
             assert kubelet.disconnects(TU106) == 0
+            assert manager.readiness() is None
+    finally:
+        kubelet.stop()
+
+
+# -- attacks on the above -------------------------------------------------------------------------------------
+
+
+def test_a_kubelet_whose_streams_keep_ending_is_not_answered_by_a_register_storm(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buggy kubelet drops the plugin each time its stream opens: the first loss is answered at once, a
+    second one soon after its Register backs off (here for an hour) instead of registering again in a loop."""
+    monkeypatch.setattr("plugin.registration.RETRY_FIRST", 3600.0)
+    monkeypatch.setattr("plugin.registration.STREAM_STABLE", 3600.0)  # every stream ends "soon"
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir)) as manager:
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        assert kubelet.disconnect(TU106)
+        kubelet.wait_for_registration(TU106, count=2)  # the first loss: registered again at once
+        kubelet.wait_for_devices(TU106, _all_healthy)
+        assert kubelet.disconnect(TU106)  # and again, soon after that Register
+        wait_until(lambda: "keeps ending" in (manager.readiness() or ""), what="the plugin to back off and say why")
+        _loop_turns(manager)
+        assert kubelet.registration_count(TU106) == 2
+        assert kubelet.request_count(TU106) == 2
+
+
+def _shape(path: Path, shape: str, elsewhere: Path) -> None:
+    if shape == "fifo":
+        os.mkfifo(path)  # opening it for reading would block the loop for good
+    elif shape == "regular file":
+        path.write_text("not a socket\n")
+    elif shape == "dangling link":
+        path.symlink_to(elsewhere / "nothing-here.sock")
+    else:
+        path.mkdir()
+
+
+def _unshape(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("shape", ["fifo", "regular file", "dangling link", "directory"])
+def test_a_kubelet_sock_that_is_no_socket_is_waited_out_and_the_real_one_gets_one_register(
+    base: Path, shape: str
+) -> None:
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    kubelet_dir.mkdir()
+    kubelet_sock = kubelet_dir / "kubelet.sock"
+    _shape(kubelet_sock, shape, base)
+    kubelet = KubeletStandIn(kubelet_dir)
+    try:
+        with running(manager_for(root, kubelet_dir)) as manager:
+            _loop_turns(manager)  # the loop keeps turning: nothing at that path is opened or dialed
+            assert manager.liveness() is None
+            assert "missing or not a socket" in (manager.readiness() or "")
+            _unshape(kubelet_sock)
+            kubelet.start()
+            kubelet.wait_for_devices(TU106, _all_healthy)
+            _loop_turns(manager)
+            assert kubelet.request_count(TU106) == 1
             assert manager.readiness() is None
     finally:
         kubelet.stop()
