@@ -1,0 +1,122 @@
+"""Attacks on the node agent's host-use checks (node_agent/usage.py) that the first round (issue 22,
+tests/test_node_agent_attacks.py) let through, each on the workstation fixture with its group allowed: a use
+the host has of the NVMe drive, the NIC or a USB disk that the agent did not see, so ``bind`` would have taken
+the device from under the host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from simkit.agent_nodes import SHARED_GROUP, add_disk, add_interface, mount, shared_group_node
+from simkit.kernel_sim import SimKernel
+from simkit.sysfs_fixture import Node
+from tests.node_agent_support import agent, build_node
+
+USB, NIC, NVME = "0000:01:00.2", "0000:02:00.0", "0000:03:00.0"
+
+
+def _idle_workstation(root: Path, *, partitions: int = 1) -> SimKernel:
+    """The shared group with eth0 down and the NVMe not mounted (the host's root on another disk, 8:2)."""
+    sim = build_node(shared_group_node(), root)
+    add_interface(sim.root, NIC, "eth0", up=False)
+    add_disk(sim.root, f"{NVME}/nvme/nvme0", "nvme0n1", 259, partitions=partitions)
+    return sim
+
+
+def _refused(sim: SimKernel, *args: str) -> str:
+    result = agent(sim, "bind", "--all", "--allow-group", str(SHARED_GROUP), *args)
+    assert result.exit_code == 1, result.output
+    assert sim.writes == 0
+    return str(result.exception)
+
+
+def _mountinfo(sim: SimKernel, *lines: str) -> None:
+    (sim.root / "proc/1").mkdir(parents=True, exist_ok=True)
+    (sim.root / "proc/1/mountinfo").write_text("".join(f"{line}\n" for line in lines))
+
+
+def test_a_btrfs_root_is_mounted_though_mountinfo_shows_an_anonymous_device_number(tmp_path: Path) -> None:
+    """btrfs (Fedora's and openSUSE's default root) shows an anonymous ``0:N`` in mountinfo's third field,
+    not the partition's 259:1; only the mount source names the partition."""
+    sim = _idle_workstation(tmp_path / "root")
+    _mountinfo(
+        sim,
+        "21 1 0:45 /@ / rw,relatime shared:1 - btrfs /dev/nvme0n1p1 rw,ssd,space_cache=v2,subvol=/@",
+        "22 21 8:2 / /boot rw shared:2 - ext4 /dev/sda2 rw",
+    )
+    assert "block device nvme0n1p1 (259:1) is mounted on /" in _refused(sim)
+
+
+def test_a_member_of_a_mounted_multi_device_btrfs_is_in_use(tmp_path: Path) -> None:
+    """A btrfs RAID1 over sda2 and nvme0n1p1: mountinfo names only one device (sda2); the kernel lists every
+    member under /sys/fs/btrfs/<fsid>/devices while the filesystem is mounted."""
+    sim = _idle_workstation(tmp_path / "root")
+    _mountinfo(sim, "21 1 0:45 / / rw shared:1 - btrfs /dev/sda2 rw")
+    fsid = "2f6e4c1a-53b2-4c7e-9a41-0c5f3d1e2b7a"
+    members = sim.root / "sys/fs/btrfs" / fsid / "devices"
+    members.mkdir(parents=True)
+    real = Path(os.path.realpath(sim.root / "sys/bus/pci/devices" / NVME)) / "nvme/nvme0/nvme0n1/nvme0n1p1"
+    (members / "nvme0n1p1").symlink_to(os.path.relpath(real, members))
+    assert f"block device nvme0n1p1 (259:1) is a device of the mounted btrfs filesystem {fsid}" in _refused(sim)
+
+
+def test_a_disk_backing_a_loop_device_is_in_use(tmp_path: Path) -> None:
+    """``losetup /dev/loop0 /dev/nvme0n1``: the loop driver holds the disk from inside the kernel (no process
+    has it open, its holders/ stays empty); /sys/block/loop0/loop/backing_file names it."""
+    sim = _idle_workstation(tmp_path / "root")
+    mount(sim.root, "8:2", "/")
+    loop = sim.root / "sys/devices/virtual/block/loop0"
+    (loop / "loop").mkdir(parents=True)
+    (loop / "loop/backing_file").write_text("/dev/nvme0n1\n")
+    (sim.root / "sys/block").mkdir(exist_ok=True)
+    (sim.root / "sys/block/loop0").symlink_to("../devices/virtual/block/loop0")
+    assert "block device nvme0n1 (259:0) backs the loop device loop0" in _refused(sim)
+
+
+def test_a_mount_point_with_a_space_is_named_as_it_is(tmp_path: Path) -> None:
+    sim = _idle_workstation(tmp_path / "root")
+    _mountinfo(sim, "21 1 259:1 / /mnt/my\\040disk rw shared:1 - ext4 /dev/nvme0n1p1 rw")
+    assert "block device nvme0n1p1 (259:1) is mounted on /mnt/my disk;" in _refused(sim)
+
+
+def test_a_usb_disk_behind_five_hubs_is_still_seen(tmp_path: Path) -> None:
+    """USB allows five hubs between the root hub and a device; each hub nests its children one level deeper
+    in sysfs, so the mounted partition is 13 levels below the controller's directory."""
+    node = Node("desk", tuple(f for f in shared_group_node().functions if f.address not in (NIC, NVME)))
+    sim = build_node(node, tmp_path / "root")
+    hubs = "usb1/1-1/1-1.2/1-1.2.3/1-1.2.3.4/1-1.2.3.4.5/1-1.2.3.4.5:1.0"
+    add_disk(sim.root, f"{USB}/{hubs}/host6/target6:0:0/6:0:0:0/block", "sdb", 8, partitions=1)
+    mount(sim.root, "8:1", "/mnt/backup")
+    result = agent(sim, "bind", "--all")
+    assert result.exit_code == 1, result.output
+    assert "block device sdb1 (8:1) is mounted on /mnt/backup" in str(result.exception)
+    assert sim.writes == 0
+
+
+def test_a_tree_deeper_than_the_walk_goes_counts_as_in_use(tmp_path: Path) -> None:
+    """What lies below the walk's depth is not known to be unused: the function is refused, not half checked."""
+    sim = _idle_workstation(tmp_path / "root")
+    mount(sim.root, "8:2", "/")
+    deep = Path(os.path.realpath(sim.root / "sys/bus/pci/devices" / NIC)).joinpath(*(f"d{i}" for i in range(40)))
+    deep.mkdir(parents=True)
+    message = _refused(sim)
+    assert f"{NIC} (8086:10fb) is in use through its host driver ixgbe: more than" in message
+    assert "levels below" in message
+
+
+@pytest.mark.parametrize("flags", [None, "\x00\xffjunk", ""])
+def test_an_interface_whose_flags_cannot_be_read_counts_as_possibly_up(tmp_path: Path, flags: str | None) -> None:
+    """``operstate`` ``unknown`` is what many drivers report while up (no carrier detection); then only IFF_UP
+    in ``flags`` tells, and flags that are missing or no number must not read as "down"."""
+    sim = _idle_workstation(tmp_path / "root")
+    mount(sim.root, "8:2", "/")
+    directory = Path(os.path.realpath(sim.root / "sys/bus/pci/devices" / NIC)) / "net/eth0"
+    (directory / "operstate").write_text("unknown\n")
+    if flags is None:
+        (directory / "flags").unlink()
+    else:
+        (directory / "flags").write_text(flags)
+    assert "network interface eth0 may be up: its flags" in _refused(sim)
