@@ -127,10 +127,15 @@ def unbind_steps(fs: Sysfs, function: PciFunction) -> list[Step]:
 
 
 def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
-    """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group."""
+    """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group. A
+    function or group that cannot be read is a refusal naming it (the other groups are still done)."""
     groups: dict[int, list[PciFunction]] = {}
     for address in selected:
-        function = read_function(fs, address)
+        try:
+            function = read_function(fs, address)
+        except AgentError as exc:
+            report.refused.append(f"{address}: {exc}; nothing written to its group")
+            continue
         if function.iommu_group is None:
             report.refused.append(
                 f"{address} ({function.vendor_device}) has no IOMMU group: the IOMMU is off (intel_iommu=on / "
@@ -139,7 +144,11 @@ def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[Pc
             continue
         if function.iommu_group in groups:
             continue
-        members = [read_function(fs, member) for member in fs.group_members(function.iommu_group)]
+        try:
+            members = [read_function(fs, member) for member in fs.group_members(function.iommu_group)]
+        except AgentError as exc:
+            report.refused.append(f"IOMMU group {function.iommu_group}: {exc}; nothing written to the group")
+            continue
         groups[function.iommu_group] = [member for member in members if not member.is_bridge]
     return groups
 
@@ -275,6 +284,43 @@ def ensure_driver(fs: Sysfs, kernel: Kernel, driver: str) -> None:
         raise AgentError(f"loaded {module}, yet {fs.pci_drivers / driver} does not exist")
 
 
+def _bind_plan(
+    fs: Sysfs,
+    kernel: Kernel,
+    group: int,
+    members: list[PciFunction],
+    selected: list[str],
+    choose: Callable[[PciFunction], str],
+    allow: set[int],
+    report: Report,
+) -> list[tuple[PciFunction, list[Step]]] | None:
+    """The writes that bind ``group``, every check made (None: nothing to write, or refused into ``report``);
+    :class:`AgentError` when the node cannot be read or checked. Nothing is written here."""
+    others = foreign(members, selected)
+    if others and group not in allow:
+        report.refused.append(foreign_refusal(group, others))
+        return None
+    targets = {member.address: choose(member) for member in members}
+    report.drivers.update(targets)
+    moving = [member for member in members if member.driver != targets[member.address]]
+    if not moving:
+        report.unchanged.extend(member.address for member in members)
+        return None
+    leaving = [member for member in moving if member.driver is not None]
+    refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
+    if refusal is not None:
+        report.refused.append(refusal)
+        return None
+    for driver in sorted({targets[member.address] for member in moving}):
+        ensure_driver(fs, kernel, driver)
+    plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
+    refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+    if refusal is not None:
+        report.refused.append(refusal)
+        return None
+    return plans
+
+
 def bind(
     fs: Sysfs,
     kernel: Kernel,
@@ -288,27 +334,12 @@ def bind(
     start = kernel.writes
     allow = set(allowed)
     for group, members in _groups(fs, selected, report).items():
-        others = foreign(members, selected)
-        if others and group not in allow:
-            report.refused.append(foreign_refusal(group, others))
+        try:
+            plans = _bind_plan(fs, kernel, group, members, selected, choose, allow, report)
+        except AgentError as exc:  # the node could not be read or checked: this group is refused, whole
+            report.refused.append(f"IOMMU group {group}: {exc}; nothing written to the group")
             continue
-        targets = {member.address: choose(member) for member in members}
-        report.drivers.update(targets)
-        moving = [member for member in members if member.driver != targets[member.address]]
-        if not moving:
-            report.unchanged.extend(member.address for member in members)
-            continue
-        leaving = [member for member in moving if member.driver is not None]
-        refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
-        if refusal is not None:
-            report.refused.append(refusal)
-            continue
-        for driver in sorted({targets[member.address] for member in moving}):
-            ensure_driver(fs, kernel, driver)
-        plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
-        refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
-        if refusal is not None:
-            report.refused.append(refusal)
+        if plans is None:
             continue
         for member, steps in plans:
             if not steps:
@@ -316,10 +347,11 @@ def bind(
                 continue
             _apply(kernel, steps)
             now = read_function(fs, member.address)
-            if now.driver != targets[member.address]:
+            target = report.drivers[member.address]
+            if now.driver != target:
                 raise AgentError(
                     f"{member.address} ({member.vendor_device}) is on {now.driver or 'no driver'} after binding it "
-                    f"to {targets[member.address]} (IOMMU group {group})"
+                    f"to {target} (IOMMU group {group})"
                 )
             report.changed.append(member.address)
     report.writes = kernel.writes - start

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from simkit.agent_nodes import SHARED_GROUP, add_disk, add_interface, mount, shared_group_node
+from node_agent.sysfs import Sysfs, read_function
+from simkit.agent_nodes import SHARED_GROUP, add_disk, add_interface, mount, passthrough_node, shared_group_node
 from simkit.kernel_sim import SimKernel
 from simkit.sysfs_fixture import Node
-from tests.node_agent_support import agent, build_node
+from tests.node_agent_support import agent, build_node, report
 
 USB, NIC, NVME = "0000:01:00.2", "0000:02:00.0", "0000:03:00.0"
 
@@ -120,3 +121,27 @@ def test_an_interface_whose_flags_cannot_be_read_counts_as_possibly_up(tmp_path:
     else:
         (directory / "flags").write_text(flags)
     assert "network interface eth0 may be up: its flags" in _refused(sim)
+
+
+def test_a_group_whose_check_cannot_read_the_node_is_refused_and_the_others_are_still_done(tmp_path: Path) -> None:
+    """A FIFO where the second card's DRM object has its uevent: that group is refused naming it; the first
+    card's group (done before it) and the Grace GPU's (after it) are bound and recorded, as the rule "a group
+    is the unit" says, instead of the command stopping half way with no report and no state."""
+
+    sim = build_node(passthrough_node(), tmp_path / "root")
+    card = Path(os.path.realpath(sim.root / "sys/bus/pci/devices/0000:af:00.0")) / "drm/card1"
+    card.mkdir(parents=True)
+    os.mkfifo(card / "uevent")
+    result = agent(sim, "bind", "--all")
+    assert result.exit_code == 1
+    message = str(result.exception)
+    assert "drm/card1/uevent: not a regular file (a FIFO)" in message and "nothing written to the group" in message
+    fs = Sysfs(sim.root)
+    drivers = {
+        address: read_function(fs, address).driver for address in ("0000:86:00.0", "0000:af:00.0", "0009:01:00.0")
+    }
+    assert drivers == {"0000:86:00.0": "vfio-pci", "0000:af:00.0": "nouveau", "0009:01:00.0": "nvgrace_gpu_vfio_pci"}
+    done = report(result)
+    assert "0000:86:00.0" in done["changed"] and "0009:01:00.0" in done["changed"]
+    assert "0000:af:00.0" not in done["changed"]
+    assert "FIFO" in (tmp_path / "state/state.json").read_text()
