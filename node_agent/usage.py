@@ -33,6 +33,7 @@ controller has its partition 13 levels down; a deeper tree counts as in use (not
 MAX_DIRECTORIES = 4096
 """Directories one function's walk may visit; a larger tree is refused rather than half checked."""
 IFF_UP = 0x1
+_NVME_CONTROLLER = re.compile(r"nvme[0-9]+")
 _PCI_NAME = re.compile(r"[0-9a-fA-F]{4,5}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 
 
@@ -46,6 +47,8 @@ class Usage:
     """(name, ``major:minor``, directory) of each disk and partition."""
     interfaces: list[tuple[str, Path]] = field(default_factory=list)
     """(name, directory) of each network interface."""
+    nvme_controllers: list[str] = field(default_factory=list)
+    """Names of the NVMe controllers (``nvme/nvme0``) found: their namespaces may hang elsewhere (multipath)."""
     too_large: str | None = None
     """Why the tree could not be checked whole (more directories or levels than the walk goes)."""
 
@@ -57,8 +60,32 @@ def _uevent(fs: Sysfs, path: Path) -> dict[str, str]:
 
 
 def walk(fs: Sysfs, directory: Path) -> Usage:
-    """What the function at ``directory`` (resolved, see :meth:`Sysfs.inside`) has below it."""
+    """What the function at ``directory`` (resolved, see :meth:`Sysfs.inside`) has below it, and the namespaces
+    of its NVMe controllers that native NVMe multipath puts below a virtual subsystem device instead."""
     found = Usage()
+    _walk(fs, directory, found)
+    for subsystem in nvme_subsystems(fs, found.nvme_controllers):
+        if found.too_large is None:
+            _walk(fs, subsystem, found)
+    return found
+
+
+def nvme_subsystems(fs: Sysfs, controllers: list[str]) -> list[Path]:
+    """The NVMe subsystems one of ``controllers`` belongs to. With native multipath (``nvme_core.multipath``,
+    on by default where the kernel has it) a namespace's disk is ``nvme-subsys<N>/nvme<N>n<M>`` below
+    ``/sys/devices/virtual/nvme-subsystem``, and the subsystem links each of its controllers by name
+    (``nvme-subsys0/nvme0``, kernel ``drivers/nvme/host/core.c``); controller names are unique."""
+    if not controllers:
+        return []
+    base = fs.sys / "class" / "nvme-subsystem"
+    found = []
+    for name in fs.listdir(base):
+        if set(controllers) & set(fs.listdir(base / name)):
+            found.append(fs.inside(base / name))
+    return found
+
+
+def _walk(fs: Sysfs, directory: Path, found: Usage) -> None:
     pending = [(directory, 0)]
     visited = 0
     while pending:
@@ -66,22 +93,23 @@ def walk(fs: Sysfs, directory: Path) -> Usage:
         visited += 1
         if visited > MAX_DIRECTORIES:
             found.too_large = f"more than {MAX_DIRECTORIES} directories below {directory} to check"
-            return found
+            return
         for name, is_dir in fs.entries(current):
             if name == "uevent" and not is_dir and current != directory:
                 _note(found, current, _uevent(fs, current / name))
             elif is_dir and not _PCI_NAME.fullmatch(name):
                 if depth >= MAX_DEPTH:
                     found.too_large = f"more than {MAX_DEPTH} levels below {directory} to check ({current / name})"
-                    return found
+                    return
                 pending.append((current / name, depth + 1))
-    return found
 
 
 def _note(found: Usage, directory: Path, event: dict[str, str]) -> None:
     name = event.get("DEVNAME")
     if name and ".." not in name.split("/"):
         found.nodes.append(f"/dev/{name}")
+        if directory.parent.name == "nvme" and _NVME_CONTROLLER.fullmatch(name):
+            found.nvme_controllers.append(name)
         if event.get("DEVTYPE") in ("disk", "partition") and event.get("MAJOR", "").isdigit():
             found.blocks.append((name, f"{event['MAJOR']}:{event.get('MINOR', '0')}", directory))
     interface = event.get("INTERFACE")

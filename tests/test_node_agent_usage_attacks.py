@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from node_agent.sysfs import Sysfs, read_function
-from simkit.agent_nodes import SHARED_GROUP, add_disk, add_interface, mount, passthrough_node, shared_group_node
+from simkit.agent_nodes import (
+    SHARED_GROUP,
+    add_disk,
+    add_interface,
+    add_multipath_nvme,
+    mount,
+    passthrough_node,
+    shared_group_node,
+)
 from simkit.kernel_sim import SimKernel
 from simkit.sysfs_fixture import Node
 from tests.node_agent_support import agent, build_node, report
@@ -145,3 +153,17 @@ def test_a_group_whose_check_cannot_read_the_node_is_refused_and_the_others_are_
     assert "0000:86:00.0" in done["changed"] and "0009:01:00.0" in done["changed"]
     assert "0000:af:00.0" not in done["changed"]
     assert "FIFO" in (tmp_path / "state/state.json").read_text()
+
+
+def test_a_mounted_nvme_namespace_under_native_multipath_is_in_use(tmp_path: Path) -> None:
+    """With native NVMe multipath (the default of most distributions' kernels) the namespace's disk hangs
+    below the virtual nvme-subsystem device, not below the PCI function: only the controller is there."""
+    sim = build_node(shared_group_node(), tmp_path / "root")
+    add_interface(sim.root, NIC, "eth0", up=False)
+    add_multipath_nvme(sim.root, NVME, "nvme0", "nvme-subsys0", "nvme0n1", partitions=2)
+    mount(sim.root, "259:2", "/")
+    message = _refused(sim)
+    assert (
+        f"{NVME} (144d:a808) is in use through its host driver nvme: block device nvme0n1p2 (259:2) is mounted"
+        in message
+    )
