@@ -37,7 +37,8 @@ from runtime.node import VFIO_DRIVERS
 from schemas.companions import same_slot
 from schemas.pci import PciAddress
 
-FOREIGN_CLASSES = {0x01: "storage", 0x02: "network", 0x06: "bridge"}
+NETWORK_CLASS = 0x02
+FOREIGN_CLASSES = {0x01: "storage", NETWORK_CLASS: "network", 0x06: "bridge"}
 """PCI base classes never moved as part of a GPU's group (a PCI-to-PCI bridge stays on its driver instead)."""
 _CLASS_NAMES = {**FOREIGN_CLASSES, 0x03: "display", 0x04: "multimedia", 0x0C: "serial bus"}
 
@@ -235,6 +236,11 @@ def _refusal(
         ]
         owners.update(dict.fromkeys(nodes, member))
         reasons = host.reasons(usage)
+        if member.pci_class >> 16 == NETWORK_CLASS and not usage.interfaces:
+            reasons.append(
+                f"no network interface of it is in {fs.sys} (which shows the host's network namespace): it may have "
+                f"been moved into a pod's; if it is idle, unbind it from {member.driver} first"
+            )
         if reasons:
             uses.setdefault(member.address, []).extend(reasons)
     for line in holders(fs, set(owners)) if owners else []:  # one /proc scan for the whole group

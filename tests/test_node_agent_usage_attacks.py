@@ -167,3 +167,14 @@ def test_a_mounted_nvme_namespace_under_native_multipath_is_in_use(tmp_path: Pat
         f"{NVME} (144d:a808) is in use through its host driver nvme: block device nvme0n1p2 (259:2) is mounted"
         in message
     )
+
+
+def test_a_nic_whose_interface_is_in_another_network_namespace_is_in_use(tmp_path: Path) -> None:
+    """A NIC handed to a pod (Multus host-device, a CNF): its interface moved into the pod's network namespace,
+    and the host's /sys (tagged with the host's namespace) shows no net/ entry below the function at all. A
+    network function on a network driver with no interface in view is not known to be idle."""
+    sim = build_node(shared_group_node(), tmp_path / "root")
+    add_disk(sim.root, f"{NVME}/nvme/nvme0", "nvme0n1", 259)
+    mount(sim.root, "8:2", "/")
+    message = _refused(sim)
+    assert f"{NIC} (8086:10fb) is in use through its host driver ixgbe: no network interface of it" in message
