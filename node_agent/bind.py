@@ -14,12 +14,14 @@ to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
 - a function already on its VFIO driver gets no write (a re-run writes nothing);
 - nothing is unbound from a group a VM holds (its ``/dev/vfio/<N>`` answers ``EBUSY``) or from a host
   driver the host uses (:mod:`node_agent.usage`: device nodes a process has open, a mounted or swapped-on or
-  held block device, a network interface that is up or has an address), allowed group or not; the error
-  names the function and the use;
+  held block device, a network interface that is up or has an address, a network function whose interface
+  is not in the host's /sys: moved into a pod's network namespace), allowed group or not; the error names
+  the function and the use;
 - every attribute a group's writes go to is opened inside the host root first (:meth:`Sysfs.check_writable`):
   a link leading out of it refuses the group before its first write;
 - a group is the unit: a refused group is left as it was, the other groups are still done, and the
-  command fails naming every refusal.
+  command fails naming every refusal; a group whose check cannot read the node (a FIFO or a link out of the
+  root where an attribute should be) is such a refusal, naming the file.
 """
 
 from __future__ import annotations

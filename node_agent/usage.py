@@ -7,15 +7,20 @@ file (the kernel's ``Documentation/ABI/testing/sysfs-uevent``; ``udevadm info`` 
   ``nvme0n1``, ``hidraw0``…). A process holding it open (``/proc/<pid>/fd``) uses the device;
 - ``DEVTYPE=disk`` / ``partition`` with ``MAJOR``/``MINOR`` (``block/<dev>`` and its partitions): in use
   when a mount of the host's (``/proc/1/mountinfo``, and ``/proc/self/mountinfo`` when that resolves) has
-  that device number (and when neither table can be read: nothing then says it is unused), when
-  ``/proc/swaps`` names it, or when its ``holders/`` is not empty (device-mapper, md RAID, LVM built on it);
+  that device number or names ``/dev/<name>`` as its source (btrfs mounts show an anonymous ``0:N``), when
+  neither table can be read (nothing then says it is unused), when it is a device of a mounted btrfs
+  (``/sys/fs/btrfs/<fsid>/devices``), when ``/proc/swaps`` names it, when its ``holders/`` is not empty
+  (device-mapper, md RAID, LVM built on it), or when a loop device is backed by it
+  (``/sys/block/loop<N>/loop/backing_file``);
 - ``INTERFACE=<name>`` (``net/<if>``): in use when it is up (``operstate`` ``up``, or ``IFF_UP`` in
-  ``flags``) or has an address (``/proc/1/net/if_inet6``, ``/proc/1/net/route``: the host's network
-  namespace, as the host's init sees it).
+  ``flags``; flags that are missing or no number count as up) or has an address (``/proc/1/net/if_inet6``,
+  ``/proc/1/net/route``: the host's network namespace, as the host's init sees it).
 
+An NVMe controller (``nvme/nvme<N>``) under native multipath has its namespaces' disks below the virtual
+``nvme-subsystem`` device instead: the walk checks the subsystems that link one of its controllers too.
 The walk does not follow links (``driver``, ``subsystem``, ``physfn``…), does not enter another PCI function's
-directory (below a bridge), and is bounded in depth and directories; a tree too large to check counts as in
-use. Everything is read under the host root through :class:`~node_agent.sysfs.Sysfs`.
+directory (below a bridge), and is bounded in depth and directories; a tree too large or too deep to check
+counts as in use. Everything is read under the host root through :class:`~node_agent.sysfs.Sysfs`.
 """
 
 from __future__ import annotations
