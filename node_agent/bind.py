@@ -148,7 +148,19 @@ def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[Pc
         if function.iommu_group in groups:
             continue
         try:
-            members = [read_function(fs, member) for member in fs.group_members(function.iommu_group)]
+            listed = fs.group_members(function.iommu_group)
+        except AgentError as exc:
+            report.refused.append(f"IOMMU group {function.iommu_group}: {exc}; nothing written to the group")
+            continue
+        if address not in listed:  # the node's sysfs disagrees with itself: moving "its group" moves others
+            report.refused.append(
+                f"IOMMU group {function.iommu_group} does not list {address} in "
+                f"{fs.sys / 'kernel' / 'iommu_groups' / str(function.iommu_group) / 'devices'}, though its "
+                f"iommu_group link names the group; nothing written to the group"
+            )
+            continue
+        try:
+            members = [read_function(fs, member) for member in listed]
         except AgentError as exc:
             report.refused.append(f"IOMMU group {function.iommu_group}: {exc}; nothing written to the group")
             continue

@@ -178,3 +178,18 @@ def test_a_nic_whose_interface_is_in_another_network_namespace_is_in_use(tmp_pat
     mount(sim.root, "8:2", "/")
     message = _refused(sim)
     assert f"{NIC} (8086:10fb) is in use through its host driver ixgbe: no network interface of it" in message
+
+
+def test_a_function_its_own_group_does_not_list_is_refused_and_nothing_else_moves(tmp_path: Path) -> None:
+    """A host whose sysfs disagrees with itself: the GPU's iommu_group link names the Grace GPU's group 200,
+    whose devices/ lists only the Grace GPU. Binding "the GPU's group" then moved the Grace GPU, which nobody
+    selected, left the selected GPU where it was, and reported success."""
+    sim = build_node(passthrough_node(), tmp_path / "root")
+    directory = Path(os.path.realpath(sim.root / "sys/bus/pci/devices/0000:86:00.0"))
+    (directory / "iommu_group").unlink()
+    (directory / "iommu_group").symlink_to("../../../../kernel/iommu_groups/200")
+    result = agent(sim, "bind", "0000:86:00.0")
+    assert result.exit_code == 1, result.output
+    assert "IOMMU group 200 does not list 0000:86:00.0" in str(result.exception)
+    assert sim.writes == 0
+    assert read_function(Sysfs(sim.root), "0009:01:00.0").driver is None
