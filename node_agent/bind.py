@@ -15,8 +15,8 @@ to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
 - nothing is unbound from a group a VM holds (its ``/dev/vfio/<N>`` answers ``EBUSY``) or from a host
   driver the host uses (:mod:`node_agent.usage`: device nodes a process has open, a mounted or swapped-on or
   held block device, a network interface that is up or has an address, a network function whose interface
-  is not in the host's /sys: moved into a pod's network namespace), allowed group or not; the error names
-  the function and the use;
+  is not in the host's /sys: moved into a pod's network namespace, SR-IOV VFs enabled), allowed group or
+  not; the error names the function and the use;
 - every attribute a group's writes go to is opened inside the host root first (:meth:`Sysfs.check_writable`):
   a link leading out of it refuses the group before its first write;
 - a group is the unit: a refused group is left as it was, the other groups are still done, and the
@@ -250,6 +250,9 @@ def _refusal(
         ]
         owners.update(dict.fromkeys(nodes, member))
         reasons = host.reasons(usage)
+        numvfs = fs.read(fs.pci_devices / member.address / "sriov_numvfs")
+        if numvfs and numvfs != "0":  # unbinding a PF's driver disables SR-IOV: every VF goes, whoever has it
+            reasons.append(f"{numvfs} SR-IOV VFs are enabled (its virtfn* links); unbinding its driver removes them")
         if member.pci_class >> 16 == NETWORK_CLASS and not usage.interfaces:
             reasons.append(
                 f"no network interface of it is in {fs.sys} (which shows the host's network namespace): it may have "

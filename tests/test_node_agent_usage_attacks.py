@@ -193,3 +193,14 @@ def test_a_function_its_own_group_does_not_list_is_refused_and_nothing_else_move
     assert "IOMMU group 200 does not list 0000:86:00.0" in str(result.exception)
     assert sim.writes == 0
     assert read_function(Sysfs(sim.root), "0009:01:00.0").driver is None
+
+
+def test_a_function_with_sriov_vfs_enabled_is_in_use(tmp_path: Path) -> None:
+    """The 82599 has 8 VFs enabled (handed to pods or VMs on their own groups, which the walk never enters:
+    they are sibling functions). Unbinding the PF's driver disables SR-IOV and removes every VF under them."""
+    sim = _idle_workstation(tmp_path / "root")
+    mount(sim.root, "8:2", "/")
+    directory = Path(os.path.realpath(sim.root / "sys/bus/pci/devices" / NIC))
+    (directory / "sriov_totalvfs").write_text("63\n")
+    (directory / "sriov_numvfs").write_text("8\n")
+    assert f"{NIC} (8086:10fb) is in use through its host driver ixgbe: 8 SR-IOV VFs are enabled" in _refused(sim)
