@@ -204,3 +204,18 @@ def test_a_function_with_sriov_vfs_enabled_is_in_use(tmp_path: Path) -> None:
     (directory / "sriov_totalvfs").write_text("63\n")
     (directory / "sriov_numvfs").write_text("8\n")
     assert f"{NIC} (8086:10fb) is in use through its host driver ixgbe: 8 SR-IOV VFs are enabled" in _refused(sim)
+
+
+def test_a_link_planted_at_the_state_files_temporary_name_is_not_followed(tmp_path: Path) -> None:
+    """The temporary file's name is predictable (the pid: 1 in a container); a link planted there made the
+    state write land wherever it pointed."""
+    from node_agent.state import read_state, write_section
+
+    state, outside = tmp_path / "state", tmp_path / "outside"
+    state.mkdir()
+    outside.write_text("untouched\n")
+    (state / f".state.json.{os.getpid()}.tmp").symlink_to(outside)
+    write_section(state, "bind", {"selected": [], "changed": []})
+    assert outside.read_text() == "untouched\n"
+    assert read_state(state)["bind"]["selected"] == []
+    assert not (state / f".state.json.{os.getpid()}.tmp").exists()
