@@ -14,12 +14,14 @@ to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
 - a function already on its VFIO driver gets no write (a re-run writes nothing);
 - nothing is unbound from a group a VM holds (its ``/dev/vfio/<N>`` answers ``EBUSY``) or from a host
   driver the host uses (:mod:`node_agent.usage`: device nodes a process has open, a mounted or swapped-on or
-  held block device, a network interface that is up or has an address), allowed group or not; the error
-  names the function and the use;
+  held block device, a network interface that is up or has an address, a network function whose interface
+  is not in the host's /sys: moved into a pod's network namespace, SR-IOV VFs enabled), allowed group or
+  not; the error names the function and the use;
 - every attribute a group's writes go to is opened inside the host root first (:meth:`Sysfs.check_writable`):
   a link leading out of it refuses the group before its first write;
 - a group is the unit: a refused group is left as it was, the other groups are still done, and the
-  command fails naming every refusal.
+  command fails naming every refusal; a group whose check cannot read the node (a FIFO or a link out of the
+  root where an attribute should be) is such a refusal, naming the file.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from runtime.node import VFIO_DRIVERS
 from schemas.companions import same_slot
 from schemas.pci import PciAddress
 
-FOREIGN_CLASSES = {0x01: "storage", 0x02: "network", 0x06: "bridge"}
+NETWORK_CLASS = 0x02
+FOREIGN_CLASSES = {0x01: "storage", NETWORK_CLASS: "network", 0x06: "bridge"}
 """PCI base classes never moved as part of a GPU's group (a PCI-to-PCI bridge stays on its driver instead)."""
 _CLASS_NAMES = {**FOREIGN_CLASSES, 0x03: "display", 0x04: "multimedia", 0x0C: "serial bus"}
 
@@ -127,10 +130,15 @@ def unbind_steps(fs: Sysfs, function: PciFunction) -> list[Step]:
 
 
 def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
-    """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group."""
+    """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group. A
+    function or group that cannot be read is a refusal naming it (the other groups are still done)."""
     groups: dict[int, list[PciFunction]] = {}
     for address in selected:
-        function = read_function(fs, address)
+        try:
+            function = read_function(fs, address)
+        except AgentError as exc:
+            report.refused.append(f"{address}: {exc}; nothing written to its group")
+            continue
         if function.iommu_group is None:
             report.refused.append(
                 f"{address} ({function.vendor_device}) has no IOMMU group: the IOMMU is off (intel_iommu=on / "
@@ -139,7 +147,23 @@ def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[Pc
             continue
         if function.iommu_group in groups:
             continue
-        members = [read_function(fs, member) for member in fs.group_members(function.iommu_group)]
+        try:
+            listed = fs.group_members(function.iommu_group)
+        except AgentError as exc:
+            report.refused.append(f"IOMMU group {function.iommu_group}: {exc}; nothing written to the group")
+            continue
+        if address not in listed:  # the node's sysfs disagrees with itself: moving "its group" moves others
+            report.refused.append(
+                f"IOMMU group {function.iommu_group} does not list {address} in "
+                f"{fs.sys / 'kernel' / 'iommu_groups' / str(function.iommu_group) / 'devices'}, though its "
+                f"iommu_group link names the group; nothing written to the group"
+            )
+            continue
+        try:
+            members = [read_function(fs, member) for member in listed]
+        except AgentError as exc:
+            report.refused.append(f"IOMMU group {function.iommu_group}: {exc}; nothing written to the group")
+            continue
         groups[function.iommu_group] = [member for member in members if not member.is_bridge]
     return groups
 
@@ -226,6 +250,14 @@ def _refusal(
         ]
         owners.update(dict.fromkeys(nodes, member))
         reasons = host.reasons(usage)
+        numvfs = fs.read(fs.pci_devices / member.address / "sriov_numvfs")
+        if numvfs and numvfs != "0":  # unbinding a PF's driver disables SR-IOV: every VF goes, whoever has it
+            reasons.append(f"{numvfs} SR-IOV VFs are enabled (its virtfn* links); unbinding its driver removes them")
+        if member.pci_class >> 16 == NETWORK_CLASS and not usage.interfaces:
+            reasons.append(
+                f"no network interface of it is in {fs.sys} (which shows the host's network namespace): it may have "
+                f"been moved into a pod's; if it is idle, unbind it from {member.driver} first"
+            )
         if reasons:
             uses.setdefault(member.address, []).extend(reasons)
     for line in holders(fs, set(owners)) if owners else []:  # one /proc scan for the whole group
@@ -275,6 +307,43 @@ def ensure_driver(fs: Sysfs, kernel: Kernel, driver: str) -> None:
         raise AgentError(f"loaded {module}, yet {fs.pci_drivers / driver} does not exist")
 
 
+def _bind_plan(
+    fs: Sysfs,
+    kernel: Kernel,
+    group: int,
+    members: list[PciFunction],
+    selected: list[str],
+    choose: Callable[[PciFunction], str],
+    allow: set[int],
+    report: Report,
+) -> list[tuple[PciFunction, list[Step]]] | None:
+    """The writes that bind ``group``, every check made (None: nothing to write, or refused into ``report``);
+    :class:`AgentError` when the node cannot be read or checked. Nothing is written here."""
+    others = foreign(members, selected)
+    if others and group not in allow:
+        report.refused.append(foreign_refusal(group, others))
+        return None
+    targets = {member.address: choose(member) for member in members}
+    report.drivers.update(targets)
+    moving = [member for member in members if member.driver != targets[member.address]]
+    if not moving:
+        report.unchanged.extend(member.address for member in members)
+        return None
+    leaving = [member for member in moving if member.driver is not None]
+    refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
+    if refusal is not None:
+        report.refused.append(refusal)
+        return None
+    for driver in sorted({targets[member.address] for member in moving}):
+        ensure_driver(fs, kernel, driver)
+    plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
+    refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+    if refusal is not None:
+        report.refused.append(refusal)
+        return None
+    return plans
+
+
 def bind(
     fs: Sysfs,
     kernel: Kernel,
@@ -288,27 +357,12 @@ def bind(
     start = kernel.writes
     allow = set(allowed)
     for group, members in _groups(fs, selected, report).items():
-        others = foreign(members, selected)
-        if others and group not in allow:
-            report.refused.append(foreign_refusal(group, others))
+        try:
+            plans = _bind_plan(fs, kernel, group, members, selected, choose, allow, report)
+        except AgentError as exc:  # the node could not be read or checked: this group is refused, whole
+            report.refused.append(f"IOMMU group {group}: {exc}; nothing written to the group")
             continue
-        targets = {member.address: choose(member) for member in members}
-        report.drivers.update(targets)
-        moving = [member for member in members if member.driver != targets[member.address]]
-        if not moving:
-            report.unchanged.extend(member.address for member in members)
-            continue
-        leaving = [member for member in moving if member.driver is not None]
-        refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
-        if refusal is not None:
-            report.refused.append(refusal)
-            continue
-        for driver in sorted({targets[member.address] for member in moving}):
-            ensure_driver(fs, kernel, driver)
-        plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
-        refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
-        if refusal is not None:
-            report.refused.append(refusal)
+        if plans is None:
             continue
         for member, steps in plans:
             if not steps:
@@ -316,10 +370,11 @@ def bind(
                 continue
             _apply(kernel, steps)
             now = read_function(fs, member.address)
-            if now.driver != targets[member.address]:
+            target = report.drivers[member.address]
+            if now.driver != target:
                 raise AgentError(
                     f"{member.address} ({member.vendor_device}) is on {now.driver or 'no driver'} after binding it "
-                    f"to {targets[member.address]} (IOMMU group {group})"
+                    f"to {target} (IOMMU group {group})"
                 )
             report.changed.append(member.address)
     report.writes = kernel.writes - start

@@ -15,6 +15,7 @@ every count is a positive integer. Parsing is pure (text in, :class:`VgpuSpec` l
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,15 @@ from node_agent.kernel import AgentError
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_COUNT = 4096
 """More vGPUs of one type on one GPU than any GPU supports (a bound against typos such as 40000)."""
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
+
+
+def shown(value: Any) -> str:
+    """A config value as an error names it, bounded: YAML aliases can make a value of a few hundred bytes
+    megabytes long (nested lists of aliases), which ``repr`` would spell out whole."""
+    return _SHOWN.repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +55,7 @@ class VgpuSpec:
 
 def _device_id(value: Any, where: str) -> int:
     if isinstance(value, bool):
-        raise AgentError(f"{where}: device-filter entry {value!r} is not a PCI device ID such as 0x1EB810DE")
+        raise AgentError(f"{where}: device-filter entry {shown(value)} is not a PCI device ID such as 0x1EB810DE")
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
@@ -53,12 +63,12 @@ def _device_id(value: Any, where: str) -> int:
             number = int(value, 0)
         except ValueError:
             raise AgentError(
-                f"{where}: device-filter entry {value!r} is not a PCI device ID such as 0x1EB810DE"
+                f"{where}: device-filter entry {shown(value)} is not a PCI device ID such as 0x1EB810DE"
             ) from None
     else:
-        raise AgentError(f"{where}: device-filter entry {value!r} is not a PCI device ID such as 0x1EB810DE")
+        raise AgentError(f"{where}: device-filter entry {shown(value)} is not a PCI device ID such as 0x1EB810DE")
     if not 0 <= number <= 0xFFFFFFFF:
-        raise AgentError(f"{where}: device-filter entry {value!r} is not a 32-bit PCI device ID")
+        raise AgentError(f"{where}: device-filter entry {shown(value)} is not a 32-bit PCI device ID")
     return number
 
 
@@ -80,7 +90,7 @@ def _spec(raw: Any, where: str) -> VgpuSpec:
     ):
         devices = tuple(devices_raw)
     else:
-        raise AgentError(f"{where}: devices must be 'all' or a list of GPU indexes, not {devices_raw!r}")
+        raise AgentError(f"{where}: devices must be 'all' or a list of GPU indexes, not {shown(devices_raw)}")
     filter_raw = raw.get("device-filter", [])
     filters = filter_raw if isinstance(filter_raw, list) else [filter_raw]
     if filter_raw == "":
@@ -88,13 +98,13 @@ def _spec(raw: Any, where: str) -> VgpuSpec:
     device_filter = tuple(_device_id(item, where) for item in filters)
     vgpus_raw = raw["vgpu-devices"]
     if not isinstance(vgpus_raw, dict):
-        raise AgentError(f"{where}: vgpu-devices must map vGPU types to counts, not {vgpus_raw!r}")
+        raise AgentError(f"{where}: vgpu-devices must map vGPU types to counts, not {shown(vgpus_raw)}")
     vgpus: list[tuple[str, int]] = []
     for name, count in vgpus_raw.items():
         if not isinstance(name, str) or not name.strip():
-            raise AgentError(f"{where}: vGPU type {name!r} is not a type name")
+            raise AgentError(f"{where}: vGPU type {shown(name)} is not a type name")
         if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_COUNT:
-            raise AgentError(f"{where}: count {count!r} for {name} is not a whole number from 1 to {MAX_COUNT}")
+            raise AgentError(f"{where}: count {shown(count)} for {name} is not a whole number from 1 to {MAX_COUNT}")
         vgpus.append((name, count))
     return VgpuSpec(devices, device_filter, tuple(vgpus))
 
@@ -113,14 +123,14 @@ def parse_config(text: str, source: str) -> dict[str, tuple[VgpuSpec, ...]]:
     if "version" not in data:
         raise AgentError(f"vGPU config {source}: missing 'version' (this agent reads version v1)")
     if data["version"] != "v1":
-        raise AgentError(f"vGPU config {source}: unknown version {data['version']!r} (this agent reads v1)")
+        raise AgentError(f"vGPU config {source}: unknown version {shown(data['version'])} (this agent reads v1)")
     configs = data.get("vgpu-configs")
     if not isinstance(configs, dict) or not configs:
         raise AgentError(f"vGPU config {source}: at least one entry in 'vgpu-configs' is required")
     parsed: dict[str, tuple[VgpuSpec, ...]] = {}
     for name, specs in configs.items():
         if not isinstance(specs, list) or not specs:
-            raise AgentError(f"vGPU config {source}: config {name!r} needs at least one entry")
+            raise AgentError(f"vGPU config {source}: config {shown(name)} needs at least one entry")
         parsed[str(name)] = tuple(_spec(spec, f"vGPU config {source}, {name}[{i}]") for i, spec in enumerate(specs))
     return parsed
 

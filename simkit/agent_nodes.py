@@ -134,7 +134,10 @@ def add_disk(root: Path, below: str, name: str, major: int, partitions: int = 0)
     """A disk ``name`` (and its partitions) ``below`` (a path under the function's directory, e.g.
     ``0000:03:00.0/nvme/nvme0``), with ``dev``, ``uevent`` and an empty ``holders``, as the block layer makes it."""
     address, _, rest = below.partition("/")
-    parent = _device_dir(root, address) / rest
+    return _disk(_device_dir(root, address) / rest, name, major, partitions)
+
+
+def _disk(parent: Path, name: str, major: int, partitions: int) -> Path:
     disk = _kobject(parent / name, {"MAJOR": str(major), "MINOR": "0", "DEVNAME": name, "DEVTYPE": "disk"})
     (disk / "dev").write_text(f"{major}:0\n")
     (disk / "holders").mkdir()
@@ -147,6 +150,25 @@ def add_disk(root: Path, below: str, name: str, major: int, partitions: int = 0)
         (part / "dev").write_text(f"{major}:{index}\n")
         (part / "holders").mkdir()
     return disk
+
+
+def add_multipath_nvme(
+    root: Path, address: str, controller: str, subsystem: str, namespace: str, major: int = 259, partitions: int = 0
+) -> Path:
+    """An NVMe drive as a kernel with native NVMe multipath shows it (``nvme_core.multipath=Y``, the default
+    where ``CONFIG_NVME_MULTIPATH`` is set: Fedora, RHEL, SUSE, Ubuntu): the controller ``nvme/<controller>``
+    below the PCI function, the namespace's disk (and partitions) below the virtual subsystem device
+    ``/sys/devices/virtual/nvme-subsystem/<subsystem>``, which links each of its controllers by name, and
+    ``/sys/class/nvme-subsystem/<subsystem>``. Returns the disk's directory."""
+    ctrl = _kobject(
+        _device_dir(root, address) / "nvme" / controller, {"MAJOR": "240", "MINOR": "0", "DEVNAME": controller}
+    )
+    subsys = _kobject(root / "sys/devices/virtual/nvme-subsystem" / subsystem, {})
+    (subsys / controller).symlink_to(os.path.relpath(ctrl, subsys))
+    link = root / "sys/class/nvme-subsystem" / subsystem
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(subsys, link.parent))
+    return _disk(subsys, namespace, major, partitions)
 
 
 def mount(root: Path, number: str, point: str, pid: str = "1") -> None:
