@@ -178,25 +178,8 @@ class _WatchedConnection(urllib3.connection.HTTPConnection):
         super().request(*args, **kwargs)
 
 
-class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
-    def _new_conn(self) -> socket.socket:
-        sock: socket.socket = super()._new_conn()
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch_socket(sock)
-        return sock
-
-    def connect(self) -> None:
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch(self)
-        super().connect()
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch(self)
-        super().request(*args, **kwargs)
+class _WatchedHTTPSConnection(_WatchedConnection, urllib3.connection.HTTPSConnection):
+    """The same for TLS: the methods above come first in the order, then TLS's own (their ``super()``)."""
 
 
 class _WatchedPool(urllib3.connectionpool.HTTPConnectionPool):
