@@ -262,8 +262,10 @@ def _refusal(
             uses.setdefault(member.address, []).extend(reasons)
     for line in holders(fs, set(owners)) if owners else []:  # one /proc scan for the whole group
         node = line.rpartition(" holds ")[2]
-        if node in owners:
-            uses.setdefault(owners[node].address, []).append(line)
+        # A line that names no node is the scan cut short: it cannot tell, so every owner counts as held.
+        addresses = [owners[node].address] if node in owners else sorted({m.address for m in owners.values()})
+        for address in addresses:
+            uses.setdefault(address, []).append(line)
     if not uses:
         return None
     by_address = {member.address: member for member in leaving}

@@ -26,7 +26,8 @@ from schemas.pci import PciAddress
 MAX_ATTRIBUTE = 65536
 """A sysfs attribute is at most a page (4 KiB; 64 KiB on some arm64 kernels)."""
 MAX_PROC_ENTRIES = 1_000_000
-"""The most ``/proc/<pid>/fd`` entries one holder scan looks at (a bound, far above any real node)."""
+"""The most ``/proc/<pid>/fd`` entries one holder scan looks at (a bound, far above any real node); past it the
+nodes count as held, so a scan cut short never lets a device in use be unbound."""
 MAX_PROC_FILE = 16 * 1024 * 1024
 """The most read of one ``/proc`` table (``mountinfo`` with thousands of container mounts is a few MiB)."""
 MAX_LISTING = 100_000
@@ -296,7 +297,8 @@ def holders(fs: Sysfs, nodes: set[str]) -> list[str]:
         fd_dir = fs.proc / pid / "fd"
         for fd in fs.listdir(fd_dir):
             seen += 1
-            if seen > MAX_PROC_ENTRIES:
+            if seen > MAX_PROC_ENTRIES:  # cannot tell who holds what: count the nodes as held, never as free
+                found.append(f"more than {MAX_PROC_ENTRIES} open files under {fs.proc} to look at: counted as held")
                 return found
             target = fs.readlink(fd_dir / fd)
             if target is not None and target in nodes:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import node_agent.sysfs
 from node_agent.bind import bind, bind_steps, driver_chooser, unbind
 from node_agent.drivers import choose_module, parse_vfio_aliases
 from node_agent.kernel import AgentError
@@ -101,6 +102,22 @@ def test_bind_is_refused_while_the_host_driver_is_in_use_and_names_the_holder(si
     assert [driver(sim, a) for a in OTHER_CARD] == ["vfio-pci"] * 4  # the other group is still done
     assert report(result)["refused"] == [message]
 
+
+def test_a_holder_scan_cut_short_counts_the_nodes_as_held(sim: SimKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its bound the scan cannot tell who holds what: the device is in use, not free (was: silently free)."""
+    card = sim.root / "sys/bus/pci/devices/0000:86:00.1/sound/card0"
+    card.mkdir(parents=True)
+    (card / "pcmC0D0p").mkdir()
+    for _ in range(3):
+        sim.hold_node("/dev/null", pid=700, comm="busy")
+    sim.hold_node("/dev/snd/pcmC0D0p", pid=777, comm="pipewire")
+    monkeypatch.setattr(node_agent.sysfs, "MAX_PROC_ENTRIES", 2)
+    result = agent(sim, "bind", "--all")
+    assert result.exit_code == 1
+    message = str(result.exception)
+    assert "0000:86:00.1 (10de:10f9) is in use through its host driver snd_hda_intel" in message
+    assert "more than 2 open files under" in message and "counted as held" in message
+    assert [driver(sim, a) for a in CARD] == ["nouveau", "snd_hda_intel", "xhci_hcd", "nvidia-gpu"]
 
 def test_unbind_back_clears_the_override_and_the_kernel_reprobes(sim: SimKernel) -> None:
     assert agent(sim, "bind", "--all").exit_code == 0
