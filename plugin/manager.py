@@ -59,6 +59,12 @@ LIVENESS_SLACK = 10.0
 """Seconds a loop turn may take beyond the scan interval's wait before ``/healthz`` calls the loop stuck."""
 
 
+KUBELET_PROBE_RETRY = 0.5
+"""Seconds after a ``kubelet.sock`` that did not answer before it is probed again, inotify event or not: a
+kubelet's socket file appears at ``bind`` and answers only from ``listen`` on, so a probe in between finds it
+silent and no later file event tells that it now listens. A connect refused at once costs microseconds."""
+
+
 KUBELET_MISSING_BOUND = 60.0
 """Seconds without ``kubelet.sock`` after which ``/healthz`` fails: the node's device-plugins directory was
 replaced under our bind mount (the socket never comes back there) and only a restart of the pod cures it. A
@@ -119,6 +125,8 @@ class PluginManager:
         self._kubelet_missing = False
         self._silent_kubelet: Identity | None = None
         """The ``kubelet.sock`` last found not answering (logged once per socket)."""
+        self._probe_again_at = 0.0
+        """When a silent ``kubelet.sock`` is probed again (:data:`KUBELET_PROBE_RETRY`)."""
         self._kubelet_missing_since: float | None = None
         self.kubelet_missing_bound = kubelet_missing_bound
         self._serve_failures: dict[str, tuple[str, float]] = {}
@@ -289,6 +297,8 @@ class PluginManager:
                 deadline = min(deadline, served.stream_deadline())
             if served.registered is None and served.hold_until > now:
                 deadline = min(deadline, served.hold_until)
+        if self._silent_kubelet is not None:
+            deadline = min(deadline, self._probe_again_at)
         return max(0, int((deadline - now) * 1000) + 1)
 
     # -- discovery ---------------------------------------------------------------------------------------
@@ -430,13 +440,16 @@ class PluginManager:
 
         A dead kubelet leaves its socket behind, and its streams end as it dies: registering then could only
         fail. Instead the plugin waits for the new ``kubelet.sock`` (inotify wakes the loop; every scan looks
-        again), so a kubelet restart costs no failed ``Register`` and no back-off.
+        again), so a kubelet restart costs no failed ``Register`` and no back-off; and it probes a silent
+        socket again every :data:`KUBELET_PROBE_RETRY`, since one bound but not yet listening starts answering
+        without any file event.
         """
         if not answers:
             answers.append(socket_is_live(self.kubelet_socket, SOCKET_PROBE_TIMEOUT))
             if not answers[0] and self._silent_kubelet != kubelet:
                 log_event("kubelet_not_answering", socket=str(self.kubelet_socket), retry="when it changes")
             self._silent_kubelet = None if answers[0] else kubelet
+            self._probe_again_at = time.monotonic() + KUBELET_PROBE_RETRY
         return answers[0]
 
     # -- stopping ----------------------------------------------------------------------------------------

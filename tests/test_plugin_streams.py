@@ -26,6 +26,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+import plugin.manager
+import runtime.sockets
 from plugin.manager import PluginManager
 from plugin.registration import socket_identity
 from plugin.server import MAX_OTHER_STREAMS
@@ -384,5 +386,32 @@ def test_a_kubelet_sock_that_is_no_socket_is_waited_out_and_the_real_one_gets_on
             _loop_turns(manager)
             assert kubelet.request_count(TU106) == 1
             assert manager.readiness() is None
+    finally:
+        kubelet.stop()
+
+
+def test_a_kubelet_sock_probed_between_its_bind_and_its_listen_is_probed_again(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kubelet's socket file exists from ``bind`` on but answers only from ``listen`` on; a probe in between
+    finds it silent, and no file event follows. The plugin must look again by itself, long before its scan
+    (60 s here; the wait is :data:`WAIT`): it waited for a change of the file that never came."""
+    root = build_tree(NODE01, base)
+    kubelet_dir = base / "kubelet"
+    kubelet = KubeletStandIn(kubelet_dir)
+    kubelet.start()
+    probes: list[bool] = []
+    real_probe = runtime.sockets.socket_is_live
+
+    def probe(path: Path, timeout: float) -> bool:  # the first two probes fall into the bind-listen window
+        probes.append(real_probe(path, timeout) and len(probes) >= 2)
+        return probes[-1]
+
+    monkeypatch.setattr(plugin.manager, "socket_is_live", probe)
+    try:
+        with running(manager_for(root, kubelet_dir, scan_interval=60)):
+            kubelet.wait_for_devices(TU106, _all_healthy, timeout=WAIT)
+            assert probes[:3] == [False, False, True]
+            assert kubelet.request_count(TU106) == 1
     finally:
         kubelet.stop()
