@@ -456,8 +456,11 @@ def apply(
     for parent in enabled:
         _enable_vfs(fs, kernel, parent, report)
     if enabled:
-        plans = plan_all(fs, kernel, specs, names, memory)  # with the VFs and the types they offer
-        errors = [error for plan in plans for error in plan.errors]
+        try:
+            plans = plan_all(fs, kernel, specs, names, memory)  # with the VFs and the types they offer
+            errors = [error for plan in plans for error in plan.errors]
+        except AgentError as exc:  # the node could not be read again: as a refusal, the VFs go off again
+            errors = [str(exc)]
         if errors:
             for parent in enabled:
                 kernel.write(_numvfs(fs, parent), "0")

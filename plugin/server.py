@@ -313,6 +313,9 @@ class DevicePluginServicer:
             if stream.token is not None:
                 self._kubelet_streams.append(stream)
             elif len(self._streams) < MAX_OTHER_STREAMS:
+                # A grant made while the older granted stream is still open (the kubelet keeps a replaced
+                # client's stream): the new one is the kubelet's all the same, counted among the others.
+                stream.token = self._link._claim()
                 self._streams.append(stream)
             else:
                 first, self._refusing = not self._refusing, True

@@ -183,3 +183,27 @@ def test_a_spec_of_ours_of_any_shape_never_stops_the_start(tmp_path: Path, spec_
     core = node.core()  # no exception: the claim is not rebuilt, its files are left, new claims refused
     assert UID not in core.prepared() and (node.cdi_dir / cdi.spec_file_name(UID)).exists()
     assert "cannot be read after a damaged checkpoint" in core.prepare([SECOND])[UID2].error
+
+
+def test_files_that_give_one_gpu_to_two_claims_are_not_rebuilt_into_a_checkpoint_that_cannot_load(
+    tmp_path: Path,
+) -> None:
+    """A second claim's metadata (forged, or left by a bug) names the running claim's GPU. Rebuilding both would
+    record one device for two claims, a checkpoint :func:`checkpoint.load` refuses: every later start would
+    quarantine again and push the first damaged copy out. Neither is trusted; both keep their files."""
+    node = Node(tmp_path)
+    node.core().prepare([RUNNING])
+    source = node.state / "metadata" / UID / "gpu"
+    forged = node.state / "metadata" / UID2 / "gpu"
+    forged.mkdir(parents=True)
+    for path in source.iterdir():
+        (forged / path.name).write_text(path.read_text().replace(UID, UID2).replace('"running"', '"second"'))
+    node.tear()
+    core = node.core()
+    owners = [uid for uid, claim in core.prepared().items() if "pci-0000-86-00-0" in {d.device for d in claim.devices}]
+    assert len(owners) <= 1  # never one GPU for two claims
+    assert forged.exists() and (node.state / "metadata" / UID).exists()  # nothing removed
+    kept = node.kept()
+    checkpoint.load(node.state, (node.cdi_dir, node.state / "metadata"))  # the rebuilt record reads back
+    node.core()
+    assert node.kept() == kept  # a later start is not quarantined anew

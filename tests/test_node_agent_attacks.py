@@ -328,3 +328,29 @@ def test_an_unknown_type_nothing_names_yet_leaves_the_vfs_as_they_were(tmp_path:
     assert "cannot create vGPU type 'A100-4C'" in message and "turned off again" in message
     assert _numvfs(sim) == "0"
     assert not list((sim.root / "sys/bus/pci/devices" / L40S).glob("virtfn*"))
+
+
+def test_a_node_that_cannot_be_read_once_the_vfs_are_enabled_leaves_the_vfs_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-read after enabling the VFs fails (a VF's attribute unreadable, a /proc scan over its bound): the
+    VFs enabled only to read their types are turned off again, as when a type proves unknown."""
+    from node_agent import vgpu
+
+    sim = _l40s(tmp_path / "root")
+    real = vgpu.plan_all
+    calls: list[int] = []
+
+    def plan_all(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # the re-read with the VFs enabled
+            assert _numvfs(sim) == "4"
+            raise AgentError("sysfs attribute .../virtfn0/nvidia/creatable_vgpu_types: not a regular file (FIFO)")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vgpu, "plan_all", plan_all)
+    result = _apply(sim, "l40s-1")
+    assert result.exit_code == 1  # type: ignore[attr-defined]
+    message = str(result.exception)  # type: ignore[attr-defined]
+    assert "not a regular file (FIFO)" in message and "turned off again" in message
+    assert _numvfs(sim) == "0"

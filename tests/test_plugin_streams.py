@@ -415,3 +415,33 @@ def test_a_kubelet_sock_probed_between_its_bind_and_its_listen_is_probed_again(
             assert kubelet.request_count(TU106) == 1
     finally:
         kubelet.stop()
+
+
+def test_a_register_sent_while_the_kubelets_old_stream_is_open_is_claimed_by_the_next_stream(
+    base: Path, foreign: Callable[[Path], Foreign]
+) -> None:
+    """The kubelet replaces its client on every ``Register`` and leaves the old client's stream open: the stream
+    that follows the new grant is the kubelet's, even while the old granted stream still holds its slot (a
+    ``Register`` whose answer failed after the kubelet had opened its stream, then retried). Left waiting, the
+    grant would never be claimed and the plugin would register again and again."""
+    from plugin.server import KubeletLink, ResourceServer
+    from tests.discovery_support import discover
+
+    root = build_tree(NODE01, base)
+    (base / "kubelet").mkdir()
+    server = ResourceServer(discover(root).resource(TU106), base / "kubelet", root)
+    server.start()
+    try:
+        first = server.link.grant()
+        old = foreign(server.socket_path)
+        assert old.admitted()
+        assert server.link.status(first) == KubeletLink.OPEN
+        second = server.link.grant()  # the retried Register: the kubelet's new client opens the next stream
+        new = foreign(server.socket_path)
+        assert new.admitted()
+        assert server.link.status(second) == KubeletLink.OPEN
+        new.close()
+        wait_until(lambda: server.link.status(second) == KubeletLink.ENDED, what="the new grant's stream ended")
+        assert not old.done.is_set()  # the old stream was never ended by the plugin
+    finally:
+        server.stop(grace=0)

@@ -272,6 +272,16 @@ class PrepareCore:
                 except (InputError, OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
                     self._unreadable.append(entry.path)
                     log_event("dra_rebuild_failed", claim=entry.name, error=str(exc)[:300])
+        # One device in the files of two claims: which one holds it is unknown, so neither is trusted (a record
+        # of both would be a checkpoint that checkpoint.load refuses at every later start).
+        owners: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for uid, claim in rebuilt.items():
+            for device in claim.devices:
+                owners[(device.pool, device.device)].add(uid)
+        for uid in sorted(set().union(*(uids for uids in owners.values() if len(uids) > 1))):
+            del rebuilt[uid]
+            self._unreadable.append(str(self.metadata_dir / uid))
+            log_event("dra_rebuild_failed", claim=uid, error="a device of it is in the files of another claim too")
         self._prepared = rebuilt
         self._find_unattributed()
         return rebuilt
