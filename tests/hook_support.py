@@ -21,6 +21,7 @@ import grpc
 from launcher_hook.allocation import parse_environ
 from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
+from runtime.sockets import socket_is_live
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as pr_grpc
 
@@ -68,10 +69,12 @@ def unix_channel(socket_path: Path) -> Iterator[grpc.Channel]:
 
 
 def wait_for_socket(path: Path, timeout: float = 20.0) -> None:
+    """Until the server answers on ``path``: its socket file exists from ``bind`` on but accepts connections only
+    once gRPC's server has started (``listen``); a call in between is refused (seen on a loaded machine)."""
     deadline = time.monotonic() + timeout
-    while not path.is_socket():
+    while not (path.is_socket() and socket_is_live(path)):
         if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout} s")
+            raise AssertionError(f"{path} did not appear and answer within {timeout} s")
         time.sleep(0.02)
 
 

@@ -34,7 +34,7 @@ from launcher_hook.sources import (
     own_pod_identity,
     read_environ_file,
 )
-from runtime.sockets import SocketInUse
+from runtime.sockets import SocketInUse, socket_is_live
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
 from tests.hook_support import (
     RTX_VAR,
@@ -231,7 +231,7 @@ def test_an_undrained_stderr_neither_grows_the_hook_nor_holds_its_sigterm(direct
     os.close(write_end)
     try:
         deadline = time.monotonic() + 20
-        while not socket_path.is_socket():
+        while not (socket_path.is_socket() and socket_is_live(socket_path)):  # answering, not only bound
             assert time.monotonic() < deadline and process.poll() is None, "serve did not start"
             time.sleep(0.02)
         gpus = [{"name": "g" * 5000, "deviceName": "example.com/r"}]  # a ~4 KiB error in every log line
@@ -345,7 +345,7 @@ def hook_process(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], Pat
     )
     try:
         deadline = time.monotonic() + 20
-        while not socket_path.is_socket():
+        while not (socket_path.is_socket() and socket_is_live(socket_path)):  # answering, not only bound
             assert time.monotonic() < deadline and process.poll() is None, "the hook did not start"
             time.sleep(0.02)
         yield process, socket_path
