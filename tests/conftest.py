@@ -97,3 +97,12 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
         return None
     timer.cancel()
     return True
+
+
+@pytest.fixture(autouse=True)
+def _reap_started_servers() -> Any:
+    """After each test, no server process it started is left running, whether the test passed or failed."""
+    from tests.hook_support import reap_started
+
+    yield
+    reap_started()

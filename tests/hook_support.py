@@ -7,6 +7,7 @@ pytest's deep ``tmp_path``.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -67,6 +68,20 @@ def unix_channel(socket_path: Path) -> Iterator[grpc.Channel]:
     finally:
         channel.close()
 
+
+STARTED: list[subprocess.Popen[bytes]] = []
+"""Every server process a test started (``tests.test_hook_cli.start_serve``); the conftest's reaper kills those
+still running after each test, so a test that fails half way leaves no server behind (one outlived a failed
+CI run)."""
+
+
+def reap_started() -> None:
+    """Kill and reap what :data:`STARTED` holds that still runs; forget the rest."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=20)
 
 def wait_for_socket(path: Path, timeout: float = 20.0) -> None:
     """Until the server answers on ``path``: its socket file exists from ``bind`` on but accepts connections only

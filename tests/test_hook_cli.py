@@ -16,7 +16,7 @@ import pytest
 from lxml import etree
 
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
-from tests.hook_support import RTX_VAR, SEED_PCI, seed_case, short_dir, unix_channel, wait_for_socket
+from tests.hook_support import RTX_VAR, SEED_PCI, STARTED, seed_case, short_dir, unix_channel, wait_for_socket
 from tests.libvirt_support import libvirt_verdict
 from tests.test_hook_server import hostdevs
 
@@ -49,6 +49,7 @@ def start_serve(socket_path: Path, *args: str, **env: str) -> subprocess.Popen[b
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    STARTED.append(process)
     try:
         wait_for_socket(socket_path)
     except AssertionError:
