@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every role of kubevirt-gpu-passthrough:
 #   - the device plugin DaemonSet:  gpu-device-plugin serve --host-root /host   (deploy/device-plugin/)
 #   - the KubeVirt hook sidecar:    launcher-hook serve …                       (deploy/hook-sidecar/)

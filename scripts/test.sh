@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/ensure-system.sh
 bash scripts/bootstrap.sh dev
 bash scripts/ensure-realnode.sh
+bash scripts/ensure-cluster.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff";          ruff check .
 echo "== mypy --strict"; mypy
