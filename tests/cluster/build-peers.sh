@@ -23,7 +23,8 @@ build_flags() {  # sets cgo and the array extra for peer $1
         containerd) extra+=(-tags=no_btrfs,no_devmapper,no_zfs) ;;
         kube)
             local v
-            v="$(sed -n 's/^require k8s.io\/kubernetes \(v[0-9.]*\)$/\1/p' "$here/peers/kube/go.mod")"
+            v="$(awk '$1 == "k8s.io/kubernetes" {print $2; exit} $1 == "require" && $2 == "k8s.io/kubernetes" {print $3; exit}' "$here/peers/kube/go.mod")"
+            [[ "$v" =~ ^v[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "build-peers: no k8s.io/kubernetes version in peers/kube/go.mod" >&2; exit 2; }
             local major="${v#v}"; major="${major%%.*}"
             local minor="${v#v*.}"; minor="${minor%%.*}"
             local X="" pkg

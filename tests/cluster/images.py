@@ -24,7 +24,7 @@ from typing import Any
 from tests.cluster import kit
 
 PROJECT_IMAGE = "registry.example.com/kubevirt-gpu-passthrough:0.1.0"
-BASE_IMAGE = "localhost/kgp-python:3.11-bookworm"
+BASE_REPOSITORY = "localhost/kgp-python"
 # What the Dockerfile's stages run besides Python: python -m venv (python3-venv), `python` (python-is-python3),
 # TLS to PyPI and Debian (ca-certificates); apt-get comes with every Debian root.
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
@@ -154,20 +154,40 @@ def ensure_pause(peers: kit.Peers) -> None:
     _import(peers, archive, kit.PAUSE_IMAGE)
 
 
+LOCAL_CAS = Path("/usr/local/share/ca-certificates")
+"""The machine's own certificate authorities (Debian's place for them). Where a proxy between this machine and
+PyPI or Debian re-signs TLS, the Dockerfile's pip and apt steps need them; the local base carries them, as a base
+image made for this machine's builds, and tells pip (which otherwise trusts only its bundled list) to use the
+system store. Docker Hub's python image, the Dockerfile's default, needs none of this."""
+
+
+def _local_cas() -> list[Path]:
+    return sorted(LOCAL_CAS.glob("*.crt")) if LOCAL_CAS.is_dir() else []
+
+
 def _base_key() -> str:
-    return hashlib.sha256(("bookworm minbase " + " ".join(BASE_PACKAGES)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(("bookworm minbase " + " ".join(BASE_PACKAGES)).encode())
+    for ca in _local_cas():
+        digest.update(ca.name.encode() + ca.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-def ensure_base(peers: kit.Peers) -> None:
-    """``BASE_IMAGE``: Debian 12 (minbase) with Python 3.11 from Debian's packages, by debootstrap."""
-    if has_image(peers, BASE_IMAGE):
-        return
+def base_image() -> str:
+    """The local base's name; its tag is the key of what went into it (packages, the machine's CAs)."""
+    return f"{BASE_REPOSITORY}:3.11-bookworm-{_base_key()}"
+
+
+def ensure_base(peers: kit.Peers) -> str:
+    """Debian 12 (minbase) with Python 3.11 from Debian's packages, by debootstrap; returns its name."""
+    name = base_image()
+    if has_image(peers, name):
+        return name
     CACHE.mkdir(parents=True, exist_ok=True)
     archive = CACHE / f"base-{_base_key()}.tar"
     if not archive.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as scratch:
             rootfs = Path(scratch) / "rootfs"
-            kit.say(f"making {BASE_IMAGE} from Debian's packages (debootstrap, ~2 min)")
+            kit.say(f"making {name} from Debian's packages (debootstrap, ~2 min)")
             _run(
                 [
                     "debootstrap",
@@ -180,6 +200,11 @@ def ensure_base(peers: kit.Peers) -> None:
                 "debootstrap of the base image",
                 timeout=1200,
             )
+            cas = _local_cas()
+            if cas:
+                for ca in cas:
+                    (rootfs / "usr/local/share/ca-certificates" / ca.name).write_bytes(ca.read_bytes())
+                _run(["chroot", str(rootfs), "update-ca-certificates"], "the base's certificate store", timeout=120)
             for leftover in ("var/cache/apt/archives", "var/lib/apt/lists"):
                 _run(["find", str(rootfs / leftover), "-mindepth", "1", "-delete"], "cleaning the base", timeout=120)
             layer = Path(scratch) / "layer.tar"
@@ -203,14 +228,19 @@ def ensure_base(peers: kit.Peers) -> None:
             )
             write_oci_archive(
                 archive,
-                BASE_IMAGE,
+                name,
                 layer,
                 {
-                    "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
+                    "Env": [
+                        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                        "LANG=C.UTF-8",
+                        *(["PIP_CERT=/etc/ssl/certs/ca-certificates.crt"] if cas else []),
+                    ],
                     "Cmd": ["python3"],
                 },
             )
-    _import(peers, archive, BASE_IMAGE)
+    _import(peers, archive, name)
+    return name
 
 
 def _buildkitd_socket() -> Path:
@@ -253,7 +283,7 @@ def ensure_buildkitd(peers: kit.Peers) -> None:
 def build_project_image(peers: kit.Peers, *, context: Path = kit.REPO, name: str = PROJECT_IMAGE) -> float:
     """Build ``context``'s Dockerfile into containerd as ``name``; returns the seconds it took."""
     ensure_pause(peers)
-    ensure_base(peers)
+    base = ensure_base(peers)
     ensure_buildkitd(peers)
     started = time.monotonic()
     kit.say(f"building {name} from {context / 'Dockerfile'} with BuildKit (a cold build takes a few minutes)")
@@ -265,7 +295,7 @@ def build_project_image(peers: kit.Peers, *, context: Path = kit.REPO, name: str
             "--frontend=dockerfile.v0",
             f"--local=context={context}",
             f"--local=dockerfile={context}",
-            f"--opt=build-arg:PYTHON_IMAGE={BASE_IMAGE}",
+            f"--opt=build-arg:PYTHON_IMAGE={base}",
             # FROM the local base: BuildKit looks in the worker's image store (containerd) before any registry.
             "--opt=image-resolve-mode=local",
             f"--output=type=image,name={name},unpack=true",

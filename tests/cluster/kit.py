@@ -64,6 +64,8 @@ HOST_DIRS = (
 # Start order; `down` stops in the reverse order.
 COMPONENTS = ("containerd", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
 FEATURE_GATES: dict[str, bool] = {}
+FIGURES = Path.home() / ".cache" / "kubevirt-gpu-passthrough" / "cluster-figures.json"
+"""The last suite's measured figures (health latency), kept beside the peers' cache for docs/real-cluster.md."""
 UP_DEADLINE = 180.0
 
 

@@ -47,7 +47,7 @@ class Cluster:
     def apply(self, docs: Iterable[Doc], *extra: str) -> subprocess.CompletedProcess[str]:
         text = yaml.safe_dump_all(list(docs), sort_keys=False)
         return self.kubectl(
-            "apply", "--server-side", "--field-validation=Strict", "--force-conflicts", *extra, "-f", "-", stdin=text
+            "apply", "--server-side", "--validate=strict", "--force-conflicts", *extra, "-f", "-", stdin=text
         )
 
     def kustomize(self, directory: Path) -> list[Doc]:

@@ -9,6 +9,8 @@ wrong shape with its message, and the plugin-API sidecar injector mutates a virt
 from __future__ import annotations
 
 import copy
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +25,21 @@ CONTROLLER = "system:serviceaccount:kubevirt:kubevirt-controller"
 IMAGE = "registry.example.com/kubevirt-gpu-passthrough:0.1.0"
 
 
-def _with_components(tmp_path: Path, *components: str) -> Path:
-    """A kustomization of the whole of ``deploy/`` plus the named components of ``deploy/components``."""
+def _with_components(cluster: Cluster, tmp_path: Path, *components: str) -> Path:
+    """A kustomization of the whole of ``deploy/`` (built) plus copies of the named ``deploy/components``
+    (kustomize takes no path outside a kustomization's own root)."""
     root = tmp_path / "-".join(components)
     root.mkdir()
+    (root / "deploy.yaml").write_text(cluster.kubectl("kustomize", str(DEPLOY)).stdout)
+    for name in components:
+        shutil.copytree(DEPLOY / "components" / name, root / "components" / name)
     (root / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": [str(DEPLOY)],
-                "components": [str(DEPLOY / "components" / name) for name in components],
+                "resources": ["deploy.yaml"],
+                "components": [f"components/{name}" for name in components],
             }
         )
     )
@@ -41,11 +47,14 @@ def _with_components(tmp_path: Path, *components: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def applied(cluster: Cluster) -> list[Doc]:
-    """The top-level ``deploy/``, applied for real (the DaemonSets place nothing: the node has no GPU label)."""
+def applied(cluster: Cluster) -> Iterator[list[Doc]]:
+    """The top-level ``deploy/``, applied for real. Its DaemonSets mount the machine's own /sys: they place
+    nothing while the node has no workload label, and go with this module (the later scenarios point them at
+    the fixture tree; the node agent must never run against this machine's sysfs)."""
     docs = cluster.kustomize(DEPLOY)
     cluster.apply(docs)
-    return docs
+    yield docs
+    cluster.kubectl("delete", "daemonset", "--all", "-n", "kubevirt-gpu-passthrough", "--wait=true")
 
 
 def test_the_whole_of_deploy_is_accepted_and_stored(cluster: Cluster, applied: list[Doc]) -> None:
@@ -83,7 +92,7 @@ def test_each_part_and_variant_is_accepted_server_side(cluster: Cluster, applied
 def test_each_component_is_accepted_server_side(
     cluster: Cluster, applied: list[Doc], tmp_path: Path, components: tuple[str, ...]
 ) -> None:
-    docs = cluster.kustomize(_with_components(tmp_path, *components))
+    docs = cluster.kustomize(_with_components(cluster, tmp_path, *components))
     cluster.apply(docs, "--dry-run=server")
 
 
@@ -95,7 +104,7 @@ def test_strict_field_validation_is_on(cluster: Cluster, applied: list[Doc]) -> 
     done = cluster.kubectl(
         "apply",
         "--server-side",
-        "--field-validation=Strict",
+        "--validate=strict",
         "--dry-run=server",
         "-f",
         "-",
@@ -113,7 +122,7 @@ def test_kubevirts_schema_refuses_a_vm_it_does_not_know(cluster: Cluster, applie
     done = cluster.kubectl(
         "apply",
         "--server-side",
-        "--field-validation=Strict",
+        "--validate=strict",
         "--dry-run=server",
         "-f",
         "-",
@@ -141,6 +150,8 @@ def _launcher_pod(name: str, sidecar: dict[str, Any] | None = None) -> Doc:
         "kind": "Pod",
         "metadata": {"name": name, "namespace": "gpu-vms", "labels": {"kubevirt.io": "virt-launcher"}},
         "spec": {
+            # virt-controller renders launcher pods without the API token (KubeVirt's template service).
+            "automountServiceAccountToken": False,
             "containers": containers,
             "volumes": [
                 {"name": "hook-sidecar-sockets", "emptyDir": {}},

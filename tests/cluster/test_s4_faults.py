@@ -137,39 +137,63 @@ def _watch(channel: grpc.Channel, seen: list[int], stop: threading.Event) -> Non
         stream.cancel()
 
 
-def test_foreign_streams_and_a_duplicate_registration_keep_allocatable(gpu_node: Cluster) -> None:
+def _sample_allocatable(cluster: Cluster, seconds: float) -> list[int]:
+    samples: list[int] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        samples.append(cluster.allocatable(RTX))
+        time.sleep(0.5)
+    return samples
+
+
+def test_foreign_streams_keep_allocatable(gpu_node: Cluster) -> None:
+    """Two foreign ListAndWatch streams fill the plugin's other slots and a third is refused: the kubelet's
+    stream is untouched and allocatable stays at the healthy count."""
     cluster = gpu_node
     plugin_serving(cluster)
     stop = threading.Event()
     seen: list[int] = []
-    channels = [grpc.insecure_channel(f"unix:{PLUGIN_SOCKET}") for _ in range(2)]
+    channels = [grpc.insecure_channel(f"unix:{PLUGIN_SOCKET}") for _ in range(3)]
     watchers = [threading.Thread(target=_watch, args=(c, seen, stop), daemon=True) for c in channels]
-    for watcher in watchers:
-        watcher.start()
-    samples: list[int] = []
     try:
-        # A duplicate Register of the resource on the plugin's own endpoint, as a second plugin instance sends.
-        with grpc.insecure_channel(f"unix:{DEVICE_PLUGINS / 'kubelet.sock'}") as kubelet:
-            dp_grpc.RegistrationStub(kubelet).Register(
-                dp.RegisterRequest(
-                    version="v1beta1",
-                    endpoint=PLUGIN_SOCKET.name,
-                    resource_name=RTX,
-                    options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
-                ),
-                timeout=30,
-            )
-        end = time.monotonic() + 15
-        while time.monotonic() < end:
-            samples.append(cluster.allocatable(RTX))
-            time.sleep(0.5)
+        for watcher in watchers:
+            watcher.start()
+        samples = _sample_allocatable(cluster, 10)
     finally:
         stop.set()
         for channel in channels:
             channel.close()
-    assert samples
+    assert seen.count(4) >= 2, seen  # two foreign streams were served the four devices
     assert min(samples) == 4, samples
-    wait_until("allocatable 4 after the foreign clients left", lambda: cluster.allocatable(RTX) == 4)
+    # Their ends (the channels closed) do not take the kubelet's client with them either.
+    assert min(_sample_allocatable(cluster, 6)) == 4
+
+
+def _register_again() -> None:
+    """A ``Register`` of the resource on the plugin's own endpoint, as a second plugin instance would send."""
+    with grpc.insecure_channel(f"unix:{DEVICE_PLUGINS / 'kubelet.sock'}") as kubelet:
+        dp_grpc.RegistrationStub(kubelet).Register(
+            dp.RegisterRequest(
+                version="v1beta1",
+                endpoint=PLUGIN_SOCKET.name,
+                resource_name=RTX,
+                options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
+            ),
+            timeout=30,
+        )
+
+
+def test_duplicate_registrations_keep_allocatable(gpu_node: Cluster) -> None:
+    """Two more Registers of the resource: the real kubelet replaces its client each time (the replaced one's
+    stream stays open) and the plugin serves the new one; allocatable never drops."""
+    cluster = gpu_node
+    plugin_serving(cluster)
+    samples: list[int] = []
+    for _ in range(2):
+        _register_again()
+        samples += _sample_allocatable(cluster, 6)
+    assert min(samples) == 4, samples
+    wait_until("the plugin Ready", lambda: ready_pod(cluster, PLUGIN_NAMESPACE, PLUGIN_SELECTOR))
 
 
 def test_a_gpu_made_unhealthy_and_healthy_is_seen_in_allocatable(gpu_node: Cluster, node01_tree: Path) -> None:
@@ -193,7 +217,8 @@ def test_a_gpu_made_unhealthy_and_healthy_is_seen_in_allocatable(gpu_node: Clust
     )
     healthy_after = time.monotonic() - started
     print(f"unhealthy seen in allocatable after {unhealthy_after:.1f} s, healthy after {healthy_after:.1f} s")
-    figures = kit.STATE / "figures.json"
+    figures = kit.FIGURES
     known = json.loads(figures.read_text()) if figures.exists() else {}
     known |= {"unhealthy_seconds": round(unhealthy_after, 2), "healthy_seconds": round(healthy_after, 2)}
+    figures.parent.mkdir(parents=True, exist_ok=True)
     figures.write_text(json.dumps(known))
