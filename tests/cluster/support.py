@@ -44,11 +44,36 @@ class Cluster:
     def json(self, *args: str) -> Any:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
-    def apply(self, docs: Iterable[Doc], *extra: str) -> subprocess.CompletedProcess[str]:
+    def apply(self, docs: Iterable[Doc], *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Server-side apply with strict field validation (an unknown field is an error, not a warning)."""
         text = yaml.safe_dump_all(list(docs), sort_keys=False)
         return self.kubectl(
-            "apply", "--server-side", "--validate=strict", "--force-conflicts", *extra, "-f", "-", stdin=text
+            "apply",
+            "--server-side",
+            "--validate=strict",
+            "--force-conflicts",
+            *extra,
+            "-f",
+            "-",
+            stdin=text,
+            check=check,
         )
+
+    def let_virt_controller_create_pods(self, namespace: str) -> None:
+        """RBAC for KubeVirt's controller account in ``namespace``, which KubeVirt's install grants cluster-wide."""
+        binding = self.kubectl(
+            "create",
+            "rolebinding",
+            "kgp-virt-controller",
+            "-n",
+            namespace,
+            "--clusterrole=edit",
+            "--serviceaccount=kubevirt:kubevirt-controller",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ).stdout
+        self.kubectl("apply", "-f", "-", stdin=binding)
 
     def kustomize(self, directory: Path) -> list[Doc]:
         done = self.kubectl("kustomize", str(directory))

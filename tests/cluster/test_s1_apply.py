@@ -96,41 +96,26 @@ def test_each_component_is_accepted_server_side(
     cluster.apply(docs, "--dry-run=server")
 
 
+def _refusal(cluster: Cluster, doc: Doc) -> str:
+    """The API server's error for ``doc`` (server-side apply, strict, dry run); fails if it is accepted."""
+    done = cluster.apply([doc], "--dry-run=server", check=False)
+    assert done.returncode != 0, f"{doc['kind']} {doc['metadata']['name']} was accepted"
+    return done.stderr
+
+
 def test_strict_field_validation_is_on(cluster: Cluster, applied: list[Doc]) -> None:
     """The check above can fail: a misspelt field in a DaemonSet is refused by the real API server."""
     (daemonset,) = [d for d in applied if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpu-device-plugin"]
     broken = copy.deepcopy(daemonset)
     broken["spec"]["template"]["spec"]["containers"][0]["imagePulPolicy"] = "Never"
-    done = cluster.kubectl(
-        "apply",
-        "--server-side",
-        "--validate=strict",
-        "--dry-run=server",
-        "-f",
-        "-",
-        stdin=yaml.safe_dump(broken),
-        check=False,
-    )
-    assert done.returncode != 0
-    assert "imagePulPolicy" in done.stderr
+    assert "imagePulPolicy" in _refusal(cluster, broken)
 
 
 def test_kubevirts_schema_refuses_a_vm_it_does_not_know(cluster: Cluster, applied: list[Doc]) -> None:
     (vm,) = [d for d in applied if d["kind"] == "VirtualMachine"]
     broken = copy.deepcopy(vm)
     broken["spec"]["template"]["spec"]["domain"]["devices"]["gpus"][0]["deviceNmae"] = "x"
-    done = cluster.kubectl(
-        "apply",
-        "--server-side",
-        "--validate=strict",
-        "--dry-run=server",
-        "-f",
-        "-",
-        stdin=yaml.safe_dump(broken),
-        check=False,
-    )
-    assert done.returncode != 0
-    assert "deviceNmae" in done.stderr
+    assert "deviceNmae" in _refusal(cluster, broken)
 
 
 def _launcher_pod(name: str, sidecar: dict[str, Any] | None = None) -> Doc:
@@ -183,19 +168,7 @@ def _create(cluster: Cluster, pod: Doc, *, as_user: str | None) -> tuple[int, st
 @pytest.fixture(scope="module")
 def controller_may_create_pods(cluster: Cluster, applied: list[Doc]) -> None:
     """RBAC for KubeVirt's controller account in ``gpu-vms`` (KubeVirt's install grants it cluster-wide)."""
-    binding = cluster.kubectl(
-        "create",
-        "rolebinding",
-        "kgp-virt-controller",
-        "-n",
-        "gpu-vms",
-        "--clusterrole=edit",
-        "--serviceaccount=kubevirt:kubevirt-controller",
-        "--dry-run=client",
-        "-o",
-        "yaml",
-    ).stdout
-    cluster.kubectl("apply", "-f", "-", stdin=binding)
+    cluster.let_virt_controller_create_pods("gpu-vms")
 
 
 def test_the_claim_policy_refuses_a_pod_not_made_by_virt_controller(

@@ -108,19 +108,7 @@ def launcher(gpu_node: Cluster) -> Doc:
     cluster = gpu_node
     docs = cluster.kustomize(DEPLOY / "hook-sidecar")
     cluster.apply(docs)
-    binding = cluster.kubectl(
-        "create",
-        "rolebinding",
-        "kgp-virt-controller",
-        "-n",
-        NAMESPACE,
-        "--clusterrole=edit",
-        "--serviceaccount=kubevirt:kubevirt-controller",
-        "--dry-run=client",
-        "-o",
-        "yaml",
-    ).stdout
-    cluster.kubectl("apply", "-f", "-", stdin=binding)
+    cluster.let_virt_controller_create_pods(NAMESPACE)
     (vm,) = [d for d in docs if d["kind"] == "VirtualMachine"]
     pod = launcher_pod(vm)
     cluster.kubectl("delete", "pod", POD, "-n", NAMESPACE, "--ignore-not-found", "--wait=true")
