@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
+from launcher_hook.allocation import is_allocation_variable
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.server import (
@@ -32,6 +33,7 @@ from launcher_hook.service import COMPONENT, HookService, log_call
 from launcher_hook.sources import (
     DEFAULT_CONTAINER,
     AllocationSource,
+    DomainSource,
     EnvironFileSource,
     PodResourcesSource,
     ProcessEnvSource,
@@ -89,12 +91,16 @@ def allocation_options(function: F) -> F:
 def make_source(
     pod_resources_socket: Path | None, environ_file: Path | None, container: str, env: Mapping[str, str]
 ) -> AllocationSource:
-    """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself."""
+    """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself when it
+    holds an allocation variable (the hook runs in ``compute``), else the domain XML of each call (a sidecar:
+    the kubelet gives it none of compute's variables, and virt-launcher has rendered them into the domain)."""
     if pod_resources_socket is not None:
         return PodResourcesSource(pod_resources_socket, container=container, identity=own_pod_identity(env))
     if environ_file is not None:
         return EnvironFileSource(environ_file)
-    return ProcessEnvSource(env)
+    if any(is_allocation_variable(name) for name in env):
+        return ProcessEnvSource(env)
+    return DomainSource()
 
 
 def force_gpu_aliases_option(function: F) -> F:
