@@ -59,9 +59,12 @@ def allocation_options(function: F) -> F:
             "--pod-resources-socket",
             type=click.Path(dir_okay=False, path_type=Path),
             envvar=hook_env("pod_resources_socket"),
-            help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); "
-            "only this hook's own pod is read: POD_NAMESPACE/POD_NAME, or else the virt-launcher pod of this "
-            "pod's hostname; a VMI naming another pod is refused. Takes precedence.",
+            help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); root's only, so "
+            "for a sidecar running as root (a root VMI); only this hook's own pod is read: POD_NAMESPACE/POD_NAME, "
+            "or else the virt-launcher pod of this pod's hostname; a VMI naming another pod is refused. Takes "
+            "precedence. Without it or --environ-file, the process env if it holds PCI_RESOURCE_*/"
+            "MDEV_PCI_RESOURCE_*, else each call's domain XML (virt-launcher's ua-gpu-<name>/ua-hostdevice-<name> "
+            "hostdevs; no privilege needed).",
         ),
         click.option(
             "--environ-file",
@@ -148,8 +151,8 @@ def mmio_window_options(function: F) -> F:
         show_default=True,
         envvar=hook_env("sysfs_root"),
         help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource), "
-        "and, with --pod-resources-socket (which carries no companion variable), each passthrough GPU's "
-        "companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
+        "and, when the allocation is read from PodResources or the domain (which carry no companion variable), "
+        "each passthrough GPU's companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
     )(function)
     return click.option(
         "--pci-mmio64",
@@ -170,7 +173,7 @@ def bar_source(pci_mmio64: str, sysfs_root: Path) -> SysfsBars | None:
 
 def companion_reader(sysfs_root: Path) -> SysfsCompanions:
     """The companion reader the builder gets; the service uses it only with a source that carries no companion
-    variable (PodResources)."""
+    variable (PodResources, the domain)."""
     return SysfsCompanions(sysfs_root)
 
 
