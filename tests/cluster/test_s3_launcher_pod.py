@@ -2,9 +2,12 @@
 
 Its ``compute`` container asks for two GPUs: the real kubelet asks the plugin for its preferred pair, calls
 Allocate, and the container's environment gets ``PCI_RESOURCE_…`` and ``PCI_COMPANIONS_…`` with the device nodes
-in ``/dev/vfio``. The hook sidecar (``launcher-hook serve --pod-resources-socket …``, as the VM's annotation in
-``deploy/hook-sidecar`` runs it, with the PodResources claim) is called ``OnDefineDomain`` on its socket: it reads
-the allocation from the real kubelet's PodResources API for its own pod, and refuses another pod's VMI.
+in ``/dev/vfio``. The pod runs as KubeVirt runs a default non-root VMI's (uid 107, the sidecar without any
+capability). The hook sidecar (``launcher-hook serve``, as the VM's annotation in ``deploy/hook-sidecar`` runs it:
+no volume) is called ``OnDefineDomain`` on its socket with the domain virt-launcher would send (the example
+domain with the hostdevs virt-launcher renders from compute's env, ``tests/launcher_render_support``): it reads
+the allocation from that domain and the companions from its own read-only sysfs, and refuses a domain that lacks
+a GPU the VMI asks for.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tests.cluster.support import (
     ready_pod,
     wait_until,
 )
+from tests.launcher_render_support import virt_launcher_domain
 
 pytestmark = pytest.mark.cluster
 
@@ -54,6 +58,11 @@ def launcher_pod(vm: Doc) -> Doc:
         wanted[gpu["deviceName"]] = wanted.get(gpu["deviceName"], 0) + 1
     limits = {name: str(count) for name, count in wanted.items()}
     hook_mounts = [{"name": "hook-sidecar-sockets", "mountPath": "/var/run/kubevirt-hooks"}]
+    sidecar_mounts = list(hook_mounts)
+    volumes: list[dict[str, Any]] = [{"name": "hook-sidecar-sockets", "emptyDir": {}}]
+    if "pvc" in sidecar:  # the PodResources option (vm-two-gpus-root.yaml)
+        sidecar_mounts.append({"name": sidecar["pvc"]["name"], "mountPath": sidecar["pvc"]["volumePath"]})
+        volumes.append({"name": sidecar["pvc"]["name"], "persistentVolumeClaim": {"claimName": sidecar["pvc"]["name"]}})
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -65,6 +74,8 @@ def launcher_pod(vm: Doc) -> Doc:
         "spec": {
             "hostname": VMI,
             "automountServiceAccountToken": False,
+            # A non-root VMI's pod (KubeVirt's default): template.go computePodSecurityContext.
+            "securityContext": {"runAsUser": 107, "runAsGroup": 107, "runAsNonRoot": True, "fsGroup": 107},
             "terminationGracePeriodSeconds": 1,
             "containers": [
                 {
@@ -82,16 +93,12 @@ def launcher_pod(vm: Doc) -> Doc:
                     "command": sidecar["command"],
                     "args": sidecar["args"],
                     "env": [{"name": "CONTAINER_NAME", "value": "hook-sidecar-0"}],
-                    "volumeMounts": [
-                        *hook_mounts,
-                        {"name": sidecar["pvc"]["name"], "mountPath": sidecar["pvc"]["volumePath"]},
-                    ],
+                    # newSidecarContainerRenderer: WithNonRoot and WithDropALLCapabilities for a non-root VMI.
+                    "securityContext": {"capabilities": {"drop": ["ALL"]}},
+                    "volumeMounts": sidecar_mounts,
                 },
             ],
-            "volumes": [
-                {"name": "hook-sidecar-sockets", "emptyDir": {}},
-                {"name": sidecar["pvc"]["name"], "persistentVolumeClaim": {"claimName": sidecar["pvc"]["name"]}},
-            ],
+            "volumes": volumes,
         },
     }
 
@@ -165,9 +172,13 @@ def _vmi(name: str) -> bytes:
     return json.dumps(vmi).encode()
 
 
-def _define(socket_path: Path, vmi: bytes) -> bytes:
+def _define(socket_path: Path, vmi: bytes, compute_env: dict[str, str] | None) -> bytes:
+    """OnDefineDomain with the example domain as virt-launcher renders it from ``compute_env`` (None: the bare
+    example domain, without the GPUs)."""
     pb2, pb2_grpc = HOOK_API_VERSIONS["v1alpha3"]
     domain = (EXAMPLE / "domain.xml").read_bytes()
+    if compute_env is not None:
+        domain = virt_launcher_domain(domain, vmi, compute_env)
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
         answer = pb2_grpc.CallbacksStub(channel).OnDefineDomain(
             pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi), timeout=60
@@ -176,10 +187,10 @@ def _define(socket_path: Path, vmi: bytes) -> bytes:
     return answer.domainXML
 
 
-def test_the_sidecar_reads_its_own_pods_allocation_from_the_kubelet(gpu_node: Cluster, launcher: Doc) -> None:
+def test_the_non_root_sidecar_reads_the_allocation_from_the_domain(gpu_node: Cluster, launcher: Doc) -> None:
     env = env_of(gpu_node.exec(NAMESPACE, POD, "compute", "env"))
     allocated = set(env[RTX_ENV].split(","))
-    domain = etree.fromstring(_define(_hook_socket(launcher), _vmi(VMI)))
+    domain = etree.fromstring(_define(_hook_socket(launcher), _vmi(VMI), env))
     sources = set()
     for hostdev in domain.iterfind("devices/hostdev[@type='pci']"):
         address = hostdev.find("source/address")
@@ -191,20 +202,16 @@ def test_the_sidecar_reads_its_own_pods_allocation_from_the_kubelet(gpu_node: Cl
         )
     gpus = {a for a in sources if a.endswith(".0")}
     assert gpus == allocated
-    assert len(sources) == 8  # each card's four functions (companions read from sysfs: PodResources has none)
+    assert len(sources) == 8  # each card's four functions (companions read from sysfs: the domain has none)
 
 
-def test_the_sidecar_refuses_another_pods_vmi(gpu_node: Cluster, launcher: Doc) -> None:
+def test_the_sidecar_refuses_a_domain_without_the_vmis_gpus(gpu_node: Cluster, launcher: Doc) -> None:
     with pytest.raises(grpc.RpcError) as refused:
-        _define(_hook_socket(launcher), _vmi("someone-elses-vm"))
+        _define(_hook_socket(launcher), _vmi(VMI), None)
     error = refused.value
     assert isinstance(error, grpc.Call)
-    assert error.code() in (
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.INVALID_ARGUMENT,
-    ), error.details()
-    assert "someone-elses-vm" in (error.details() or "")
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "'ua-gpu-gpu0'" in (error.details() or "")
 
 
 def test_the_pod_is_as_the_vm_asks(launcher: Doc) -> None:
