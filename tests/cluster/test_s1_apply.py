@@ -2,8 +2,9 @@
 
 Every object must be accepted server-side with strict field validation (an unknown or misspelt field is an
 error, not a warning), KubeVirt's kinds by KubeVirt's own CRD schemas (``kubevirt-crds``). The admission
-policies are then evaluated by the API server's own CEL: the PodResources-claim policy refuses a pod of the
-wrong shape with its message, and the plugin-API sidecar injector mutates a virt-launcher-shaped pod.
+policies are then evaluated by the API server's own CEL: the PodResources-claim policy (of the root-VMI option,
+``deploy/hook-sidecar/vm-two-gpus-root.yaml``, not in the kustomization) refuses a pod of the wrong shape with its
+message, and the plugin-API sidecar injector mutates a virt-launcher-shaped pod.
 """
 
 from __future__ import annotations
@@ -69,15 +70,40 @@ def test_the_whole_of_deploy_is_accepted_and_stored(cluster: Cluster, applied: l
         )
         assert stored["metadata"]["name"] == doc["metadata"]["name"]
     kinds = {doc["kind"] for doc in applied}
-    assert {"DaemonSet", "VirtualMachine", "KubeVirt", "ValidatingAdmissionPolicy"} <= kinds
+    assert {"DaemonSet", "VirtualMachine", "KubeVirt"} <= kinds
+    # The recommended hook reads the domain: nothing of the node's kubelet directory is in the build.
+    assert not kinds & {"PersistentVolume", "PersistentVolumeClaim", "ValidatingAdmissionPolicy"}
+
+
+ROOT_OPTION = ("pod-resources-volume.yaml", "pod-resources-policy.yaml", "vm-two-gpus-root.yaml")
+"""The PodResources option for root VMIs (deploy/README.md, "PodResources needs root"): plain files, applied as
+``kubectl apply -f`` each."""
+
+
+def _root_option() -> list[Doc]:
+    return [
+        doc for name in ROOT_OPTION for doc in yaml.safe_load_all((DEPLOY / "hook-sidecar" / name).read_text()) if doc
+    ]
 
 
 @pytest.mark.parametrize(
-    "part", ["device-plugin", "node-agent", "hook-sidecar", "kubevirt-standalone", "dra", "dra/example", "plugin-api"]
+    "part",
+    [
+        "device-plugin",
+        "node-agent",
+        "hook-sidecar",
+        "hook-sidecar-root-option",
+        "kubevirt-standalone",
+        "dra",
+        "dra/example",
+        "plugin-api",
+    ],
 )
 def test_each_part_and_variant_is_accepted_server_side(cluster: Cluster, applied: list[Doc], part: str) -> None:
     if part == "kubevirt-standalone":
         docs = [doc for doc in applied if doc["kind"] == "KubeVirt"]
+    elif part == "hook-sidecar-root-option":
+        docs = _root_option()
     else:
         docs = cluster.kustomize(DEPLOY / part)
     assert docs
@@ -167,7 +193,9 @@ def _create(cluster: Cluster, pod: Doc, *, as_user: str | None) -> tuple[int, st
 
 @pytest.fixture(scope="module")
 def controller_may_create_pods(cluster: Cluster, applied: list[Doc]) -> None:
-    """RBAC for KubeVirt's controller account in ``gpu-vms`` (KubeVirt's install grants it cluster-wide)."""
+    """RBAC for KubeVirt's controller account in ``gpu-vms`` (KubeVirt's install grants it cluster-wide), and the
+    PodResources option's claim and policy, applied for real."""
+    cluster.apply([doc for doc in _root_option() if doc["kind"] != "VirtualMachine"])
     cluster.let_virt_controller_create_pods("gpu-vms")
 
 
@@ -235,28 +263,12 @@ def test_the_sidecar_injector_mutates_a_virt_launcher_pod(
     hook = next(c for c in mutated["spec"]["containers"] if c["name"] == "gpu-passthrough-hook")
     assert hook["image"] == IMAGE
     assert hook["command"] == ["launcher-hook"]
-    assert hook["args"] == [
-        "serve",
-        "--api",
-        "plugins",
-        "--pod-resources-socket",
-        "/var/lib/kubelet/pod-resources/kubelet.sock",
-    ]
-    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in hook["env"]} == {
-        "POD_NAME": "metadata.name",
-        "POD_NAMESPACE": "metadata.namespace",
-    }
+    assert hook["args"] == ["serve", "--api", "plugins"]  # non-root: it reads the domain MutateDomain carries
+    assert "env" not in hook
     assert hook["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert hook["securityContext"]["runAsNonRoot"] is True
-    assert {m["name"]: m.get("readOnly", False) for m in hook["volumeMounts"]} == {
-        "kubevirt-plugin-sockets": False,
-        "gpu-hook-pod-resources": True,
-    }
-    volumes = {v["name"]: v for v in mutated["spec"]["volumes"]}
-    assert volumes["gpu-hook-pod-resources"]["persistentVolumeClaim"] == {
-        "claimName": "kubelet-pod-resources",
-        "readOnly": True,
-    }
+    assert {m["name"]: m.get("readOnly", False) for m in hook["volumeMounts"]} == {"kubevirt-plugin-sockets": False}
+    assert {v["name"] for v in mutated["spec"]["volumes"]} == {v["name"] for v in pod["spec"]["volumes"]}
     compute = next(c for c in mutated["spec"]["containers"] if c["name"] == "compute")
     assert compute["resources"]["limits"] == {"nvidia.com/TU106_GEFORCE_RTX_2060_REV__A": "2"}
     # Not a launcher pod, or no GPU: left alone.

@@ -99,13 +99,10 @@ def test_twenty_kubelet_restarts_one_register_each(gpu_node: Cluster, launcher_u
     assert counts == [1] * RESTARTS, counts
     assert _checkpointed_pods() == before
     if launcher_uid is not None:
-        env = cluster.exec(
-            "gpu-vms",
-            cluster.pods("gpu-vms", "kubevirt.io=virt-launcher")[0]["metadata"]["name"],
-            "compute",
-            "ls",
-            "/dev/vfio",
-        )
+        (pod,) = [
+            p for p in cluster.pods("gpu-vms", "kubevirt.io=virt-launcher") if p["metadata"]["uid"] == launcher_uid
+        ]
+        env = cluster.exec("gpu-vms", pod["metadata"]["name"], "compute", "ls", "/dev/vfio")
         assert len([n for n in env.split() if n.isdigit()]) == 2
 
 
