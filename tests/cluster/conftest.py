@@ -40,8 +40,13 @@ def cluster() -> Iterator[Cluster]:
         missing(f"the peers cannot be built: {exc}", "cluster piece missing")
         raise  # unreachable
     was_up = kit.pid_of("kubelet") is not None
-    kit.up(peers)
-    images.build_project_image(peers)
+    try:
+        kit.up(peers)
+        images.build_project_image(peers)
+    except BaseException:
+        if not was_up:  # a cluster half up is not left behind
+            kit.down()
+        raise
     yield Cluster(peers)
     if not was_up and os.environ.get("KGP_CLUSTER_KEEP") != "1":
         problems = kit.down()

@@ -542,11 +542,22 @@ def install_kubevirt_crds(peers: Peers) -> None:
     )
     if made.returncode != 0:
         raise ClusterError(f"making KubeVirt's namespace: {made.stderr.strip()[-400:]}")
-    waited = kubectl(
-        peers, "wait", "--for=condition=Established", "--timeout=120s", "crd", "-l", "kubevirt.io", timeout=150
-    )
-    if waited.returncode != 0:
-        raise ClusterError(f"KubeVirt's CRDs not Established: {waited.stderr.strip()[-400:]}")
+    names = [line.removeprefix("  name: ").strip() for line in done.stdout.splitlines() if line.startswith("  name: ")]
+
+    def established() -> bool:
+        # Not `kubectl wait`: it fails at once on a CRD whose status has no conditions yet.
+        got = kubectl(
+            peers,
+            "get",
+            "crd",
+            *names,
+            "-o",
+            "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Established')].status}{' '}{end}",
+            timeout=30,
+        )
+        return got.returncode == 0 and got.stdout.split() == ["True"] * len(names)
+
+    wait_for(f"KubeVirt's {len(names)} CRDs Established", established, component="kube-apiserver", deadline=120)
 
 
 # -- down -----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.support import DEPLOY, Cluster, Doc
+from tests.cluster.support import DEPLOY, WORKLOAD_LABEL, Cluster, Doc, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -52,6 +52,7 @@ def applied(cluster: Cluster) -> Iterator[list[Doc]]:
     """The top-level ``deploy/``, applied for real. Its DaemonSets mount the machine's own /sys: they place
     nothing while the node has no workload label, and go with this module (the later scenarios point them at
     the fixture tree; the node agent must never run against this machine's sysfs)."""
+    cluster.label_node(WORKLOAD_LABEL, None)
     docs = cluster.kustomize(DEPLOY)
     cluster.apply(docs)
     yield docs
@@ -197,6 +198,10 @@ def controller_may_create_pods(cluster: Cluster, applied: list[Doc]) -> None:
     PodResources option's claim and policy, applied for real."""
     cluster.apply([doc for doc in _root_option() if doc["kind"] != "VirtualMachine"])
     cluster.let_virt_controller_create_pods("gpu-vms")
+    # A new policy and binding take effect once the API server's policy informers have them (seconds): wait for
+    # the first refusal, so that each test sees the policy in force.
+    probe = _launcher_pod("vap-probe", _sidecar(["launcher-hook"], ["serve"]))
+    wait_until("the claim policy in force", lambda: _create(cluster, probe, as_user=None)[0] != 0, deadline=60)
 
 
 def test_the_claim_policy_refuses_a_pod_not_made_by_virt_controller(
@@ -255,8 +260,6 @@ def test_the_sidecar_injector_mutates_a_virt_launcher_pod(
         mutated: Doc = yaml.safe_load(out) if rc == 0 else {}
         names = [c["name"] for c in mutated.get("spec", {}).get("containers", [])]
         return mutated if "gpu-passthrough-hook" in names else None
-
-    from tests.cluster.support import wait_until
 
     # A new policy takes effect once the API server's policy informer has it (seconds).
     mutated = wait_until("the MutatingAdmissionPolicy to inject the hook", created, deadline=60)

@@ -197,7 +197,7 @@ def test_compute_has_the_preferred_pair_its_companions_and_the_device_nodes(
     assert pairs[0] | pairs[1] == SAME_NUMA[0] | SAME_NUMA[1]
 
 
-def _hook_socket(launcher: Launcher) -> Path:
+def _hook_socket(launcher: Launcher, cluster: Cluster | None = None) -> Path:
     """The sidecar's socket in the pod's emptyDir, through a short link (sun_path holds 107 bytes)."""
     uid = launcher.pod["metadata"]["uid"]
     directory = Path(f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~empty-dir/hook-sidecar-sockets")
@@ -205,7 +205,19 @@ def _hook_socket(launcher: Launcher) -> Path:
     if not link.is_symlink():
         os.symlink(directory, link)
     socket_path = link / "gpu-hostdev.sock"
-    wait_until(f"the hook's socket {socket_path}", socket_path.exists, deadline=60)
+
+    def why() -> str:
+        listing = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "no such directory"
+        logs = (
+            ""
+            if cluster is None
+            else cluster.kubectl(
+                "logs", "-n", NAMESPACE, launcher.name, "-c", "hook-sidecar-0", "--tail=20", check=False
+            ).stdout
+        )
+        return f"{directory}: {listing}; the sidecar's log ends:\n{logs}"
+
+    wait_until(f"the hook's socket {socket_path}", socket_path.exists, deadline=60, explain=why)
     return socket_path
 
 
@@ -257,7 +269,7 @@ def test_the_non_root_sidecar_reads_the_allocation_from_the_domain(
 ) -> None:
     launcher = launchers["nonroot"]
     env = _compute_env(gpu_node, launcher)
-    domain = _define(_hook_socket(launcher), _vmi(launcher.vmi), env)
+    domain = _define(_hook_socket(launcher, gpu_node), _vmi(launcher.vmi), env)
     assert _pci_sources(domain) == set(env[RTX_ENV].split(","))
 
 
@@ -265,7 +277,7 @@ def test_the_non_root_sidecar_refuses_a_domain_without_the_vmis_gpus(
     gpu_node: Cluster, launchers: dict[str, Launcher]
 ) -> None:
     launcher = launchers["nonroot"]
-    error = _refusal(_hook_socket(launcher), _vmi(launcher.vmi), None)
+    error = _refusal(_hook_socket(launcher, gpu_node), _vmi(launcher.vmi), None)
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert "'ua-gpu-gpu0'" in (error.details() or "")
 
@@ -276,12 +288,12 @@ def test_the_root_sidecar_reads_its_own_pods_allocation_from_the_kubelet(
     launcher = launchers["root"]
     env = _compute_env(gpu_node, launcher)
     # The bare domain: the allocation can only have come from the kubelet's PodResources API.
-    domain = _define(_hook_socket(launcher), _vmi(launcher.vmi), None)
+    domain = _define(_hook_socket(launcher, gpu_node), _vmi(launcher.vmi), None)
     assert _pci_sources(domain) == set(env[RTX_ENV].split(","))
 
 
 def test_the_root_sidecar_refuses_another_pods_vmi(gpu_node: Cluster, launchers: dict[str, Launcher]) -> None:
-    error = _refusal(_hook_socket(launchers["root"]), _vmi(launchers["nonroot"].vmi), None)
+    error = _refusal(_hook_socket(launchers["root"], gpu_node), _vmi(launchers["nonroot"].vmi), None)
     assert error.code() in (
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.PERMISSION_DENIED,
