@@ -1,0 +1,7 @@
+package main
+
+import (
+	_ "kubevirt.io/kubevirt/pkg/virt-controller/services"
+)
+
+func main() {}
