@@ -1,0 +1,264 @@
+"""KubeVirt's own virt-launcher code (kubevirt.io/kubevirt at the pin of tests/cluster/peers/kubevirt) calls the
+hook, and libvirt defines what comes out (docs/kubevirt-harness.md).
+
+Each scenario runs virt-launcher's sequence in ``launcher-harness``: virt-api's defaulting, the converter with
+virt-launcher's converter context (its hostdevice/gpu/generic/DRA code reads the allocation env and the DRA
+metadata files), then ``allocateHotplugPorts``, which on q35 defines the domain two or three times through
+``SetDomainSpecStrWithHooks``, each time from its own earlier output read back through KubeVirt's
+``api.DomainSpec``; each define goes to a real ``qemu:///system`` (never started). For each: every hook call
+succeeds through KubeVirt's client, nothing is added twice, libvirt accepts every define and the final
+domain (its RNG schema and parser, ``VIR_DOMAIN_DEFINE_VALIDATE``), and QEMU's argv has the ids, bus/addr,
+multifunction and ``-fw_cfg`` the project promises.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lxml import etree
+
+from simkit.fixture_nodes import A100_NODE
+from simkit.sysfs_fixture import build
+from tests.kubevirt_harness_support import HarnessRun, aliases, hostdev_sources, hostdevs, run_harness, unique_vmi
+from tests.libvirt_support import missing
+from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal, qemu_argv_for_host
+
+pytestmark = [pytest.mark.libvirt, pytest.mark.kubevirt]
+
+SEED = Path(__file__).resolve().parent.parent / "xmlgen" / "examples" / "seed-node01"
+RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
+RTX_VAR = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+SEED_ENV = {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
+SEED_GPUS = {"ua-gpu-gpu0": "0000:86:00.0", "ua-gpu-gpu1": "0000:af:00.0"}
+_DEVICE = re.compile(r"-device\s+'?(\{.*?\})'?(?:\s|$)")
+
+
+def seed_vmi() -> dict[str, Any]:
+    vmi: dict[str, Any] = json.loads((SEED / "vmi.json").read_text())
+    return unique_vmi(vmi)
+
+
+def argv(domain_xml: bytes) -> str:
+    try:
+        return qemu_argv_for_host(domain_xml)
+    except LibvirtUnavailable as exc:
+        missing(str(exc))
+        raise  # unreachable
+
+
+def qemu_devices(command_line: str) -> dict[str, dict[str, Any]]:
+    """QEMU's -device arguments by id."""
+    devices = [json.loads(match) for match in _DEVICE.findall(command_line)]
+    return {str(device.get("id")): device for device in devices if "id" in device}
+
+
+def assert_sound(run: HarnessRun, expected: dict[str, str]) -> bytes:
+    """What every scenario must show; returns the final domain."""
+    report = run.report
+    assert report["stage"] == "done" and run.returncode == 0, (report.get("error"), run.stderr[-3000:])
+    calls, defines = report["hookCalls"], report["defines"]
+    # allocateHotplugPorts on q35 with interfaces: the placeholder define, the real one, and one more when it
+    # appends root ports for hotplug; each through the hook
+    assert 2 <= len(calls) == len(defines) <= 3, (len(calls), len(defines))
+    on_define = run.hook_events("OnDefineDomain")
+    assert len(on_define) == len(calls)
+    assert all(event["status"] == "OK" for event in on_define), on_define
+    for number, (call, define) in enumerate(zip(calls, defines, strict=True)):
+        assert not call.get("error") and not define.get("error"), (number, call.get("error"), define.get("error"))
+        for document in (call["output"], define["inactive"]):
+            sources = hostdev_sources(document)
+            assert not [s for s, n in Counter(sources).items() if n > 1], f"call {number}: twice: {sources}"
+            for hostdev in hostdevs(document):
+                if hostdev.get("type") in ("pci", "mdev"):
+                    assert hostdev.get("mode") == "subsystem", etree.tostring(hostdev)
+        got = aliases(call["output"])
+        assert {alias: got.get(alias) for alias in expected} == expected, f"call {number}: {got}"
+    final = run.final
+    assert {alias: aliases(final).get(alias) for alias in expected} == expected
+    try:
+        refusal = generic_refusal(final.decode())
+    except LibvirtUnavailable as exc:
+        missing(str(exc))
+        raise
+    assert refusal is None, refusal
+    devices = qemu_devices(argv(final))
+    for alias, source in expected.items():
+        device = devices.get(alias)
+        assert device is not None, f"{alias} not in QEMU's argv: {sorted(devices)}"
+        assert source in (device.get("host"), str(device.get("sysfsdev", "")).rpartition("/")[2]), device
+    return final
+
+
+def test_the_seeds_two_gpus_through_kubevirts_launcher_code() -> None:
+    run = run_harness(seed_vmi(), SEED_ENV)
+    final = assert_sound(run, SEED_GPUS)
+    # virt-launcher wrote the two hostdevs itself (without mode=); the hook merged them, added none
+    first_input = run.report["hookCalls"][0]["input"]
+    assert sorted(hostdev_sources(first_input)) == sorted(SEED_GPUS.values())
+    assert all(hostdev.get("mode") is None for hostdev in hostdevs(first_input))
+    assert len(hostdevs(final)) == 2
+    assert run.report["devicesMetadata"] == []
+
+
+def multifunction_slots(domain_xml: bytes) -> dict[str, tuple[str | None, str | None, str]]:
+    """alias → (bus, slot, function) of each hostdev's guest address, with multifunction='on' noted."""
+    found = {}
+    for hostdev in hostdevs(domain_xml):
+        alias, address = hostdev.find("alias"), hostdev.find("address")
+        if alias is None or address is None:
+            continue
+        flag = "+mf" if address.get("multifunction") == "on" else ""
+        found[str(alias.get("name"))] = (address.get("bus"), address.get("slot"), f"{address.get('function')}{flag}")
+    return found
+
+
+COMPANIONS_VAR = "PCI_COMPANIONS_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
+COMPANIONS = "0000:86:00.0=0000:86:00.1+0000:86:00.2+0000:86:00.3,0000:af:00.0=0000:af:00.1"
+
+
+def test_companions_share_the_gpus_slot_on_every_call_though_kubevirt_drops_multifunction() -> None:
+    run = run_harness(seed_vmi(), {**SEED_ENV, COMPANIONS_VAR: COMPANIONS})
+    companions = {  # the hook's companion aliases: ua-gpu<index>-fn<function> (README, "Companions")
+        "ua-gpu0-fn1": "0000:86:00.1",
+        "ua-gpu0-fn2": "0000:86:00.2",
+        "ua-gpu0-fn3": "0000:86:00.3",
+        "ua-gpu1-fn1": "0000:af:00.1",
+    }
+    owners = {"ua-gpu-gpu0": "ua-gpu0-", "ua-gpu-gpu1": "ua-gpu1-"}
+    final = assert_sound(run, {**SEED_GPUS, **companions})
+    calls = run.report["hookCalls"]
+    for number, call in enumerate(calls):  # the hook puts multifunction='on' back on each call
+        slots = multifunction_slots(call["output"].encode())
+        for gpu in SEED_GPUS:
+            bus, slot, function = slots[gpu]
+            assert function == "0x0+mf", (number, gpu, slots[gpu])
+            for companion in (alias for alias in companions if alias.startswith(owners[gpu])):
+                assert slots[companion][:2] == (bus, slot), (number, companion, slots)
+    # KubeVirt's read-back (api.DomainSpec has no multifunction attribute) gave the later calls none
+    assert all("multifunction" not in call["input"] for call in calls[1:])
+    devices = qemu_devices(argv(final))
+    for gpu, function_count in (("ua-gpu-gpu0", 3), ("ua-gpu-gpu1", 1)):
+        assert devices[gpu]["multifunction"] is True, devices[gpu]
+        bus, addr = str(devices[gpu]["bus"]), str(devices[gpu]["addr"])
+        assert addr.endswith(".0x0") or "." not in addr, addr
+        for fn in range(1, function_count + 1):
+            fn_device = devices[f"{owners[gpu]}fn{fn}"]
+            slot = addr.split(".", maxsplit=1)[0]
+            assert (fn_device["bus"], fn_device["addr"]) == (bus, f"{slot}.0x{fn}"), fn_device
+
+
+T4 = "nvidia.com/GRID_T4-1Q"
+T4_VAR = "MDEV_PCI_RESOURCE_NVIDIA_COM_GRID_T4-1Q"
+VGPU_UUID = "4b20d080-1b54-4048-85b3-a6a62d165c01"
+
+
+@pytest.mark.parametrize(
+    ("display", "expected"),
+    [
+        ({"display": {"enabled": True}}, ("on", "on")),
+        ({"display": {"enabled": False}}, (None, None)),
+        (None, ("on", "on")),  # KubeVirt's default: the first mdev GPU gets a display when none asks
+    ],
+    ids=["display-on", "display-off", "display-unset"],
+)
+def test_a_vgpus_display_as_kubevirt_and_the_hook_agree(
+    display: dict[str, Any] | None, expected: tuple[str | None, str | None]
+) -> None:
+    vmi = seed_vmi()
+    gpu: dict[str, Any] = {"name": "desk", "deviceName": T4}
+    if display is not None:
+        gpu["virtualGPUOptions"] = display
+    vmi["spec"]["domain"]["devices"]["gpus"] = [gpu]
+    run = run_harness(vmi, {T4_VAR: VGPU_UUID})
+    final = assert_sound(run, {"ua-gpu-desk": VGPU_UUID})
+    (hostdev,) = hostdevs(final)
+    assert (hostdev.get("type"), hostdev.get("model")) == ("mdev", "vfio-pci")
+    shown = None if hostdev.get("display") == "off" else hostdev.get("display")  # libvirt writes display='off' back
+    assert (shown, hostdev.get("ramfb")) == expected
+    device = qemu_devices(argv(final))["ua-gpu-desk"]
+    wanted = ("on", True) if expected[0] == "on" else ("off", None)
+    assert (device.get("display"), device.get("ramfb")) == wanted, device
+
+
+USB_VAR = "USB_RESOURCE_KUBEVIRT_IO_STORAGE"
+NIC = "example.com/NIC"
+NIC_VAR = "PCI_RESOURCE_EXAMPLE_COM_NIC"
+
+
+def usb_shape(hostdev: etree._Element) -> list[tuple[str, dict[str, str]]]:
+    return [(str(element.tag), {str(k): str(v) for k, v in element.attrib.items()}) for element in hostdev.iter()]
+
+
+def test_usb_and_pci_host_devices_next_to_the_gpus() -> None:
+    vmi = seed_vmi()
+    vmi["spec"]["domain"]["devices"]["hostDevices"] = [
+        {"name": "stick", "deviceName": "kubevirt.io/storage"},
+        {"name": "nic", "deviceName": NIC},
+    ]
+    run = run_harness(vmi, {**SEED_ENV, USB_VAR: "001:002", NIC_VAR: "0000:3b:00.0"})
+    final = assert_sound(run, {**SEED_GPUS, "ua-hostdevice-nic": "0000:3b:00.0"})
+    assert [int(n) for n in aliases(final)["ua-usb-host-stick"].split(":")] == [1, 2]
+    for call in run.report["hookCalls"]:  # the hook leaves virt-launcher's USB hostdev as it is
+        before, after = (
+            [usb_shape(h) for h in hostdevs(call[key]) if h.get("type") == "usb"] for key in ("input", "output")
+        )
+        assert before == after and len(after) == 1, (before, after)
+    assert "ua-usb-host-stick" in qemu_devices(argv(final))
+
+
+A100 = "nvidia.com/GA100_A100_PCIE_80GB"
+A100_VAR = "PCI_RESOURCE_NVIDIA_COM_GA100_A100_PCIE_80GB"
+FW_CFG = re.compile(r"-fw_cfg\s+'?name=opt/ovmf/X-PciMmio64Mb,string=(\d+)'?")
+
+
+def qemu_args(domain_xml: str) -> str:
+    """The domain's <qemu:commandline> arguments, space-separated."""
+    root = etree.fromstring(domain_xml.encode())
+    return " ".join(str(arg.get("value")) for arg in root.iter("{http://libvirt.org/schemas/domain/qemu/1.0}arg"))
+
+
+def test_an_efi_a100_gets_its_64_bit_window_on_every_call(tmp_path: Path) -> None:
+    sysfs = build(A100_NODE, tmp_path / "node") / "sys"
+    vmi = seed_vmi()
+    vmi["spec"]["domain"]["firmware"] = {"bootloader": {"efi": {"secureBoot": False}}}
+    vmi["spec"]["domain"]["devices"]["gpus"] = [{"name": "big", "deviceName": A100}]
+    run = run_harness(
+        vmi,
+        {A100_VAR: "0000:3b:00.0"},
+        hook_args=["--sysfs-root", str(sysfs)],
+        harness_args=["--ovmf", "/usr/share/OVMF"],
+    )
+    final = assert_sound(run, {"ua-gpu-big": "0000:3b:00.0"})
+    calls = run.report["hookCalls"]
+    for number, call in enumerate(calls):
+        assert FW_CFG.findall(qemu_args(call["output"])) == ["262144"], number
+    # KubeVirt's read-back (api.DomainSpec keeps no <qemu:commandline>) gave the later calls none of the hook's
+    assert all("X-PciMmio64Mb" not in call["input"] for call in calls[1:])
+    command_line = argv(final)
+    assert FW_CFG.findall(command_line) == ["262144"]
+    assert "OVMF_CODE" in command_line
+
+
+def test_force_gpu_aliases_renames_kubevirts_gpus_on_every_call() -> None:
+    run = run_harness(seed_vmi(), SEED_ENV, hook_args=["--force-gpu-aliases"])
+    final = assert_sound(run, {"ua-gpu0": "0000:86:00.0", "ua-gpu1": "0000:af:00.0"})
+    assert "ua-gpu-gpu0" not in aliases(final)
+    events = run.hook_events("OnDefineDomain")
+    assert all(event["warnings"] for event in events[:1]), events
+
+
+DRA_A10 = "0000:3b:00.0"
+
+
+def test_dra_claims_keep_kubevirts_dra_aliases() -> None:
+    vmi = seed_vmi()
+    vmi["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "rc"}]
+    vmi["spec"]["domain"]["devices"]["gpus"] = [{"name": "g", "claimName": "gpu", "requestName": "req"}]
+    run = run_harness(vmi, {}, dra_devices={("gpu", "req"): DRA_A10})
+    final = assert_sound(run, {"ua-dra-gpu-g": DRA_A10})
+    assert len(hostdevs(final)) == 1
