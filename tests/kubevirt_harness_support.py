@@ -101,16 +101,18 @@ def _hook(directory: Path, env_file: Path, api: str, hook_args: Sequence[str]) -
     plugin = directory / "plugins" / PLUGIN
     hooks.mkdir(parents=True)
     plugin.mkdir(parents=True)
-    socket = (hooks / "gpu-hostdev.sock") if api == "hooks" else (plugin / "hook.sock")
+    sockets = {"hooks": hooks / "gpu-hostdev.sock", "plugins": plugin / "hook.sock"}
     program = Path(sys.executable).parent / "launcher-hook"
     command = [str(program), "serve", "--api", api, "--environ-file", str(env_file), *hook_args]
-    command += ["--socket", str(socket)] if api == "hooks" else ["--plugin-socket", str(socket)]
+    command += ["--socket", str(sockets["hooks"]), "--plugin-socket", str(sockets["plugins"])]
     log_path = directory / "hook.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     lines: list[dict[str, Any]] = []
     try:
-        wait_for_socket(socket, timeout=60.0)
+        for kind, socket in sockets.items():
+            if api in (kind, "both"):
+                wait_for_socket(socket, timeout=60.0)
         yield lines
     finally:
         if process.poll() is None:
@@ -155,9 +157,12 @@ def run_harness(
         out = directory / "report.json"
         args = [str(binary), "--vmi", str(vmi_file), "--env-file", str(env_file), "--container-disks", str(disks)]
         args += ["--out", str(out), "--dra-dir", str(dra)]
-        if api == "hooks":
-            args += ["--hooks-dir", str(directory / "hooks"), "--sidecars", "1"]
-        else:
+        # --api both: the same hook as a sidecar hook and as a Plugin's domain hook (KubeVirt calls the sidecar
+        # API first, SetDomainSpecStrWithHooks); the hooks dir is bound either way (Collect reads it)
+        args += ["--hooks-dir", str(directory / "hooks")]
+        if api in ("hooks", "both"):
+            args += ["--sidecars", "1"]
+        if api in ("plugins", "both"):
             args += ["--plugins-dir", str(directory / "plugins"), "--plugin", PLUGIN, "--plugin-socket", PLUGIN_SOCKET]
         with _hook(directory, env_file, api, hook_args) as hook_log:
             done = subprocess.run(

@@ -134,10 +134,11 @@ type recordingConnection struct {
 }
 
 // slotlessMaxMemory is the <maxMemory> KubeVirt writes for memory hotplug (virtio-mem): it never sets
-// api.MaxMemory.Slots, so slots="0". libvirt 9.0 refuses that ("both maximum memory size and memory slot count
-// must be specified"); the libvirt KubeVirt ships accepts it. On a libvirt older than 10 the element is dropped
-// before the define (the VM then has no memory hotplug, which nothing here looks at); docs/kubevirt-harness.md.
-var slotlessMaxMemory = regexp.MustCompile(`\s*<maxMemory unit="b" slots="0">[0-9]+</maxMemory>`)
+// api.MaxMemory.Slots, so slots="0" (or, through the plugin pipeline's libvirtxml, no slots at all). libvirt 9.0
+// refuses that ("both maximum memory size and memory slot count must be specified"); the libvirt KubeVirt ships
+// accepts it. On a libvirt older than 10 the element is dropped before the define (the VM then has no memory
+// hotplug, which nothing here looks at); docs/kubevirt-harness.md.
+var slotlessMaxMemory = regexp.MustCompile(`\s*<maxMemory unit="b"(?: slots="0")?>[0-9]+</maxMemory>`)
 
 func (c recordingConnection) DomainDefineXML(domainXML string) (cli.VirDomain, error) {
 	define := Define{XML: domainXML}
