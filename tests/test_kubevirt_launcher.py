@@ -264,3 +264,20 @@ def test_dra_claims_keep_kubevirts_dra_aliases() -> None:
     run = run_harness(vmi, {}, dra_devices={("gpu", "req"): DRA_A10})
     final = assert_sound(run, {"ua-dra-gpu-g": DRA_A10})
     assert len(hostdevs(final)) == 1
+
+
+def test_kubevirts_device_metadata_has_tagged_host_devices_and_no_tagged_gpu() -> None:
+    """buildDevicesMetadata looks a GPU's alias up among the tagged hostDevices[] (KubeVirt v1.9's
+    manager.go; its taggedGPUs map is never read): a tagged GPU gets no metadata, a tagged host device does,
+    with the aliases the hook kept."""
+    vmi = seed_vmi()
+    vmi["spec"]["domain"]["devices"]["gpus"][0]["tag"] = "train"
+    vmi["spec"]["domain"]["devices"]["hostDevices"] = [{"name": "nic", "deviceName": NIC, "tag": "fast"}]
+    run = run_harness(vmi, {**SEED_ENV, NIC_VAR: "0000:3b:00.0"})
+    final = assert_sound(run, {**SEED_GPUS, "ua-hostdevice-nic": "0000:3b:00.0"})
+    address = next(h for h in hostdevs(final) if h.find("alias").get("name") == "ua-hostdevice-nic").find("address")  # type: ignore[union-attr]
+    assert address is not None
+    (entry,) = run.report["devicesMetadata"]
+    assert (entry["type"], entry["tags"], entry["bus"]) == ("hostdev", ["fast"], "pci")
+    wanted = "%04x:%02x:%02x.%x" % tuple(int(address.get(k, "0"), 0) for k in ("domain", "bus", "slot", "function"))  # noqa: UP031
+    assert entry["address"] == wanted
