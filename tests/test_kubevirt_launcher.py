@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,15 @@ def qemu_devices(command_line: str) -> dict[str, dict[str, Any]]:
     return {str(device.get("id")): device for device in devices if "id" in device}
 
 
-def assert_sound(run: HarnessRun, expected: dict[str, str], events: tuple[str, ...] = ("OnDefineDomain",)) -> bytes:
+def assert_sound(
+    run: HarnessRun,
+    expected: dict[str, str],
+    events: tuple[str, ...] = ("OnDefineDomain",),
+    for_this_host: Callable[[bytes], bytes] = lambda domain: domain,
+) -> bytes:
     """What every scenario must show; returns the final domain. ``events``: the hook RPCs each define goes
-    through (OnDefineDomain for the hook sidecar API, MutateDomain for the plugin API)."""
+    through (OnDefineDomain for the hook sidecar API, MutateDomain for the plugin API); ``for_this_host``
+    changes the host side of the final domain before QEMU's argv is asked for (see the NUMA scenario)."""
     report = run.report
     assert report["stage"] == "done" and run.returncode == 0, (report.get("error"), run.stderr[-3000:])
     calls, defines = report["hookCalls"], report["defines"]
@@ -88,7 +95,7 @@ def assert_sound(run: HarnessRun, expected: dict[str, str], events: tuple[str, .
         missing(str(exc))
         raise
     assert refusal is None, refusal
-    devices = qemu_devices(argv(final))
+    devices = qemu_devices(argv(for_this_host(final)))
     for alias, source in expected.items():
         device = devices.get(alias)
         assert device is not None, f"{alias} not in QEMU's argv: {sorted(devices)}"
@@ -281,3 +288,84 @@ def test_kubevirts_device_metadata_has_tagged_host_devices_and_no_tagged_gpu() -
     assert (entry["type"], entry["tags"], entry["bus"]) == ("hostdev", ["fast"], "pci")
     wanted = "%04x:%02x:%02x.%x" % tuple(int(address.get(k, "0"), 0) for k in ("domain", "bus", "slot", "function"))  # noqa: UP031
     assert entry["address"] == wanted
+
+
+TWO_NODES = {  # virt-handler's node topology (cmdv1.Topology): two NUMA nodes of two CPUs, 2 MiB pages on each
+    "numa_cells": [
+        {
+            "id": node,
+            "memory": {"amount": 8388608, "unit": "KiB"},
+            "pages": [{"count": 2048, "unit": "KiB", "size": 2048}],
+            "cpus": [{"id": 2 * node}, {"id": 2 * node + 1}],
+        }
+        for node in (0, 1)
+    ]
+}
+GPU_NODES = {"0000:86:00.0": 0, "0000:af:00.0": 1}
+
+
+def numa_node_of_bus(domain_xml: bytes) -> dict[str, int]:
+    """Guest bus (``0x02``) → the NUMA node of the pcie-expander-bus its root port hangs off."""
+    root = etree.fromstring(domain_xml)
+    controllers = {c.get("index"): c for c in root.iterfind("devices/controller[@type='pci']")}
+    nodes = {}
+    for index, controller in controllers.items():
+        address = controller.find("address")
+        if controller.get("model") != "pcie-root-port" or address is None:
+            continue
+        parent = controllers.get(str(int(address.get("bus", "0"), 16)))
+        node = parent.findtext("target/node") if parent is not None else None
+        if parent is not None and parent.get("model") == "pcie-expander-bus" and node is not None:
+            nodes[f"0x{int(str(index)):02x}"] = int(node)
+    return nodes
+
+
+def on_one_host_node(domain_xml: bytes) -> bytes:
+    """The domain without its host NUMA binding (``<numatune>``) and hugepage backing: this host has one NUMA
+    node and no hugetlbfs, and libvirt's QEMU driver checks both; the guest's NUMA cells and KubeVirt's
+    expander buses, which the placement is about, stay."""
+    root = etree.fromstring(domain_xml)
+    for tag in ("numatune", "memoryBacking"):
+        for element in root.findall(tag):
+            root.remove(element)
+    return etree.tostring(root)
+
+
+@pytest.mark.parametrize("with_companions", [False, True], ids=["gpus", "gpus-and-companions"])
+def test_pci_numa_aware_topology_keeps_kubevirts_expander_buses(tmp_path: Path, with_companions: bool) -> None:
+    pci = tmp_path / "pci"
+    for address, node in GPU_NODES.items():  # the stand-in for /sys/bus/pci/devices/<address>/numa_node
+        (pci / address).mkdir(parents=True)
+        (pci / address / "numa_node").write_text(f"{node}\n")
+    topology = tmp_path / "topology.json"
+    topology.write_text(json.dumps(TWO_NODES))
+    vmi = seed_vmi()
+    domain = vmi["spec"]["domain"]
+    domain["cpu"] = {"cores": 4, "dedicatedCpuPlacement": True, "numa": {"guestMappingPassthrough": {}}}
+    domain["memory"] = {"hugepages": {"pageSize": "2Mi"}}
+    domain["resources"] = {"requests": {"memory": "2Gi"}}
+    env = (
+        {**SEED_ENV, COMPANIONS_VAR: "0000:86:00.0=0000:86:00.1,0000:af:00.0=0000:af:00.1"}
+        if with_companions
+        else SEED_ENV
+    )
+    run = run_harness(
+        vmi,
+        env,
+        harness_args=["--pci-numa-aware", "--pci-sysfs", str(pci), "--topology", str(topology), "--cpuset", "0,1,2,3"],
+    )
+    expected = dict(SEED_GPUS)
+    if with_companions:
+        expected |= {"ua-gpu0-fn1": "0000:86:00.1", "ua-gpu1-fn1": "0000:af:00.1"}
+    final = assert_sound(run, expected, for_this_host=on_one_host_node)
+    for number, define in enumerate(run.report["defines"]):  # on every call, each GPU stays on its node's port
+        document = define["inactive"].encode()
+        buses, slots = numa_node_of_bus(document), multifunction_slots(document)
+        for alias, address in SEED_GPUS.items():
+            bus, _slot, function = slots[alias]
+            assert buses.get(str(bus)) == GPU_NODES[address], (number, alias, slots[alias], buses)
+            assert function == ("0x0+mf" if with_companions else "0x0"), (number, alias, function)
+        for companion, owner in (("ua-gpu0-fn1", "ua-gpu-gpu0"), ("ua-gpu1-fn1", "ua-gpu-gpu1")):
+            if with_companions:
+                assert slots[companion][:2] == slots[owner][:2], (number, companion, slots)
+    assert b"pcie-expander-bus" in final

@@ -25,6 +25,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -165,6 +166,7 @@ type options struct {
 	sidecars                                   uint
 	featureGates                               string
 	pciNUMAAware, keep                         bool
+	topology, cpuset                           string
 	collectTimeout                             time.Duration
 }
 
@@ -187,6 +189,8 @@ func main() {
 	flag.StringVar(&o.featureGates, "feature-gates", "", "comma-separated KubeVirt feature gates")
 	flag.BoolVar(&o.pciNUMAAware, "pci-numa-aware", false, "virt-handler's PCINUMAAwareTopologyEnabled")
 	flag.BoolVar(&o.keep, "keep", false, "leave the domain defined")
+	flag.StringVar(&o.topology, "topology", "", "virt-handler's node topology (cmdv1.Topology as JSON)")
+	flag.StringVar(&o.cpuset, "cpuset", "0,1", "the pod's cpuset (comma-separated CPU numbers)")
 	flag.Parse()
 	if o.vmi == "" || o.disks == "" {
 		fmt.Fprintln(os.Stderr, "launcher-harness: --vmi and --container-disks are required")
@@ -399,6 +403,10 @@ func run(o options, result *Result) error {
 		plugins.SetPlugins([]pluginv1alpha1.Plugin{pluginCR(o.plugin, o.pluginSocket)})
 	}
 
+	cpus, err := parseCPUSet(o.cpuset)
+	if err != nil {
+		return err
+	}
 	result.Stage = "libvirt"
 	connection, err := cli.NewConnection(o.uri, "", "", 10*time.Second)
 	if err != nil {
@@ -416,7 +424,7 @@ func run(o options, result *Result) error {
 		"/nonexistent/ephemeral-disks", nil, o.ovmf,
 		ephemeraldisk.NewEphemeralDiskCreator(filepath.Join(o.disks, "ephemeral")), metadata.NewCache(), stop,
 		virtconfig.DefaultDiskVerificationMemoryLimitBytes,
-		func() ([]int, error) { return []int{0, 1}, nil }, false, false, nil, v1.KvmHypervisorName, nil, "", false,
+		func() ([]int, error) { return cpus, nil }, false, false, nil, v1.KvmHypervisorName, nil, "", false,
 		false, false)
 	if err != nil {
 		return err
@@ -432,6 +440,16 @@ func run(o options, result *Result) error {
 		// as virt-handler fills it in (pkg/virt-handler/vm.go)
 		InterfaceDomainAttachment: domainspec.DomainAttachmentByInterfaceName(vmi.Spec.Domain.Devices.Interfaces,
 			clusterConfig.GetNetworkBindings()),
+	}
+	if o.topology != "" {
+		data, err := readBounded(o.topology)
+		if err != nil {
+			return err
+		}
+		vmOptions.Topology = &cmdv1.Topology{}
+		if err := json.Unmarshal(data, vmOptions.Topology); err != nil {
+			return fmt.Errorf("%s: %w", o.topology, err)
+		}
 	}
 	c, err := generateConverterContext(l, vmi, true, vmOptions, false)
 	if err != nil {
@@ -474,6 +492,18 @@ func run(o options, result *Result) error {
 	}
 	result.Stage = "done"
 	return nil
+}
+
+func parseCPUSet(text string) ([]int, error) {
+	var cpus []int
+	for _, field := range strings.Split(text, ",") {
+		cpu, err := strconv.Atoi(strings.TrimSpace(field))
+		if err != nil || cpu < 0 || cpu > 4095 {
+			return nil, fmt.Errorf("--cpuset %q: %q is not a CPU number", text, field)
+		}
+		cpus = append(cpus, cpu)
+	}
+	return cpus, nil
 }
 
 func pluginCR(name, socket string) pluginv1alpha1.Plugin {
