@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from lxml import etree
 
 from simkit.fixture_nodes import A100_NODE
@@ -31,7 +32,8 @@ from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal, qemu_argv_
 
 pytestmark = [pytest.mark.libvirt, pytest.mark.kubevirt]
 
-SEED = Path(__file__).resolve().parent.parent / "xmlgen" / "examples" / "seed-node01"
+ROOT = Path(__file__).resolve().parent.parent
+SEED = ROOT / "xmlgen" / "examples" / "seed-node01"
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
 RTX_VAR = "PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A"
 SEED_ENV = {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
@@ -369,3 +371,19 @@ def test_pci_numa_aware_topology_keeps_kubevirts_expander_buses(tmp_path: Path, 
             if with_companions:
                 assert slots[companion][:2] == slots[owner][:2], (number, companion, slots)
     assert b"pcie-expander-bus" in final
+
+
+def test_the_deployed_vm_goes_through_all_three_calls() -> None:
+    """deploy/hook-sidecar/vm-two-gpus.yaml (16 GiB: virt-launcher wants 6 free hotplug ports) as the VM
+    controller makes its VMI: allocateHotplugPorts defines it three times, the last after appending root
+    ports, and the hook keeps the two GPUs once each on every call."""
+    vm = yaml.safe_load((ROOT / "deploy" / "hook-sidecar" / "vm-two-gpus.yaml").read_text())
+    run = run_harness(unique_vmi(vm), SEED_ENV)
+    final = assert_sound(run, SEED_GPUS)
+    calls = run.report["hookCalls"]
+    assert len(calls) == 3
+    ports = [
+        len(etree.fromstring(c["input"].encode()).findall("devices/controller[@model='pcie-root-port']")) for c in calls
+    ]
+    assert ports[2] > ports[1], ports  # the third call's domain has the appended ports
+    assert len(hostdevs(final)) == 2

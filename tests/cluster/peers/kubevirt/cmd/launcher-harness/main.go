@@ -48,6 +48,7 @@ import (
 	"kubevirt.io/kubevirt/pkg/testutils"
 	"kubevirt.io/kubevirt/pkg/util/hardware"
 	virtconfig "kubevirt.io/kubevirt/pkg/virt-config"
+	vmwatch "kubevirt.io/kubevirt/pkg/virt-controller/watch/vm"
 	"kubevirt.io/kubevirt/pkg/virt-launcher/metadata"
 	"kubevirt.io/kubevirt/pkg/virt-launcher/virtwrap"
 	"kubevirt.io/kubevirt/pkg/virt-launcher/virtwrap/api"
@@ -172,7 +173,7 @@ type options struct {
 
 func main() {
 	var o options
-	flag.StringVar(&o.vmi, "vmi", "", "the VMI (JSON or YAML; a VirtualMachine's template is taken)")
+	flag.StringVar(&o.vmi, "vmi", "", "the VMI (JSON or YAML; of a VirtualMachine, the VMI its controller makes)")
 	flag.StringVar(&o.envFile, "env-file", "", "KEY=VALUE lines: the compute container's allocation env")
 	flag.StringVar(&o.out, "out", "", "write the JSON result here (default: stdout)")
 	flag.StringVar(&o.uri, "uri", "qemu:///system", "libvirt URI the domain is defined on")
@@ -279,9 +280,10 @@ func readVMI(path string) (*v1.VirtualMachineInstance, error) {
 		if vm.Spec.Template == nil {
 			return nil, fmt.Errorf("%s: VirtualMachine without spec.template", path)
 		}
-		vmi.ObjectMeta = vm.Spec.Template.ObjectMeta
-		vmi.Name, vmi.Namespace = vm.Name, vm.Namespace
-		vmi.Spec = vm.Spec.Template.Spec
+		if vm.Namespace == "" {
+			vm.Namespace = "default"
+		}
+		vmi = vmwatch.SetupVMIFromVM(vm) // the VM controller's own VMI for it
 	} else if err := k8syaml.UnmarshalStrict(data, vmi); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
