@@ -21,6 +21,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -303,17 +304,14 @@ func readBounded(path string) ([]byte, error) {
 		return nil, err
 	}
 	defer file.Close()
-	data := make([]byte, maxInputBytes+1)
-	n, err := file.Read(data)
-	for err == nil && n <= maxInputBytes {
-		var m int
-		m, err = file.Read(data[n:])
-		n += m
+	data, err := io.ReadAll(io.LimitReader(file, maxInputBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if n > maxInputBytes {
+	if len(data) > maxInputBytes {
 		return nil, fmt.Errorf("%s: larger than %d bytes", path, maxInputBytes)
 	}
-	return data[:n], nil
+	return data, nil
 }
 
 // setEnv puts the allocation env into this process, as the kubelet put it into the compute container.
