@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every role of kubevirt-gpu-passthrough:
 #   - the device plugin DaemonSet:  gpu-device-plugin serve --host-root /host   (deploy/device-plugin/)
 #   - the KubeVirt hook sidecar:    launcher-hook serve …                       (deploy/hook-sidecar/)
@@ -12,6 +11,10 @@
 # tests/test_dockerfile.py lints this file with hadolint and runs the builder stage's steps outside Docker:
 # keep every path in the builder's RUN lines behind $VIRTUAL_ENV or relative to the WORKDIR.
 
+# No `# syntax=` line: it would make BuildKit fetch the Dockerfile frontend image from Docker Hub first, which a
+# builder without a registry cannot do (the real-cluster suite builds this file that way, docs/real-cluster.md);
+# BuildKit's built-in frontend, and Docker 23+'s, has everything used here (RUN --mount=type=cache).
+# PYTHON_IMAGE: any Debian 12 Python 3.11 image with `python` on PATH; the suite uses one made by debootstrap.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS builder

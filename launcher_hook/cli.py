@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
+from launcher_hook.allocation import is_allocation_variable
 from launcher_hook.builder import SUPPORTED_DRIVERS, BuildOptions
 from launcher_hook.dra import MetadataFiles
 from launcher_hook.server import (
@@ -32,6 +33,7 @@ from launcher_hook.service import COMPONENT, HookService, log_call
 from launcher_hook.sources import (
     DEFAULT_CONTAINER,
     AllocationSource,
+    DomainSource,
     EnvironFileSource,
     PodResourcesSource,
     ProcessEnvSource,
@@ -57,9 +59,12 @@ def allocation_options(function: F) -> F:
             "--pod-resources-socket",
             type=click.Path(dir_okay=False, path_type=Path),
             envvar=hook_env("pod_resources_socket"),
-            help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); "
-            "only this hook's own pod is read: POD_NAMESPACE/POD_NAME, or else the virt-launcher pod of this "
-            "pod's hostname; a VMI naming another pod is refused. Takes precedence.",
+            help="Kubelet PodResources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock); root's only, so "
+            "for a sidecar running as root (a root VMI); only this hook's own pod is read: POD_NAMESPACE/POD_NAME, "
+            "or else the virt-launcher pod of this pod's hostname; a VMI naming another pod is refused. Takes "
+            "precedence. Without it or --environ-file, the process env if it holds PCI_RESOURCE_*/"
+            "MDEV_PCI_RESOURCE_*, else each call's domain XML (virt-launcher's ua-gpu-<name>/ua-hostdevice-<name> "
+            "hostdevs; no privilege needed).",
         ),
         click.option(
             "--environ-file",
@@ -89,12 +94,16 @@ def allocation_options(function: F) -> F:
 def make_source(
     pod_resources_socket: Path | None, environ_file: Path | None, container: str, env: Mapping[str, str]
 ) -> AllocationSource:
-    """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself."""
+    """The one source to use, by precedence: PodResources, then the environ file, then ``env`` itself when it
+    holds an allocation variable (the hook runs in ``compute``), else the domain XML of each call (a sidecar:
+    the kubelet gives it none of compute's variables, and virt-launcher has rendered them into the domain)."""
     if pod_resources_socket is not None:
         return PodResourcesSource(pod_resources_socket, container=container, identity=own_pod_identity(env))
     if environ_file is not None:
         return EnvironFileSource(environ_file)
-    return ProcessEnvSource(env)
+    if any(is_allocation_variable(name) for name in env):
+        return ProcessEnvSource(env)
+    return DomainSource()
 
 
 def force_gpu_aliases_option(function: F) -> F:
@@ -142,8 +151,8 @@ def mmio_window_options(function: F) -> F:
         show_default=True,
         envvar=hook_env("sysfs_root"),
         help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource), "
-        "and, with --pod-resources-socket (which carries no companion variable), each passthrough GPU's "
-        "companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
+        "and, when the allocation is read from PodResources or the domain (which carry no companion variable), "
+        "each passthrough GPU's companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
     )(function)
     return click.option(
         "--pci-mmio64",
@@ -164,7 +173,7 @@ def bar_source(pci_mmio64: str, sysfs_root: Path) -> SysfsBars | None:
 
 def companion_reader(sysfs_root: Path) -> SysfsCompanions:
     """The companion reader the builder gets; the service uses it only with a source that carries no companion
-    variable (PodResources)."""
+    variable (PodResources, the domain)."""
     return SysfsCompanions(sysfs_root)
 
 

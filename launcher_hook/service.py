@@ -88,7 +88,7 @@ class HookService:
         source = self.source.describe()
         details: dict[str, object] = {}
         try:
-            loaded = self.source.load(vmi_json)
+            loaded = self.source.load(vmi_json, domain_xml)
             source = loaded.source
             options = self._env_options if loaded.carries_companions else self.options
             result = build_domain(domain_xml, vmi_json, loaded.env, options)

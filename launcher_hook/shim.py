@@ -10,7 +10,8 @@ The shim passes no other arguments, so the allocation source and options are cho
 (``LAUNCHER_HOOK_POD_RESOURCES_SOCKET``, ``LAUNCHER_HOOK_ENVIRON_FILE``, ``LAUNCHER_HOOK_CONTAINER``,
 ``LAUNCHER_HOOK_DRIVER``, ``LAUNCHER_HOOK_FORCE_GPU_ALIASES``, ``LAUNCHER_HOOK_PCI_MMIO64``,
 ``LAUNCHER_HOOK_SYSFS_ROOT``, ``LAUNCHER_HOOK_DRA_METADATA_ROOT``), with the same precedence as
-``launcher-hook serve``; so is the log line format (``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or
+``launcher-hook serve`` (with none of them, and no allocation variable in its env, the allocation is read from the
+``--domain`` XML); so is the log line format (``LAUNCHER_HOOK_LOG_FORMAT``: ``json``, the default, or
 ``text``).
 """
 

@@ -2,22 +2,29 @@
 
 The kubelet puts ``PCI_RESOURCE_*`` / ``MDEV_PCI_RESOURCE_*`` only into the container that asked for the
 devices (``compute``); a hook sidecar sees none of it (docs/protocols.md, "KubeVirt hooks"). So the hook reads the
-allocation from one of three sources, chosen once at start in this order of precedence:
+allocation from one of four sources, chosen once at start in this order of precedence:
 
 1. the kubelet PodResources API (``--pod-resources-socket``): the named container's devices, turned into the
-   same variables the env would hold (docs/protocols.md, "Kubelet PodResources API");
+   same variables the env would hold (docs/protocols.md, "Kubelet PodResources API"); the kubelet's socket is
+   root's only, so this needs a sidecar running as root (a root VMI);
 2. an environ file (``--environ-file``): ``/proc/<pid>/environ`` or ``KEY=VALUE`` lines;
-3. the process env (when the hook runs inside ``compute`` itself, or in tests).
+3. the process env, when it holds an allocation variable (the hook runs inside ``compute`` itself, or tests);
+4. otherwise the domain XML of each call (:class:`DomainSource`): virt-launcher has already rendered a
+   ``<hostdev>`` for every ``gpus[]``/``hostDevices[]`` entry from its own env, under the alias
+   ``ua-gpu-<name>``/``ua-hostdevice-<name>``; no socket and no privilege (docs/kubevirt-hostdevs.md,
+   "The domain as the allocation source").
 
 Each source returns an env-shaped mapping for ``build_domain``, and says whether it can carry the plugin's
-companion variable (``PCI_COMPANIONS_*``): the env and environ file can; PodResources reports device IDs only,
-so with it the hook reads the GPUs' companions from sysfs (``BuildOptions.companion_reader``). A source that
-cannot be read raises ``SourceUnavailable`` (the server answers ``FAILED_PRECONDITION``) naming what it tried.
+companion variable (``PCI_COMPANIONS_*``): the env and environ file can; PodResources and the domain hold device
+IDs only, so with them the hook reads the GPUs' companions from sysfs (``BuildOptions.companion_reader``). A
+source that cannot be read raises ``SourceUnavailable`` (the server answers ``FAILED_PRECONDITION``) naming what
+it tried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -29,12 +36,16 @@ from typing import Any, Protocol
 import grpc
 
 from launcher_hook.allocation import allocation_variables, parse_environ
+from launcher_hook.domain import ParsedDomain, parse_domain, read_hostdevs
+from launcher_hook.hostdevs import model_for_type
+from launcher_hook.matching import KUBEVIRT_ALIAS_PREFIX, KUBEVIRT_USB_ALIAS_PREFIX
 from runtime.files import read_regular_file
 from schemas import InputError
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
 from schemas.kinds import kind_of_id
-from schemas.vmi import parse_vmi
+from schemas.limits import DEFAULT_MAX_INPUT_BYTES
+from schemas.vmi import VirtualMachineInstance, parse_vmi
 
 DEFAULT_CONTAINER = "compute"
 POD_RESOURCES_TIMEOUT_SECONDS = 10.0
@@ -73,8 +84,9 @@ class AllocationSource(Protocol):
         """What this source reads, for the start-up log."""
         ...
 
-    def load(self, vmi_json: bytes | None) -> Loaded:
-        """The allocation now; ``vmi_json`` helps find the pod when its name is not configured."""
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
+        """The allocation now; ``vmi_json`` helps find the pod when its name is not configured; ``domain_xml`` is
+        the call's domain (the domain source reads the allocation from it, the others ignore it)."""
         ...
 
     def close(self) -> None: ...
@@ -90,7 +102,7 @@ class ProcessEnvSource:
     def describe(self) -> str:
         return "process env"
 
-    def load(self, vmi_json: bytes | None) -> Loaded:
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
         return Loaded(self._env, "process env")
 
     def close(self) -> None:
@@ -128,7 +140,7 @@ class EnvironFileSource:
     def describe(self) -> str:
         return f"environ file {self.path}"
 
-    def load(self, vmi_json: bytes | None) -> Loaded:
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
         data = read_environ_file(self.path, self.max_bytes)
         try:
             env = parse_environ(data)
@@ -332,7 +344,7 @@ class PodResourcesSource:
     def close(self) -> None:
         self._channel.close()
 
-    def load(self, vmi_json: bytes | None) -> Loaded:
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
         ref = _vmi_ref(vmi_json)
         if ref is None and vmi_json:
             parse_vmi(vmi_json)  # a VMI that is not valid is the caller's error: the builder's InputError
@@ -372,9 +384,18 @@ class PodResourcesSource:
         return pod, "List"
 
     def _unreachable(self, method: str, error: grpc.RpcError) -> SourceUnavailable:
+        details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+        if "permission denied" in details.lower():
+            hint = (
+                f"this process (uid {os.getuid()}) may not connect to it: the kubelet keeps the socket and its "
+                "directory root's (0755 in a 0750 directory), so PodResources needs a sidecar running as root "
+                "(a root VMI; KubeVirt runs the hook sidecars of a non-root VMI as uid 107); leave out "
+                "--pod-resources-socket and the hook reads the allocation from the domain virt-launcher sends"
+            )
+        else:
+            hint = "is /var/lib/kubelet/pod-resources mounted into this container?"
         return SourceUnavailable(
-            f"the kubelet PodResources socket {self.socket_path} did not answer {method} ({_rpc_text(error)}); "
-            "is /var/lib/kubelet/pod-resources mounted into this container?"
+            f"the kubelet PodResources socket {self.socket_path} did not answer {method} ({_rpc_text(error)}); {hint}"
         )
 
     def _list(self, tried: str) -> list[podresources.PodResources]:
@@ -466,3 +487,100 @@ def _check_caller_claim(ref: _VmiRef, pod: podresources.PodResources) -> None:
             f"the VMI {ref.namespace}/{ref.name} is not the one this hook's pod {pod.namespace}/{pod.name} runs; "
             "refusing to read another pod's devices"
         )
+
+
+class DomainSource:
+    """The allocation as virt-launcher rendered it into the domain XML of the call itself: no socket, no privilege.
+
+    virt-launcher reads ``PCI_RESOURCE_<NAME>``/``MDEV_PCI_RESOURCE_<NAME>`` from its own env (it runs in
+    ``compute``) and writes one ``<hostdev>`` per ``gpus[]``/``hostDevices[]`` entry with a ``deviceName``, with
+    the alias ``ua-gpu-<name>``/``ua-hostdevice-<name>`` and the device's PCI address or mdev UUID as its source,
+    before it calls ``OnDefineDomain`` (docs/kubevirt-hostdevs.md, "The domain as the allocation source"). So each
+    entry's device is the source of the hostdev with its alias (or the hook's own ``ua-gpuN``/``ua-hostdevN``,
+    for a domain this hook already went through), read as libvirt reads it (:func:`read_hostdevs`), and filed
+    under the variable virt-launcher read it from, in entry order. DRA entries (no ``deviceName``) are left to
+    the builder's claim reader; a ``hostDevices[]`` entry virt-launcher rendered as USB (``ua-usb-host-<name>``)
+    is left to virt-launcher. The domain carries no companion variable: the hook reads companions from sysfs.
+
+    Both documents are read with the builder's own limits (``max_input_bytes``) and parsers, so the source
+    refuses what the builder would (``InputError``: ``INVALID_ARGUMENT``); so is an entry with no hostdev to read,
+    naming the entry and the aliases looked for. A call without a domain or a VMI is ``SourceUnavailable``.
+    """
+
+    def __init__(self, max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
+        self.max_input_bytes = max_input_bytes
+
+    def describe(self) -> str:
+        return "domain XML of each call (virt-launcher's ua-gpu-<name>/ua-hostdevice-<name> hostdevs)"
+
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
+        if not domain_xml:
+            raise SourceUnavailable("the allocation is read from the call's domain XML, and this call has none")
+        if not vmi_json:
+            raise SourceUnavailable(
+                "the allocation is read from the call's domain XML by each gpus[]/hostDevices[] entry's alias, "
+                "and this call has no VMI to name the entries"
+            )
+        vmi = parse_vmi(vmi_json, max_bytes=self.max_input_bytes)
+        parsed = parse_domain(domain_xml, self.max_input_bytes)
+        return Loaded(env_from_domain(vmi, parsed), "domain XML", carries_companions=False)
+
+    def close(self) -> None:
+        return None
+
+
+_OWN_ALIAS_PREFIX = {"gpus": "ua-gpu", "hostDevices": "ua-hostdev"}
+"""The hook's own alias of an entry it added (this prefix and the entry's index, ``matching._Request.alias``)."""
+
+
+def env_from_domain(vmi: VirtualMachineInstance, parsed: ParsedDomain) -> dict[str, str]:
+    """The variables virt-launcher's env held for ``vmi``'s entries, as its hostdevs in ``parsed`` show them.
+
+    Per entry with a ``deviceName`` (in ``gpus[]`` then ``hostDevices[]`` order): the source of the hostdev
+    aliased ``ua-gpu-<name>``/``ua-hostdevice-<name>`` (else the hook's ``ua-gpuN``/``ua-hostdevN``), under
+    ``PCI_RESOURCE_<NAME>`` or ``MDEV_PCI_RESOURCE_<NAME>`` by the hostdev's type. ``InputError`` (the domain and
+    the VMI the caller sent disagree) names every entry whose hostdev is missing or has no source the hook reads,
+    and a device two entries hold.
+    """
+    aliases = read_hostdevs(parsed).view.alias_sources
+    devices = vmi.spec.domain.devices
+    pools: dict[str, list[str]] = {}
+    holder: dict[tuple[str, str], str] = {}
+    problems: list[str] = []
+    entries: list[tuple[str, int, str, str | None]] = [
+        ("gpus", index, gpu.name, gpu.device_name) for index, gpu in enumerate(devices.gpus)
+    ] + [("hostDevices", index, host.name, host.device_name) for index, host in enumerate(devices.host_devices)]
+    for list_name, index, name, device_name in entries:
+        if not device_name:
+            continue  # a DRA entry: its device comes from its claim's metadata
+        label = f"{list_name}[{index}] {name!r} (deviceName {device_name})"
+        if list_name == "hostDevices" and KUBEVIRT_USB_ALIAS_PREFIX + name in aliases:
+            continue  # a USB device virt-launcher rendered and owns
+        wanted = (KUBEVIRT_ALIAS_PREFIX[list_name] + name, f"{_OWN_ALIAS_PREFIX[list_name]}{index}")
+        alias = next((alias for alias in wanted if alias in aliases), None)
+        if alias is None:
+            problems.append(f"{label} has no <hostdev> aliased {' or '.join(repr(a) for a in wanted)}")
+            continue
+        key = aliases[alias]
+        model = model_for_type(key[0]) if key is not None else None
+        if key is None or model is None:
+            problems.append(f"{label}: its <hostdev> {alias!r} has no PCI address or mdev UUID the hook reads")
+            continue
+        if key in holder:
+            problems.append(f"{label}: its <hostdev> {alias!r} passes {key[1]}, which {holder[key]} holds too")
+            continue
+        holder[key] = label
+        pools.setdefault(model.kind.env_var(device_name), []).append(key[1])
+    if problems:
+        shown = "; ".join(problems[:_PROBLEMS_SHOWN])
+        more = f" (and {len(problems) - _PROBLEMS_SHOWN} more)" if len(problems) > _PROBLEMS_SHOWN else ""
+        raise InputError(
+            f"domain XML: {shown}{more}; virt-launcher renders one for every entry whose PCI_RESOURCE_<NAME> or "
+            "MDEV_PCI_RESOURCE_<NAME> it has, before it calls the hook (was the domain made by virt-launcher, or "
+            "did an earlier hook change it?)"
+        )
+    return {variable: ",".join(ids) for variable, ids in pools.items()}
+
+
+_PROBLEMS_SHOWN = 8
+"""Entries an error names at most (a VMI may list thousands; the message says how many more)."""

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/ensure-system.sh
 bash scripts/bootstrap.sh dev
 bash scripts/ensure-realnode.sh
+bash scripts/ensure-cluster.sh
 export PATH="$PWD/.venv/bin:$PATH"
 # KubeVirt's launcher harness (the tests marked kubevirt): built before pytest, not inside a test's timeout (a
 # cold build takes minutes); without Go the tests skip, and under CI=true this step fails instead.

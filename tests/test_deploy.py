@@ -566,13 +566,10 @@ def test_the_example_vm_asks_for_two_gpus_through_the_hook(built: list[Doc]) -> 
     assert sidecar["command"] == ["launcher-hook"] and sidecar["args"][0] == "serve"
     # One image for both roles.
     assert sidecar["image"] == container(one(built, "DaemonSet", "gpu-device-plugin"))["image"]
-    # The claim the sidecar mounts exists in the VM's namespace, bound to the PodResources PV.
-    claim = one(built, "PersistentVolumeClaim", sidecar["pvc"]["name"])
-    assert claim["metadata"]["namespace"] == vm["metadata"]["namespace"]
+    # It reads the allocation from the domain: no volume, so nothing of the node's kubelet directory is built.
+    assert "pvc" not in sidecar and "configMap" not in sidecar
     assert one(built, "Namespace", vm["metadata"]["namespace"])
-    volume = one(built, "PersistentVolume", claim["spec"]["volumeName"])
-    assert volume["spec"]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
-    assert volume["spec"]["claimRef"] == {"namespace": vm["metadata"]["namespace"], "name": claim["metadata"]["name"]}
+    assert not [doc for doc in built if doc["kind"] in ("PersistentVolume", "PersistentVolumeClaim")]
 
 
 def test_every_part_builds_alone(built: list[Doc]) -> None:

@@ -168,8 +168,9 @@ def test_shim_takes_the_source_from_env_variables(directory: Path) -> None:
             None,
             None,
             False,
-            f"INVALID_ARGUMENT: gpus[0] 'gpu0' (deviceName nvidia.com/TU106_GEFORCE_RTX_2060_REV__A): "
-            f"no allocation variable found; looked for {RTX_VAR}",
+            # no allocation variable in the env: the allocation is read from the domain, which lacks the GPUs
+            "INVALID_ARGUMENT: domain XML: gpus[0] 'gpu0' (deviceName nvidia.com/TU106_GEFORCE_RTX_2060_REV__A) "
+            "has no <hostdev> aliased 'ua-gpu-gpu0' or 'ua-gpu0'",
         ),
     ],
 )

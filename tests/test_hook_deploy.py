@@ -13,8 +13,9 @@ import click
 import pytest
 import yaml
 
-from launcher_hook.cli import cli, serve
+from launcher_hook.cli import cli, make_source, serve
 from launcher_hook.server import DEFAULT_PLUGIN_SOCKET, PLUGIN_NAME
+from launcher_hook.sources import DomainSource
 from schemas.vmi import parse_vmi
 from tests.test_deploy import kustomize_build
 
@@ -32,13 +33,16 @@ def sidecars(vm: dict[str, Any]) -> list[dict[str, Any]]:
     return parsed
 
 
-@pytest.mark.parametrize("name", ["vm-two-gpus.yaml", "vm-two-gpus-shim.yaml"])
-def test_example_vm_asks_for_two_gpus_and_mounts_pod_resources(name: str) -> None:
+@pytest.mark.parametrize("name", ["vm-two-gpus.yaml", "vm-two-gpus-shim.yaml", "vm-two-gpus-root.yaml"])
+def test_example_vm_asks_for_two_gpus_and_only_the_root_variant_mounts_pod_resources(name: str) -> None:
     (vm,) = documents(name)
     assert vm["kind"] == "VirtualMachine"
     vmi = parse_vmi(json.dumps(vm).encode())
     assert [gpu.device_name for gpu in vmi.spec.domain.devices.gpus] == ["nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"] * 2
     (sidecar,) = sidecars(vm)
+    if name != "vm-two-gpus-root.yaml":
+        assert "pvc" not in sidecar  # the domain source needs no volume (and a non-root sidecar no socket)
+        return
     assert sidecar["pvc"] == {"name": "kubelet-pod-resources", "volumePath": "/var/lib/kubelet/pod-resources"}
     claims = {
         doc["metadata"]["name"]
@@ -48,8 +52,25 @@ def test_example_vm_asks_for_two_gpus_and_mounts_pod_resources(name: str) -> Non
     assert sidecar["pvc"]["name"] in claims
 
 
-def test_example_sidecar_command_is_accepted_by_the_cli() -> None:
+def test_the_recommended_sidecar_reads_the_domain_as_kubevirt_starts_it() -> None:
+    """``launcher-hook serve`` and nothing else: with the env KubeVirt gives a hook sidecar (CONTAINER_NAME, no
+    device-plugin variable) the source is the domain of each call."""
     (vm,) = documents("vm-two-gpus.yaml")
+    (sidecar,) = sidecars(vm)
+    assert sidecar["command"] == ["launcher-hook"]
+    subcommand, *args = sidecar["args"]
+    assert cli.get_command(click.Context(cli), subcommand) is serve
+    params = serve.make_context("serve", args).params
+    assert params["pod_resources_socket"] is None and params["environ_file"] is None
+    env = {"CONTAINER_NAME": "hook-sidecar-0", "HOSTNAME": "vm-with-gpus", "PATH": "/usr/bin"}
+    source = make_source(params["pod_resources_socket"], params["environ_file"], params["container"], env)
+    assert isinstance(source, DomainSource)
+    (kustomization,) = documents("kustomization.yaml")
+    assert kustomization["resources"] == ["namespace.yaml", "vm-two-gpus.yaml"]
+
+
+def test_the_root_variants_sidecar_command_is_accepted_by_the_cli() -> None:
+    (vm,) = documents("vm-two-gpus-root.yaml")
     (sidecar,) = sidecars(vm)
     assert sidecar["command"] == ["launcher-hook"]
     subcommand, *args = sidecar["args"]
@@ -57,6 +78,8 @@ def test_example_sidecar_command_is_accepted_by_the_cli() -> None:
     sub = serve.make_context("serve", args)
     assert str(sub.params["pod_resources_socket"]) == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert str(sub.params["pod_resources_socket"]).startswith(sidecar["pvc"]["volumePath"] + "/")
+    (plain,) = documents("vm-two-gpus.yaml")
+    assert vm["spec"]["template"]["spec"] == plain["spec"]["template"]["spec"]  # the same VM otherwise
 
 
 def test_the_vms_namespace_enforces_pod_security_baseline_and_warns_restricted() -> None:
@@ -78,7 +101,7 @@ def test_only_the_hook_sidecar_may_mount_the_pod_resources_claim() -> None:
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert set(rule["operations"]) == {"CREATE", "UPDATE"}
     assert set(rule["resources"]) == {"pods", "pods/ephemeralcontainers"}
-    (vm,) = documents("vm-two-gpus.yaml")
+    (vm,) = documents("vm-two-gpus-root.yaml")
     (sidecar,) = sidecars(vm)
     # The binding covers the VM's namespace, the policy names the sidecar's claim and accepts the sidecar as written.
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
@@ -129,16 +152,14 @@ def cel_literal(expression: str) -> Any:
     return json.loads("".join(parts))
 
 
-def injected(policy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The volume and the container the injector's JSON patches add."""
+def injected(policy: dict[str, Any]) -> dict[str, Any]:
+    """The container the injector's JSON patch adds (and nothing else: no volume)."""
     ((mutation,),) = [policy["spec"]["mutations"]]
     assert mutation["patchType"] == "JSONPatch"
     patches = cel_literal(mutation["jsonPatch"]["expression"])
-    assert [(patch["op"], patch["path"]) for patch in patches] == [
-        ("add", "/spec/volumes/-"),
-        ("add", "/spec/containers/-"),
-    ]
-    return patches[0]["value"], patches[1]["value"]
+    assert [(patch["op"], patch["path"]) for patch in patches] == [("add", "/spec/containers/-")]
+    value: dict[str, Any] = patches[0]["value"]
+    return value
 
 
 def test_cel_literal_reads_typed_objects_and_refuses_anything_else() -> None:
@@ -178,7 +199,7 @@ def test_the_injected_sidecar_serves_the_plugin_api_where_the_plugin_cr_says() -
     assert (policy["kind"], binding["kind"]) == ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert policy["spec"]["reinvocationPolicy"] == "Never" and policy["spec"]["failurePolicy"] == "Fail"
-    volume, container = injected(policy)
+    container = injected(policy)
     (plugin,) = plugin_documents("plugin.yaml")
     (hook,) = plugin["spec"]["domainHooks"]
 
@@ -194,15 +215,10 @@ def test_the_injected_sidecar_serves_the_plugin_api_where_the_plugin_cr_says() -
     # Only the plugin's own sub-directory, mounted where the socket path puts it (KubeVirt refuses no subPath).
     assert sockets["subPath"] == plugin["metadata"]["name"]
     assert Path(sockets["mountPath"]) == Path(hook["sidecar"]["socketPath"]).parent
-    pod_resources = mounts[volume["name"]]
-    assert pod_resources["readOnly"] is True and volume["persistentVolumeClaim"]["readOnly"] is True
-    assert str(params["pod_resources_socket"]).startswith(pod_resources["mountPath"] + "/")
-    claims = {
-        d["metadata"]["name"] for d in documents("pod-resources-volume.yaml") if d["kind"] == "PersistentVolumeClaim"
-    }
-    assert volume["persistentVolumeClaim"]["claimName"] in claims
-    env = {item["name"]: item["valueFrom"]["fieldRef"]["fieldPath"] for item in container["env"]}
-    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    # Non-root, so it could never reach the kubelet's PodResources socket: it reads the domain, mounting nothing else.
+    assert list(mounts) == [KUBEVIRT_PLUGIN_SOCKETS_VOLUME]
+    assert params["pod_resources_socket"] is None and params["environ_file"] is None
+    assert isinstance(make_source(None, None, params["container"], {"PATH": "/usr/bin"}), DomainSource)
     security = container["securityContext"]
     assert security["allowPrivilegeEscalation"] is False and security["runAsNonRoot"] is True
     assert security["capabilities"] == {"drop": ["ALL"]}
@@ -216,17 +232,6 @@ def test_the_injected_sidecar_serves_the_plugin_api_where_the_plugin_cr_says() -
     assert f'v.name == "{KUBEVIRT_PLUGIN_SOCKETS_VOLUME}"' in conditions
     assert f'!object.spec.containers.exists(c, c.name == "{container["name"]}")' in conditions
     assert 'r.startsWith("nvidia.com/")' in conditions
-
-
-def test_the_pod_resources_policy_admits_the_injected_sidecar_as_written() -> None:
-    policy, _ = documents("pod-resources-policy.yaml")
-    _, container = injected(plugin_documents("sidecar-injector.yaml")[0])
-    expressions = " ".join(validation["expression"] for validation in policy["spec"]["validations"])
-    assert f"c.name == '{container['name']}'" in expressions
-    variables = {variable["name"]: variable["expression"] for variable in policy["spec"]["variables"]}
-    assert container["image"].startswith(variables["imagePrefix"].strip("\"'"))
-    assert "a.startsWith('--plugin-socket')" in expressions
-    assert not any(arg.startswith(("--socket", "--plugin-socket")) for arg in container["args"])
 
 
 def test_the_plugin_overlay_is_the_same_vm_without_the_sidecar_annotation() -> None:

@@ -148,7 +148,7 @@ def test_the_example_sidecar_keeps_virt_launchers_dra_gpus_and_adds_their_compan
         code, lines = finish(process)
     assert code == 0
     (call,) = [line for line in lines if line["event"] == "OnDefineDomain"]
-    assert call["status"] == "OK" and call["source"] == ProcessEnvSource({}).describe()
+    assert call["status"] == "OK" and call["source"] == "domain XML"  # a sidecar without a source option
     warnings = call["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 2
     for name, address in GPUS.items():

@@ -157,7 +157,7 @@ class FlakySource:
     def describe(self) -> str:
         return "flaky"
 
-    def load(self, vmi_json: bytes | None) -> Loaded:
+    def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
         with self._lock:
             self.calls += 1
             if self.calls == 1:

@@ -38,7 +38,7 @@ def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {container["name"]: container for container in pod["spec"]["containers"]}
 
 
-def test_the_hook_sidecar_vm_gets_its_gpus_the_sidecar_and_the_pod_resources_volume() -> None:
+def test_the_hook_sidecar_vm_gets_its_gpus_and_the_sidecar() -> None:
     pod = render(DEPLOY / "hook-sidecar" / "vm-two-gpus.yaml", "--namespace", "gpu-vms")
     assert pod["metadata"]["generateName"] == "virt-launcher-vm-with-gpus-"
     assert pod["metadata"]["namespace"] == "gpu-vms"
@@ -49,22 +49,29 @@ def test_the_hook_sidecar_vm_gets_its_gpus_the_sidecar_and_the_pod_resources_vol
     assert compute["resources"]["requests"][RTX] == "2" and compute["resources"]["limits"][RTX] == "2"
     sidecar = by_name["hook-sidecar-0"]  # from the hooks.kubevirt.io/hookSidecars annotation
     assert sidecar["image"] == "registry.example.com/kubevirt-gpu-passthrough:0.1.0"
-    assert sidecar["command"] == ["launcher-hook"]
-    assert sidecar["args"] == ["serve", "--pod-resources-socket", "/var/lib/kubelet/pod-resources/kubelet.sock"]
+    assert (sidecar["command"], sidecar["args"]) == (["launcher-hook"], ["serve"])
     mounts = {mount["name"]: mount for mount in sidecar["volumeMounts"]}
     # the hook's socket directory appears to compute as /var/run/kubevirt-hooks/hook-sidecar-0/ (pkg/hooks
-    # Collect reads the sub-directories), and the PodResources claim where the annotation's pvc asks
+    # Collect reads the sub-directories)
     assert mounts["hook-sidecar-sockets"] == {
         "mountPath": "/var/run/kubevirt-hooks",
         "name": "hook-sidecar-sockets",
         "subPath": "hook-sidecar-0",
     }
-    assert mounts["kubelet-pod-resources"]["mountPath"] == "/var/lib/kubelet/pod-resources"
-    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
-    assert volumes["kubelet-pod-resources"]["persistentVolumeClaim"]["claimName"] == "kubelet-pod-resources"
+    assert "kubelet-pod-resources" not in mounts  # the recommended hook reads virt-launcher's domain
     compute_mounts = {mount["name"]: mount["mountPath"] for mount in compute["volumeMounts"]}
     assert compute_mounts["hook-sidecar-sockets"] == "/var/run/kubevirt-hooks"
     assert RTX not in sidecar.get("resources", {}).get("requests", {})  # only compute asks for the GPUs
+
+
+def test_the_root_vm_mounts_the_pod_resources_claim_in_the_sidecar() -> None:
+    pod = render(DEPLOY / "hook-sidecar" / "vm-two-gpus-root.yaml")
+    sidecar = containers(pod)["hook-sidecar-0"]
+    assert sidecar["args"] == ["serve", "--pod-resources-socket", "/var/lib/kubelet/pod-resources/kubelet.sock"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in sidecar["volumeMounts"]}
+    assert mounts["kubelet-pod-resources"] == "/var/lib/kubelet/pod-resources"
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    assert volumes["kubelet-pod-resources"]["persistentVolumeClaim"]["claimName"] == "kubelet-pod-resources"
 
 
 def test_the_shim_vm_renders_too() -> None:

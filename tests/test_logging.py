@@ -297,7 +297,7 @@ def test_hook_internal_error_is_logged_at_error_with_its_traceback(hook_logger: 
         def describe(self) -> str:
             return "broken source"
 
-        def load(self, vmi_json: bytes) -> object:
+        def load(self, vmi_json: bytes, domain_xml: bytes | None = None) -> object:
             raise RuntimeError("boom")
 
         def close(self) -> None:

@@ -28,6 +28,7 @@ func main() {
 		components.NewVirtualMachinePreferenceCrd,
 		components.NewVirtualMachineClusterPreferenceCrd,
 		components.NewMigrationPolicyCrd,
+		components.NewPluginCrd,
 	}
 	for _, make := range makers {
 		crd, err := make()

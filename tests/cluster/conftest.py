@@ -1,0 +1,78 @@
+"""Session fixtures of the real-cluster suite: the cluster (up once), the project's image built into it, the
+fixture host tree node01 and the stand-in ``/dev/vfio`` nodes.
+
+A missing piece (not root, the peers cannot be built: no Go, no module proxy) fails under ``CI=true`` and skips
+elsewhere, naming it. A cluster that was built but does not come up, or leaves something behind at ``down``,
+always fails. A cluster that was already up when the session started (``scripts/cluster.sh up`` by hand) is
+used and left up; otherwise the session brings it down at the end and checks that nothing is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from simkit.fixture_nodes import NODE01
+from simkit.sysfs_fixture import build as build_node
+from tests.cluster import images, kit
+from tests.cluster.support import (
+    WORKLOAD_LABEL,
+    Cluster,
+    deploy_plugin,
+    make_dev_vfio,
+    plugin_serving,
+    remove_dev_vfio,
+)
+from tests.libvirt_support import missing
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        missing("the real cluster runs as root (kubelet, containerd, runc)", "cluster piece missing")
+    try:
+        peers = kit.build_peers()
+    except kit.ClusterError as exc:
+        missing(f"the peers cannot be built: {exc}", "cluster piece missing")
+        raise  # unreachable
+    was_up = kit.pid_of("kubelet") is not None
+    kit.up(peers)
+    images.build_project_image(peers)
+    yield Cluster(peers)
+    if not was_up and os.environ.get("KGP_CLUSTER_KEEP") != "1":
+        problems = kit.down()
+        assert not problems, f"scripts/cluster.sh down left: {problems}"
+
+
+NODE01_FOR_VMS = dataclasses.replace(
+    NODE01, functions=tuple(f for f in NODE01.functions if f.driver != "nvidia" and f.address != "0000:d7:00.0")
+)
+"""node01 without its T4 (left on ``nvidia`` for containers): a node whose every NVIDIA GPU serves VMs, as the
+node agent's ``bind --all`` on a ``vm-passthrough`` node expects. A fixture tree has no kernel behind it, so the
+agent could not move the T4 to vfio-pci here; the plugin's view (four TU106) is the same either way."""
+
+
+@pytest.fixture(scope="package")
+def node01_tree(cluster: Cluster) -> Iterator[Path]:
+    """node01's sysfs (four TU106 cards on vfio-pci) as a host path the DaemonSets mount, and its groups' nodes."""
+    root = kit.STATE / "fixtures" / "node01"
+    if not (root / "sys").exists():
+        build_node(NODE01_FOR_VMS, root)
+    (root / "lib" / "modules").mkdir(parents=True, exist_ok=True)
+    groups = sorted(p.name for p in (root / "dev" / "vfio").iterdir() if p.name.isdigit())
+    made = make_dev_vfio(groups)
+    yield root
+    remove_dev_vfio(made)
+
+
+@pytest.fixture(scope="package")
+def gpu_node(cluster: Cluster, node01_tree: Path) -> Cluster:
+    """The plugin deployed against node01's tree, the node labelled ``vm-passthrough``, four GPUs allocatable."""
+    deploy_plugin(cluster, node01_tree)
+    cluster.label_node(WORKLOAD_LABEL, "vm-passthrough")
+    plugin_serving(cluster)
+    return cluster
