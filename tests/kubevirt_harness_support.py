@@ -96,14 +96,15 @@ def unique_vmi(vmi: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def _hook(directory: Path, env_file: Path, api: str, hook_args: Sequence[str]) -> Iterator[list[dict[str, Any]]]:
+def _hook(directory: Path, env_file: Path | None, api: str, hook_args: Sequence[str]) -> Iterator[list[dict[str, Any]]]:
     hooks = directory / "hooks" / HOOK_CONTAINER
     plugin = directory / "plugins" / PLUGIN
     hooks.mkdir(parents=True)
     plugin.mkdir(parents=True)
     sockets = {"hooks": hooks / "gpu-hostdev.sock", "plugins": plugin / "hook.sock"}
     program = Path(sys.executable).parent / "launcher-hook"
-    command = [str(program), "serve", "--api", api, "--environ-file", str(env_file), *hook_args]
+    source = ["--environ-file", str(env_file)] if env_file is not None else []
+    command = [str(program), "serve", "--api", api, *source, *hook_args]
     command += ["--socket", str(sockets["hooks"]), "--plugin-socket", str(sockets["plugins"])]
     log_path = directory / "hook.log"
     with log_path.open("wb") as log:
@@ -137,10 +138,13 @@ def run_harness(
     hook_args: Sequence[str] = (),
     harness_args: Sequence[str] = (),
     dra_devices: Mapping[tuple[str, str], str] | None = None,
+    hook_reads_env: bool = True,
 ) -> HarnessRun:
     """One virt-launcher sequence for ``vmi`` with the compute container's ``env``, against ``launcher-hook
     serve --api <api>``. ``dra_devices`` ((claimName, requestName) → device ID) are written as KEP-5304's
-    metadata files, which KubeVirt's DRA code and the hook's (``--dra-metadata-root``) both read."""
+    metadata files, which KubeVirt's DRA code and the hook's (``--dra-metadata-root``) both read. Without
+    ``hook_reads_env`` the hook gets no source option and no allocation variable: it reads the allocation
+    from virt-launcher's domain, as the recommended sidecar does."""
     binary = harness_binary()
     with short_dir() as directory:
         env_file = directory / "compute.environ"
@@ -164,7 +168,7 @@ def run_harness(
             args += ["--sidecars", "1"]
         if api in ("plugins", "both"):
             args += ["--plugins-dir", str(directory / "plugins"), "--plugin", PLUGIN, "--plugin-socket", PLUGIN_SOCKET]
-        with _hook(directory, env_file, api, hook_args) as hook_log:
+        with _hook(directory, env_file if hook_reads_env else None, api, hook_args) as hook_log:
             done = subprocess.run(
                 [*args, *harness_args], capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False
             )

@@ -387,3 +387,13 @@ def test_the_deployed_vm_goes_through_all_three_calls() -> None:
     ]
     assert ports[2] > ports[1], ports  # the third call's domain has the appended ports
     assert len(hostdevs(final)) == 2
+
+
+def test_the_recommended_sidecar_reads_the_allocation_from_kubevirts_domain() -> None:
+    """deploy/hook-sidecar/vm-two-gpus.yaml's hook (`launcher-hook serve`, no source option, no allocation
+    variable in the sidecar): it takes the GPUs from the hostdevs virt-launcher wrote, on every call, also
+    from the later calls' read-back domains."""
+    run = run_harness(seed_vmi(), {**SEED_ENV, COMPANIONS_VAR: COMPANIONS}, hook_reads_env=False)
+    final = assert_sound(run, SEED_GPUS)
+    assert len(hostdevs(final)) == 2  # no companions: compute's env is not this source, and this /sys has no such GPU
+    assert all("domain" in str(event.get("source", "")) for event in run.hook_events("OnDefineDomain"))
