@@ -33,7 +33,7 @@ def kubevirt_rendered_domain() -> bytes:
     """``kubevirt_sized_domain`` with the 16 GPUs as virt-launcher renders them itself (alias
     ``ua-gpu-gpuN``, ``type="pci"`` on the source address, Go's attribute order): the hook merges with these."""
     hostdevs = "".join(
-        '\t\t<hostdev type="pci" managed="no" mode="subsystem">\n\t\t\t<source>\n\t\t\t\t<address type="pci" '
+        '\t\t<hostdev type="pci" managed="no">\n\t\t\t<source>\n\t\t\t\t<address type="pci" '
         f'domain="0x0000" bus="0x{address[5:7]}" slot="0x00" function="0x0"></address>\n\t\t\t</source>\n'
         f'\t\t\t<alias name="ua-gpu-gpu{index}"></alias>\n\t\t</hostdev>\n'
         for index, address in enumerate(sixteen_addresses())

@@ -33,6 +33,7 @@ from lxml import etree
 
 from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev, renderer_for
 from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
+from launcher_hook.hostdevs.base import CHANGED_MODE as _MODE
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
 from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
 from launcher_hook.hostdevs.base import CHANGED_SWITCHES as _SWITCHES
@@ -256,9 +257,13 @@ class HostdevsInDomain:
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
 
 
-KubevirtForm = tuple[str, tuple[int, int] | None]
-"""A hostdev in virt-launcher's PCI form: its alias and where `` type="pci"`` sits on its source address in the
-bytes (None: the address has no type)."""
+KubevirtForm = tuple[str, tuple[int, int] | None, int | None]
+"""A hostdev in virt-launcher's PCI form: its alias, where `` type="pci"`` sits on its source address in the
+bytes (None: the address has no type) and where `` mode="subsystem"`` goes in its start tag (None: it is there;
+KubeVirt 1.9 writes its PCI hostdevs without it, docs/kubevirt-hostdevs.md)."""
+
+_MODE_ATTRIBUTE = b' mode="subsystem"'
+
 
 
 def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
@@ -288,7 +293,7 @@ def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
 _WS = rb"[ \t\r\n]*"
 _HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
     rb"<hostdev(?:"  # every <hostdev…; group 1 when it is the whole element in the form
-    + rb'( type="pci" managed="(?:no|yes)" mode="subsystem">'
+    + rb'( type="pci" managed="(?:no|yes)"((?: mode="subsystem")?)>'
     + (_WS + rb"<source>" + _WS)
     + rb'<address( type="pci")? domain="0x([0-9a-f]{4})" bus="0x([0-9a-f]{2})" slot="0x([01][0-9a-f])" '
     + rb'function="0x([0-7])"(?:></address>|/>)'
@@ -319,7 +324,7 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
     forms: dict[SourceKey, KubevirtForm] = {}
     first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
     for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
-        form, source_type, domain, bus, slot, function, alias_bytes = found.groups()
+        form, mode, source_type, domain, bus, slot, function, alias_bytes = found.groups()
         if form is None or position >= count:
             return None
         key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
@@ -328,7 +333,7 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
         alias = alias_bytes.decode()
         by_source[key] = [in_order[position]]
         alias_sources.setdefault(alias, key)
-        forms[key] = (alias, found.span(2) if source_type else None)
+        forms[key] = (alias, found.span(3) if source_type else None, None if mode else found.start(2))
     if len(forms) != count:
         return None
     return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, forms)
@@ -413,6 +418,17 @@ def _merge_into(
         else:
             alias_element.set("name", alias)
         changed.add(_OTHER)
+    mode = hostdev.get("mode")
+    if mode != "subsystem":  # libvirt's Go XML library refuses a hostdev without mode= (KubeVirt's plugin API)
+        hostdev.set("mode", "subsystem")
+        if mode is None:
+            changed.add(_MODE)
+        else:
+            changed.add(_OTHER)
+            warnings.append(
+                f"{spec.label}: mode={mode!r} is not libvirt's for a {hostdev.get('type')} hostdev; "
+                "it is now 'subsystem'"
+            )
     address = next(source.iterchildren("address"), None) if source is not None else None
     if address is not None and "type" in address.attrib:
         del address.attrib["type"]  # libvirt's parser ignores it, its schema refuses it
@@ -488,7 +504,7 @@ def merge_hostdevs(
     by_source = existing.by_source
     forms = existing.kubevirt_forms if allow_fast else None
     untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
-    removals: list[tuple[int, int]] = []
+    removals: list[tuple[int, int, bytes]] = []
     type_names = _TYPE_NAMES
     for spec in specs:
         key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
@@ -500,11 +516,15 @@ def merge_hostdevs(
             continue
         form = forms.get(key) if forms and key is not None else None
         if form is not None and spec.driver is None and (not spec.force_alias or form[0] == spec.alias):
-            # virt-launcher's form with nothing but type= to correct: _merge_into would only drop type=
-            # (``_SOURCE_TYPE``), which the bytes say where to cut; the tree is corrected only if needed.
-            form_alias, source_type = form
+            # virt-launcher's form with nothing but type= and mode= to correct: _merge_into would only drop
+            # type= (``_SOURCE_TYPE``) and add mode= (``_MODE``), which the bytes say where to cut and insert;
+            # the tree is corrected only if needed.
+            form_alias, source_type, mode_at = form
             if source_type is not None:
-                removals.append(source_type)
+                removals.append((*source_type, b""))
+            if mode_at is not None:
+                removals.append((mode_at, mode_at, _MODE_ATTRIBUTE))
+            if source_type is not None or mode_at is not None:
                 untouched_in_tree.append((found[0], spec))
             final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
@@ -558,13 +578,14 @@ def _patch_bytes(
     new: Sequence[HostdevSpec],
     unit: str,
     in_order: list[etree._Element] | None,
-    removals: Sequence[tuple[int, int]] = (),
+    removals: Sequence[tuple[int, int, bytes]] = (),
 ) -> bytes | None:
-    """The original bytes with each touched hostdev re-serialised in place, the ``removals`` (spans of bytes)
-    cut out and the new ones inserted before ``</devices>``, when every position is unambiguous (the caller
-    checked: no comment, CDATA section or processing instruction, one ``<devices>``); None otherwise."""
+    """The original bytes with each touched hostdev re-serialised in place, the ``removals`` (spans of bytes and
+    what replaces each) made and the new ones inserted before ``</devices>``, when every position is unambiguous
+    (the caller checked: no comment, CDATA section or processing instruction, one ``<devices>``); None
+    otherwise."""
     source = parsed.source
-    edits: list[tuple[int, int, bytes]] = [(start, end, b"") for start, end in removals]
+    edits: list[tuple[int, int, bytes]] = list(removals)
     if touched:
         spans = _hostdev_spans(parsed, touched, in_order)
         if spans is None:
@@ -655,12 +676,18 @@ def _attribute_pattern(name: str) -> re.Pattern[bytes]:
     return re.compile(rb"\s+" + name.encode() + rb"""\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
 
-_ATTRIBUTES = {name: _attribute_pattern(name) for name in ("type", "display", "ramfb")}
+_ATTRIBUTES = {name: _attribute_pattern(name) for name in ("type", "display", "ramfb", "mode")}
 
 
 def _patched_segment(segment: bytes, hostdev: etree._Element, changes: set[str]) -> bytes | None:
     """``segment`` (one hostdev's bytes) with only the changed attributes rewritten, or None if it cannot be
     done safely (the caller then re-serialises the element)."""
+    if _MODE in changes:  # mode= added last of the start tag's attributes, as lxml adds it to the tree
+        end = _start_tag_end(segment, 0)
+        if end is None or _ATTRIBUTES["mode"].search(segment[:end]):
+            return None
+        at = end - 1 if segment[end - 1 : end] == b"/" else end
+        segment = segment[:at] + _MODE_ATTRIBUTE + segment[at:]
     if _SWITCHES in changes:
         end = _start_tag_end(segment, 0)
         if end is None:

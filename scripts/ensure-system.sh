@@ -15,7 +15,7 @@
 #               answer within 60 s, or this fails naming the likely cause.
 # tests/test_ensure_system.py runs it against stand-ins for virsh, ps, pgrep, pkill and libvirtd.
 set -uo pipefail
-packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 pci.ids gcc python3-venv python3-dev)
+packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 qemu-utils ovmf pci.ids gcc python3-venv python3-dev)
 ci=0
 [ "${CI:-}" = true ] && ci=1
 is_root=0

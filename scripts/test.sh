@@ -8,6 +8,11 @@ bash scripts/bootstrap.sh dev
 bash scripts/ensure-realnode.sh
 bash scripts/ensure-cluster.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# KubeVirt's launcher harness (the tests marked kubevirt): built before pytest, not inside a test's timeout (a
+# cold build takes minutes); without Go the tests skip, and under CI=true this step fails instead.
+if command -v go >/dev/null || [ "${CI:-}" = true ]; then
+    echo "== kubevirt peer"; bash tests/cluster/build-peers.sh kubevirt
+fi
 echo "== ruff";          ruff check .
 echo "== mypy --strict"; mypy
 echo "== import-linter"; lint-imports --no-cache

@@ -58,9 +58,14 @@ def kubevirt_pci(name: str, bus: int, extra: str = "", driver: str = '<driver na
     """
     source = f'<address type="pci" domain="0x0000" bus="0x{bus:02x}" slot="0x00" function="0x0"></address>'
     return (
-        f'\t\t<hostdev type="pci" managed="no" mode="subsystem"><source>{source}</source>{extra}'
+        f'\t\t<hostdev type="pci" managed="no"><source>{source}</source>{extra}'
         f'<alias name="ua-gpu-{name}"></alias>{driver}</hostdev>\n'
     )
+
+
+def with_mode(domain: bytes) -> bytes:
+    """``domain`` with mode='subsystem' on virt-launcher's PCI hostdevs, as the hook writes them."""
+    return domain.replace(b'<hostdev type="pci" managed="no">', b'<hostdev type="pci" managed="no" mode="subsystem">')
 
 
 def kubevirt_mdev(name: str, uuid: str, flags: str = "") -> str:
@@ -173,8 +178,8 @@ def test_virt_launchers_gpus_survive_the_hook_and_qemu_gets_the_same_devices() -
     aliases = {"ua-gpu-train0": "0000:86:00.0", "ua-gpu-train1": "0000:af:00.0", "ua-gpu-desk": UUID_A}
     assert result.aliases == aliases
     assert after.count(b"<hostdev ") == 3  # merged, nothing added
-    for alias in aliases:  # alias, guest address, boot order, rom, acpi, driver, display: all kept
-        assert canonical(element_by_alias(after, alias)) == canonical(element_by_alias(before, alias))
+    for alias in aliases:  # alias, guest address, boot order, rom, acpi, driver, display: all kept; mode= added
+        assert canonical(element_by_alias(after, alias)) == canonical(element_by_alias(with_mode(before), alias))
     assert b'<address type="pci" domain="0x0000" bus="0x86"' not in after  # the schema refuses type= there
     assert b'<address type="pci" domain="0x0000" bus="0x02" slot="0x00" function="0x0"></address>' in after
     report = libvirt_verdict(after, aliases)
@@ -189,7 +194,10 @@ def test_only_what_the_hook_corrects_changes_and_the_rest_keeps_its_bytes() -> N
     after = build_domain(before, RENDERED_VMI, RENDERED_ENV).domain_xml
     # the corrections: type= dropped from the PCI source addresses, and their <driver> moved next to <source>
     # (libvirt's schema wants them together; virt-launcher writes the driver last)
-    expected = before.replace(b'<source><address type="pci" ', b'<driver name="vfio"></driver><source><address ')
+    # and mode= added (virt-launcher 1.9 writes none on PCI hostdevs; libvirt's Go XML library wants it)
+    expected = with_mode(before).replace(
+        b'<source><address type="pci" ', b'<driver name="vfio"></driver><source><address '
+    )
     assert after == expected.replace(b'<driver name="vfio"></driver></hostdev>', b"</hostdev>")
     # an element with nothing to correct keeps its bytes even when they are not how lxml would write them
     untouched = (
@@ -313,7 +321,7 @@ def test_an_alias_libvirt_would_drop_is_replaced_by_the_hooks() -> None:
 
 
 def test_display_on_a_pci_hostdev_is_removed_with_a_warning() -> None:
-    hostdev = kubevirt_pci("g", 0x86).replace('mode="subsystem">', 'mode="subsystem" display="on" ramfb="on">')
+    hostdev = kubevirt_pci("g", 0x86).replace('managed="no">', 'managed="no" display="on" ramfb="on">')
     gpus = [{"name": "g", "deviceName": A100, "virtualGPUOptions": {"display": {"enabled": True}}}]
     result = build_domain(domain_with(hostdev), vmi_json(gpus), {A100_VAR: "0000:86:00.0"})
     assert b'display="on"' not in result.domain_xml
@@ -616,7 +624,7 @@ READ_CASES: dict[str, bytes] = {
     "upper-case hex": domain_with(_plain_pci("g", 0x86).replace("0x86", "0x8A")),
     "a character reference": domain_with(_plain_pci("g", 0x86).replace("0x86", "0x&#x38;6")),
     "a driver": domain_with(kubevirt_pci("g", 0x86)),
-    "an attribute more": domain_with(_plain_pci("g", 0x86).replace('mode="subsystem"', 'mode="subsystem" x="1"')),
+    "an attribute more": domain_with(_plain_pci("g", 0x86).replace('managed="no"', 'managed="no" x="1"')),
     "twice the same source": domain_with(_plain_pci("g", 0x86) + _plain_pci("h", 0x86)),
     "a hostdev outside <devices>": domain_with(_plain_pci("g", 0x86)).replace(
         b"</domain>", _plain_pci("x", 0xAF).encode() + b"</domain>"
@@ -671,3 +679,72 @@ def test_a_merge_with_hostdevs_read_from_the_bytes_gives_the_general_paths_bytes
     assert outputs[0] == outputs[1]
     assert b'<source><address type="pci"' not in outputs[0][0]
     assert outputs[0][0].count(b"<hostdev ") == len(gpus)
+
+
+# --- mode='subsystem' on every PCI and mdev hostdev ----------------------------------------------------------
+# KubeVirt v1.9's createPCIHostDevice (pkg/virt-launcher/virtwrap/device/hostdevice/hostdev.go, and the DRA and
+# SR-IOV ones alike) writes <hostdev type="pci" managed="no"> without mode=. libvirt's own parser takes that as
+# mode='subsystem', but libvirt's Go XML library (libvirt.org/go/libvirtxml), which KubeVirt's plugin pipeline
+# converts the domain with, refuses it ("Missing 'mode' attribute on domain hostdev"). The hook writes mode= on
+# every PCI and mdev hostdev it merges, as on every one it creates (docs/kubevirt-hostdevs.md, "Shape").
+
+
+def _without_mode(hostdevs: str) -> str:
+    return hostdevs.replace(' mode="subsystem"', "").replace(" mode='subsystem'", "")
+
+
+def _modes(domain_xml: bytes) -> dict[str, str | None]:
+    root = etree.fromstring(domain_xml)
+    modes: dict[str, str | None] = {}
+    for hostdev in root.iterfind("devices/hostdev"):
+        alias = hostdev.find("alias")
+        if hostdev.get("type") in ("pci", "mdev") and alias is not None:
+            modes[str(alias.get("name"))] = hostdev.get("mode")
+    return modes
+
+
+MODELESS_CASES = {
+    "virt-launcher 1.9's PCI form": _without_mode(_plain_pci("train0", 0x86) + _plain_pci("train1", 0xAF)),
+    "with a driver and a guest address": _without_mode(RENDERED),
+    "an mdev without mode": _without_mode(kubevirt_mdev("desk", UUID_A, ' display="on"')),
+    "self-closed": _without_mode(_plain_pci("train0", 0x86)).replace("></address>", "/>").replace("></alias>", "/>"),
+}
+
+
+@pytest.mark.parametrize("case", list(MODELESS_CASES), ids=list(MODELESS_CASES))
+@pytest.mark.parametrize("fast", [True, False], ids=["bytes", "tree"])
+def test_every_pci_and_mdev_hostdev_the_hook_merges_gets_mode_subsystem(case: str, fast: bool) -> None:
+    hostdevs = MODELESS_CASES[case]
+    assert "mode=" not in hostdevs
+    aliases = re.findall(r'alias name="ua-gpu-([^"]+)"', hostdevs)
+    gpus = [{"name": name, "deviceName": T4 if name == "desk" else A100} for name in aliases]
+    domain = domain_with(hostdevs, controllers=NUMA_CONTROLLERS)
+    parsed = parse_domain(domain, 1 << 20)
+    existing = read_hostdevs(parsed)
+    specs, _ = match_vmi(parse_vmi(vmi_json(gpus)), allocation_from_env(RENDERED_ENV), HostdevOptions(), existing.view)
+    after = merge_hostdevs(parsed, specs, existing, allow_fast=fast).domain_xml
+    modes = _modes(after)
+    assert sorted(modes) == sorted(f"ua-gpu-{name}" for name in aliases)
+    assert set(modes.values()) == {"subsystem"}, modes
+    libvirt_verdict(after)
+
+
+def test_the_bytes_and_the_tree_paths_add_mode_to_the_same_bytes() -> None:
+    domain = domain_with(MODELESS_CASES["virt-launcher 1.9's PCI form"])
+    gpus = [{"name": "train0", "deviceName": A100}, {"name": "train1", "deviceName": A100}]
+    outputs = []
+    for fast in (True, False):
+        parsed = parse_domain(domain, 1 << 20)
+        existing = read_hostdevs(parsed)
+        env = allocation_from_env(RENDERED_ENV)
+        specs, _ = match_vmi(parse_vmi(vmi_json(gpus)), env, HostdevOptions(), existing.view)
+        outputs.append(merge_hostdevs(parsed, specs, existing, allow_fast=fast).domain_xml)
+    assert outputs[0] == outputs[1]
+    assert outputs[0].count(b'<hostdev type="pci" managed="no" mode="subsystem">') == 2
+
+
+def test_a_hostdev_with_another_mode_is_set_to_subsystem_with_a_warning() -> None:
+    domain = domain_with(_plain_pci("train0", 0x86).replace('managed="no"', 'managed="no" mode="capabilities"'))
+    result = build_domain(domain, vmi_json([{"name": "train0", "deviceName": A100}]), RENDERED_ENV)
+    assert _modes(result.domain_xml) == {"ua-gpu-train0": "subsystem"}
+    assert any("mode='capabilities'" in warning for warning in result.warnings), result.warnings

@@ -137,8 +137,8 @@ def ambiguous_number(text: str, usual_base: int = 16) -> str | None:
     return f"libvirt reads {text!r} as {form} {value} ({value:#x}), not {usual_name} {digits}"
 
 
-CHANGED_SOURCE_TYPE, CHANGED_SWITCHES, CHANGED_OTHER = "source type=", "display/ramfb", "other"
-"""What correcting an existing hostdev changed: the first two are patched in the bytes, anything else
+CHANGED_SOURCE_TYPE, CHANGED_SWITCHES, CHANGED_MODE, CHANGED_OTHER = "source type=", "display/ramfb", "mode=", "other"
+"""What correcting an existing hostdev changed: the first three are patched in the bytes, anything else
 re-serialises the hostdev (see :mod:`launcher_hook.domain`)."""
 
 

@@ -19,8 +19,10 @@ build_flags() {  # sets cgo and the array extra for peer $1
     # stamp its release build gives (hack/lib/version.sh): components report and compare versions.
     cgo=CGO_ENABLED=0
     extra=(-trimpath)
+    # KubeVirt's launcher harness links virt-launcher's libvirt bindings: cgo against Debian's libvirt-dev.
     case "$1" in
         containerd) extra+=(-tags=no_btrfs,no_devmapper,no_zfs) ;;
+        kubevirt) cgo=CGO_ENABLED=1 ;;
         kube)
             local v
             v="$(awk '$1 == "k8s.io/kubernetes" {print $2; exit} $1 == "require" && $2 == "k8s.io/kubernetes" {print $3; exit}' "$here/peers/kube/go.mod")"
