@@ -1,4 +1,11 @@
-"""Scenario 3: pods shaped as KubeVirt's virt-launcher pods, placed by the real scheduler onto node01.
+"""Scenario 3: KubeVirt's virt-launcher pods, placed by the real scheduler onto node01.
+
+Each pod is what KubeVirt 1.9's own template service renders for a VM of ``deploy/hook-sidecar`` (``launcher-pod``,
+tests/cluster/peers/kubevirt): its labels, hostname, GPU requests and hook sidecar container (image, command,
+args, ``CONTAINER_NAME``, the socket directory mounted with ``subPath: hook-sidecar-0``) as KubeVirt made them;
+only what needs KubeVirt's node is left out (virt-launcher itself, its image volumes and init containers, the
+KVM/TUN device plugins, the unpause readiness gate), and ``compute`` is a plain container that keeps the
+kubelet's allocation.
 
 Each ``compute`` container asks for two GPUs: the real kubelet asks the plugin for its preferred pair, calls
 Allocate, and the container's environment gets ``PCI_RESOURCE_…`` and ``PCI_COMPANIONS_…`` with the device nodes
@@ -19,8 +26,10 @@ so the domains carry the two GPUs alone.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,51 +72,61 @@ class Launcher:
         return str(self.pod["metadata"]["name"])
 
 
-def launcher_pod(vm: Doc, *, root: bool) -> Doc:
-    """The parts of virt-controller's launcher pod the project relies on, for ``vm``.
+def kubevirt_pod(cluster: Cluster, vm_file: Path) -> Doc:
+    """The virt-launcher pod KubeVirt 1.9's own template service renders for ``vm_file`` (``launcher-pod``)."""
+    done = subprocess.run(
+        [str(cluster.peers.binary("kubevirt", "launcher-pod")), "--vm", str(vm_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"launcher-pod --vm {vm_file}: {done.stderr[-1500:]}"
+    pod: Doc = yaml.safe_load(done.stdout)
+    return pod
+
+
+def launcher_pod(rendered: Doc, *, root: bool) -> Doc:
+    """KubeVirt's pod for this machine: its hook sidecar container, labels, hostname and GPU requests as KubeVirt
+    rendered them; what needs KubeVirt's node (virt-launcher's image, its init containers and image volumes, the
+    KVM/TUN device plugins, the unpause readiness gate, node labels) left out, and ``compute`` a plain container
+    of the project's image that keeps the kubelet's allocation.
 
     ``root``: a root VMI's pod (KubeVirt's ``Root`` gate): the pod runs as uid 0, and so does the sidecar.
     Otherwise KubeVirt's default non-root VMI: pod and sidecar as uid 107, the sidecar without capabilities
     (pkg/virt-controller/services/template.go, newSidecarContainerRenderer; rendercontainer.go)."""
-    vmi = vm["metadata"]["name"]
-    annotations = vm["spec"]["template"]["metadata"]["annotations"]
-    (sidecar,) = json.loads(annotations["hooks.kubevirt.io/hookSidecars"])
-    wanted: dict[str, int] = {}
-    for gpu in vm["spec"]["template"]["spec"]["domain"]["devices"]["gpus"]:
-        wanted[gpu["deviceName"]] = wanted.get(gpu["deviceName"], 0) + 1
-    limits = {name: str(count) for name, count in wanted.items()}
-    hook_mounts = [{"name": "hook-sidecar-sockets", "mountPath": "/var/run/kubevirt-hooks"}]
-    sidecar_mounts = list(hook_mounts)
-    volumes: list[dict[str, Any]] = [{"name": "hook-sidecar-sockets", "emptyDir": {}}]
-    if "pvc" in sidecar:  # the PodResources option
-        sidecar_mounts.append({"name": sidecar["pvc"]["name"], "mountPath": sidecar["pvc"]["volumePath"]})
-        volumes.append({"name": sidecar["pvc"]["name"], "persistentVolumeClaim": {"claimName": sidecar["pvc"]["name"]}})
-    container: dict[str, Any] = {
-        "name": "hook-sidecar-0",
-        "image": sidecar["image"],
-        "imagePullPolicy": sidecar["imagePullPolicy"],
-        "command": sidecar["command"],
-        "args": sidecar["args"],
-        "env": [{"name": "CONTAINER_NAME", "value": "hook-sidecar-0"}],
-        "volumeMounts": sidecar_mounts,
-    }
-    if not root:  # newSidecarContainerRenderer: WithNonRoot and WithDropALLCapabilities for a non-root VMI
-        container["securityContext"] = {"capabilities": {"drop": ["ALL"]}}
+    spec = rendered["spec"]
+    (compute,) = [c for c in spec["containers"] if c["name"] == "compute"]
+    (sidecar,) = [copy.deepcopy(c) for c in spec["containers"] if c["name"] == "hook-sidecar-0"]
+    gpus = {k: v for k, v in compute["resources"]["limits"].items() if k.startswith("nvidia.com/")}
+    sidecar["securityContext"] = (
+        {"runAsUser": 0, "runAsNonRoot": False}
+        if root
+        else {
+            "runAsUser": 107,
+            "runAsGroup": 107,
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    )
+    mounted = {m["name"] for c in (compute, sidecar) for m in c.get("volumeMounts", [])}
+    hook_mounts = [m for m in compute["volumeMounts"] if m["name"] == "hook-sidecar-sockets"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"virt-launcher-{vmi}-{'k8sq2' if root else 'x7d4p'}",
+            # KubeVirt's generateName, with a fixed suffix the test can name.
+            "name": rendered["metadata"]["generateName"] + ("k8sq2" if root else "x7d4p"),
             "namespace": NAMESPACE,
-            "labels": {"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": vmi},
+            "labels": rendered["metadata"]["labels"],
         },
         "spec": {
-            # template.go's pod security context: uid 0 for a root VMI, else 107 with fsGroup 107.
             "securityContext": {"runAsUser": 0}
             if root
             else {"runAsUser": 107, "runAsGroup": 107, "fsGroup": 107, "runAsNonRoot": True},
-            "hostname": vmi,
-            "automountServiceAccountToken": False,
+            "hostname": spec["hostname"],
+            "automountServiceAccountToken": spec["automountServiceAccountToken"],
             "terminationGracePeriodSeconds": 1,
             "containers": [
                 {
@@ -115,12 +134,16 @@ def launcher_pod(vm: Doc, *, root: bool) -> Doc:
                     "image": images.PROJECT_IMAGE,
                     "imagePullPolicy": "IfNotPresent",
                     "command": ["sleep", "infinity"],
-                    "resources": {"limits": limits, "requests": limits},
+                    "resources": {"limits": gpus, "requests": gpus},
                     "volumeMounts": hook_mounts,
                 },
-                container,
+                sidecar,
             ],
-            "volumes": volumes,
+            "volumes": [
+                v
+                for v in spec["volumes"]
+                if v["name"] in mounted and v["name"] in ("hook-sidecar-sockets", "kubelet-pod-resources")
+            ],
         },
     }
 
@@ -131,8 +154,8 @@ def _ready(cluster: Cluster, name: str) -> Doc | None:
     return pod if conditions.get("Ready") == "True" else None
 
 
-def _start(cluster: Cluster, vm: Doc, *, root: bool) -> Launcher:
-    pod = launcher_pod(vm, root=root)
+def _start(cluster: Cluster, rendered: Doc, *, root: bool) -> Launcher:
+    pod = launcher_pod(rendered, root=root)
     name = pod["metadata"]["name"]
     cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--ignore-not-found", "--wait=true")
     cluster.kubectl("create", f"--as={CONTROLLER}", "-f", "-", stdin=yaml.safe_dump(pod))
@@ -141,7 +164,7 @@ def _start(cluster: Cluster, vm: Doc, *, root: bool) -> Launcher:
         lambda: _ready(cluster, name),
         explain=lambda: describe_pods(cluster, NAMESPACE),
     )
-    return Launcher(vm["metadata"]["name"], running)
+    return Launcher(rendered["metadata"]["labels"]["vm.kubevirt.io/name"], running)
 
 
 def _root_option() -> list[Doc]:
@@ -159,8 +182,8 @@ def launchers(gpu_node: Cluster) -> dict[str, Launcher]:
     root_docs = _root_option()
     cluster.apply([d for d in root_docs if d["kind"] != "VirtualMachine"])
     cluster.let_virt_controller_create_pods(NAMESPACE)
-    (vm,) = [d for d in docs if d["kind"] == "VirtualMachine"]
-    (root_vm,) = [d for d in root_docs if d["kind"] == "VirtualMachine"]
+    vm = kubevirt_pod(cluster, DEPLOY / "hook-sidecar" / "vm-two-gpus.yaml")
+    root_vm = kubevirt_pod(cluster, DEPLOY / "hook-sidecar" / "vm-two-gpus-root.yaml")
     return {"nonroot": _start(cluster, vm, root=False), "root": _start(cluster, root_vm, root=True)}
 
 
@@ -200,7 +223,8 @@ def test_compute_has_the_preferred_pair_its_companions_and_the_device_nodes(
 def _hook_socket(launcher: Launcher, cluster: Cluster | None = None) -> Path:
     """The sidecar's socket in the pod's emptyDir, through a short link (sun_path holds 107 bytes)."""
     uid = launcher.pod["metadata"]["uid"]
-    directory = Path(f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~empty-dir/hook-sidecar-sockets")
+    # KubeVirt mounts each sidecar's part of the emptyDir (subPath hook-sidecar-<n>) at /var/run/kubevirt-hooks.
+    directory = Path(f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~empty-dir/hook-sidecar-sockets/hook-sidecar-0")
     link = Path(f"/run/kgp-cluster/hook-{uid[:8]}")
     if not link.is_symlink():
         os.symlink(directory, link)
