@@ -11,7 +11,13 @@ from collections.abc import Mapping
 
 import pytest
 
-from xmlgen.libvirt_check import LibvirtReport, LibvirtUnavailable, assert_qemu_matches, check_domain
+from xmlgen.libvirt_check import (
+    LibvirtReport,
+    LibvirtUnavailable,
+    assert_qemu_matches,
+    check_domain,
+    qemu_argv_for_host,
+)
 
 
 def missing(reason: str, what: str = "libvirt piece missing") -> None:
@@ -19,6 +25,15 @@ def missing(reason: str, what: str = "libvirt piece missing") -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} under CI=true: {reason}")
     pytest.skip(reason)
+
+
+def qemu_argv(domain_xml: bytes) -> str:
+    """QEMU's command line for ``domain_xml`` from libvirt's QEMU driver (``domxml-to-native``) on this host."""
+    try:
+        return qemu_argv_for_host(domain_xml)
+    except LibvirtUnavailable as exc:
+        missing(str(exc))
+        raise  # unreachable
 
 
 def libvirt_verdict(domain_xml: bytes, expected: Mapping[str, str] | None = None) -> LibvirtReport:

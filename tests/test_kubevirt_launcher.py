@@ -27,8 +27,8 @@ from lxml import etree
 from simkit.fixture_nodes import A100_NODE
 from simkit.sysfs_fixture import build
 from tests.kubevirt_harness_support import HarnessRun, aliases, hostdev_sources, hostdevs, run_harness, unique_vmi
-from tests.libvirt_support import missing
-from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal, qemu_argv_for_host
+from tests.libvirt_support import missing, qemu_argv
+from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal
 
 pytestmark = [pytest.mark.libvirt, pytest.mark.kubevirt]
 
@@ -44,14 +44,6 @@ _DEVICE = re.compile(r"-device\s+'?(\{.*?\})'?(?:\s|$)")
 def seed_vmi() -> dict[str, Any]:
     vmi: dict[str, Any] = json.loads((SEED / "vmi.json").read_text())
     return unique_vmi(vmi)
-
-
-def argv(domain_xml: bytes) -> str:
-    try:
-        return qemu_argv_for_host(domain_xml)
-    except LibvirtUnavailable as exc:
-        missing(str(exc))
-        raise  # unreachable
 
 
 def qemu_devices(command_line: str) -> dict[str, dict[str, Any]]:
@@ -97,7 +89,7 @@ def assert_sound(
         missing(str(exc))
         raise
     assert refusal is None, refusal
-    devices = qemu_devices(argv(for_this_host(final)))
+    devices = qemu_devices(qemu_argv(for_this_host(final)))
     for alias, source in expected.items():
         device = devices.get(alias)
         assert device is not None, f"{alias} not in QEMU's argv: {sorted(devices)}"
@@ -152,7 +144,7 @@ def test_companions_share_the_gpus_slot_on_every_call_though_kubevirt_drops_mult
                 assert slots[companion][:2] == (bus, slot), (number, companion, slots)
     # KubeVirt's read-back (api.DomainSpec has no multifunction attribute) gave the later calls none
     assert all("multifunction" not in call["input"] for call in calls[1:])
-    devices = qemu_devices(argv(final))
+    devices = qemu_devices(qemu_argv(final))
     for gpu, function_count in (("ua-gpu-gpu0", 3), ("ua-gpu-gpu1", 1)):
         assert devices[gpu]["multifunction"] is True, devices[gpu]
         bus, addr = str(devices[gpu]["bus"]), str(devices[gpu]["addr"])
@@ -191,7 +183,7 @@ def test_a_vgpus_display_as_kubevirt_and_the_hook_agree(
     assert (hostdev.get("type"), hostdev.get("model")) == ("mdev", "vfio-pci")
     shown = None if hostdev.get("display") == "off" else hostdev.get("display")  # libvirt writes display='off' back
     assert (shown, hostdev.get("ramfb")) == expected
-    device = qemu_devices(argv(final))["ua-gpu-desk"]
+    device = qemu_devices(qemu_argv(final))["ua-gpu-desk"]
     wanted = ("on", True) if expected[0] == "on" else ("off", None)
     assert (device.get("display"), device.get("ramfb")) == wanted, device
 
@@ -219,7 +211,7 @@ def test_usb_and_pci_host_devices_next_to_the_gpus() -> None:
             [usb_shape(h) for h in hostdevs(call[key]) if h.get("type") == "usb"] for key in ("input", "output")
         )
         assert before == after and len(after) == 1, (before, after)
-    assert "ua-usb-host-stick" in qemu_devices(argv(final))
+    assert "ua-usb-host-stick" in qemu_devices(qemu_argv(final))
 
 
 A100 = "nvidia.com/GA100_A100_PCIE_80GB"
@@ -250,7 +242,7 @@ def test_an_efi_a100_gets_its_64_bit_window_on_every_call(tmp_path: Path) -> Non
         assert FW_CFG.findall(qemu_args(call["output"])) == ["262144"], number
     # KubeVirt's read-back (api.DomainSpec keeps no <qemu:commandline>) gave the later calls none of the hook's
     assert all("X-PciMmio64Mb" not in call["input"] for call in calls[1:])
-    command_line = argv(final)
+    command_line = qemu_argv(final)
     assert FW_CFG.findall(command_line) == ["262144"]
     assert "OVMF_CODE" in command_line
 

@@ -18,12 +18,11 @@ from launcher_hook import BuildOptions, build_domain
 from runtime.pci_bars import SysfsBars
 from simkit.fixture_nodes import A100_NODE
 from simkit.sysfs_fixture import build
-from tests.libvirt_support import libvirt_verdict, missing
+from tests.libvirt_support import libvirt_verdict, missing, qemu_argv
 from xmlgen.libvirt_check import (
     LibvirtRejected,
     LibvirtUnavailable,
     generic_refusal,
-    qemu_argv_for_host,
     qemu_sources,
 )
 
@@ -32,14 +31,6 @@ A100_VAR = "PCI_RESOURCE_NVIDIA_COM_GA100_A100_PCIE_80GB"
 FW_CFG = re.compile(r"-fw_cfg\s+'?name=opt/ovmf/X-PciMmio64Mb,string=(\d+)'?")
 
 pytestmark = pytest.mark.libvirt
-
-
-def argv(domain_xml: bytes) -> str:
-    try:
-        return qemu_argv_for_host(domain_xml)
-    except LibvirtUnavailable as exc:
-        missing(str(exc))
-        raise  # unreachable
 
 
 EMPTY_SMBIOS = b"\t\t<bios></bios>\n\t\t<baseBoard></baseBoard>\n\t\t<chassis></chassis>\n"
@@ -66,7 +57,7 @@ def test_the_window_reaches_qemus_command_line(tmp_path: Path, addresses: list[s
     assert schema_refusal(result.domain_xml) is None  # RNG schema and generic parser (VIR_DOMAIN_DEFINE_VALIDATE)
     report = libvirt_verdict(result.domain_xml, result.aliases)
     assert sorted(qemu_sources(report).values()) == addresses
-    command_line = argv(result.domain_xml)
+    command_line = qemu_argv(result.domain_xml)
     assert FW_CFG.findall(command_line) == [str(mib)]
     assert "/OVMF_CODE.fd" in command_line  # the guest boots OVMF, which reads the item
 
@@ -83,6 +74,6 @@ def test_libvirts_fwcfg_sysinfo_cannot_carry_the_item() -> None:
     )
     assert schema_refusal(domain) is None  # the schema and the test driver take it ...
     with pytest.raises(LibvirtRejected, match="That firmware name is reserved"):
-        argv(domain)  # ... the QEMU driver does not
+        qemu_argv(domain)  # ... the QEMU driver does not
     allowed = domain.replace(b"opt/ovmf/X-PciMmio64Mb", b"opt/com.example/size")
-    assert "-fw_cfg name=opt/com.example/size,string=262144" in argv(allowed)  # other names pass as -fw_cfg
+    assert "-fw_cfg name=opt/com.example/size,string=262144" in qemu_argv(allowed)  # other names pass as -fw_cfg
