@@ -201,13 +201,21 @@ def test_after_the_kubelet_drops_the_plugin_it_registers_again_by_itself(base: P
     kubelet_dir = base / "kubelet"
     with KubeletStandIn(kubelet_dir) as kubelet, running(manager_for(root, kubelet_dir, scan_interval=60)):
         kubelet.wait_for_devices(TU106, _all_healthy)
-        for drop in (2, 3):  # and again: each drop is answered by one new Register
+        for drop in (2, 3):  # and again: each drop is answered by a new Register
             assert kubelet.disconnect(TU106)  # what the kubelet does when any of the resource's streams ends
-            # Registered again within a second (a generous deadline: behaviour, not timing), no rescan needed.
+            # Registered again, no rescan needed (a generous deadline: behaviour, not timing).
             kubelet.wait_for_registration(TU106, count=drop, timeout=WAIT)
             kubelet.wait_for_devices(TU106, _all_healthy)
-            assert kubelet.stream_open(TU106)
-        assert kubelet.registration_count(TU106) == 3
+        # Exactly one Register per disconnect, none besides. The dropped client's stream can end after the plugin
+        # has registered again: the kubelet then disconnects the new client as well (runClient re-reads the
+        # resource's current client by name, kubelet pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go),
+        # and the plugin registers once more. A busy machine makes that happen, so the count of rounds is not
+        # fixed; the invariant is.
+        wait_until(
+            lambda: kubelet.stream_open(TU106) and kubelet.registration_count(TU106) == 1 + kubelet.disconnects(TU106),
+            what="one Register per disconnect and the kubelet's stream open",
+        )
+        assert kubelet.disconnects(TU106) >= 2
         _the_kubelets_stream_carries_news(root, kubelet)
 
 
