@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real peers the cluster kit runs (Kubernetes, etcd, containerd, BuildKit) from their Go modules,
+# Builds the real peers the cluster kit runs (Kubernetes 1.36 and, for the DRA scenario on the oldest supported
+# release, 1.34; etcd, containerd, BuildKit) from their Go modules,
 # by module name, into a cache outside the repository keyed by the pins: every file of tests/cluster/peers/<peer>/
 # (go.mod, go.sum, the project's own harness sources), the Go version and the build flags. A peer whose key is already built is not rebuilt. Prints the
 # peer's bin directory as `<peer>=<dir>` lines.
@@ -11,7 +12,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KGP_PEERS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kubevirt-gpu-passthrough/peers}"
 mkdir -p "$cache"
 peers=("$@")
-[ ${#peers[@]} -gt 0 ] || peers=(kube etcd containerd buildkit kubevirt)
+[ ${#peers[@]} -gt 0 ] || peers=(kube etcd containerd buildkit kubevirt kube134)
 
 build_flags() {  # sets cgo and the array extra for peer $1
     # Static binaries, as the projects' own releases ship them; containerd without the btrfs snapshotter
@@ -23,10 +24,10 @@ build_flags() {  # sets cgo and the array extra for peer $1
     case "$1" in
         containerd) extra+=(-tags=no_btrfs,no_devmapper,no_zfs) ;;
         kubevirt) cgo=CGO_ENABLED=1 ;;
-        kube)
+        kube|kube1[0-9][0-9])
             local v
-            v="$(awk '$1 == "k8s.io/kubernetes" {print $2; exit} $1 == "require" && $2 == "k8s.io/kubernetes" {print $3; exit}' "$here/peers/kube/go.mod")"
-            [[ "$v" =~ ^v[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "build-peers: no k8s.io/kubernetes version in peers/kube/go.mod" >&2; exit 2; }
+            v="$(awk '$1 == "k8s.io/kubernetes" {print $2; exit} $1 == "require" && $2 == "k8s.io/kubernetes" {print $3; exit}' "$here/peers/$1/go.mod")"
+            [[ "$v" =~ ^v[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "build-peers: no k8s.io/kubernetes version in peers/$1/go.mod" >&2; exit 2; }
             local major="${v#v}"; major="${major%%.*}"
             local minor="${v#v*.}"; minor="${minor%%.*}"
             local X="" pkg

@@ -39,7 +39,12 @@ STATE = Path(os.environ.get("KGP_CLUSTER_STATE", "/var/lib/kgp-cluster"))
 RUN = Path(os.environ.get("KGP_CLUSTER_RUN", "/run/kgp-cluster"))
 KUBELET_ROOT = Path("/var/lib/kubelet")
 NODE = "node01"
-API_PORT = 6443
+# The API server listens where pods look for it: the `kubernetes` Service's address (the first of the service
+# range) and port, which `up` puts on the kit's bridge. No kube-proxy runs (it would write iptables rules on the
+# machine), so this is how a pod's in-cluster configuration (KUBERNETES_SERVICE_HOST/PORT) reaches the API server
+# unchanged: the DRA plugin publishes ResourceSlices from its pod, as on a real node.
+API_HOST = "10.96.0.1"
+API_PORT = 443
 ETCD_CLIENT = "http://127.0.0.1:23791"
 ETCD_PEER = "http://127.0.0.1:23801"
 BRIDGE = "kgp0"
@@ -225,9 +230,24 @@ def _gate_flag() -> list[str]:
     return ["--feature-gates=" + ",".join(f"{name}={str(on).lower()}" for name, on in FEATURE_GATES.items())]
 
 
-def _commands(peers: Peers) -> dict[str, list[str]]:
+RELEASES = {"kube": "1.36", "kube134": "1.34"}
+"""The Kubernetes builds the kit can run (peers of ``build-peers.sh``): 1.36, and 1.34, the oldest release
+``deploy/dra`` and ``serve --dra`` claim (``resource.k8s.io/v1``), for the DRA suite (tests/cluster_oldest).
+kubectl always comes from ``kube`` (it speaks to both)."""
+
+
+def running_release() -> str:
+    """The peer whose Kubernetes binaries the cluster runs (``kube`` unless ``up`` was told otherwise)."""
+    try:
+        name = (STATE / "kube-peer").read_text().strip()
+    except OSError:
+        return "kube"
+    return name if name in RELEASES else "kube"
+
+
+def _commands(peers: Peers, release: str | None = None) -> dict[str, list[str]]:
     p = STATE / "pki"
-    kube = peers.dirs["kube"]
+    kube = peers.dirs[release or running_release()]
     return {
         "containerd": [str(peers.binary("containerd", "containerd")), "--config", str(STATE / "containerd.toml")],
         "etcd": [
@@ -246,8 +266,8 @@ def _commands(peers: Peers) -> dict[str, list[str]]:
         ],
         "kube-apiserver": [
             str(kube / "kube-apiserver"),
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={API_HOST}",
+            f"--advertise-address={API_HOST}",
             f"--secure-port={API_PORT}",
             f"--etcd-servers={ETCD_CLIENT}",
             f"--service-cluster-ip-range={SERVICE_RANGE}",
@@ -317,7 +337,7 @@ def write_files(peers: Peers) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     p = STATE / "pki"
     pki.make_ca(p)
-    server = f"https://127.0.0.1:{API_PORT}"
+    server = f"https://{API_HOST}:{API_PORT}"
     for who in (
         pki.Identity(
             "apiserver",
@@ -472,17 +492,27 @@ def _record_host_dirs() -> None:
     path.write_text(json.dumps(absent))
 
 
-def up(peers: Peers | None = None) -> Peers:
-    """Bring the cluster up (or check that it is up); returns the peers it runs."""
+def up(peers: Peers | None = None, release: str = "kube") -> Peers:
+    """Bring the cluster up (or check that it is up) with the Kubernetes of peer ``release``; returns the peers.
+
+    A cluster already up with another release is an error naming both (``down`` it first)."""
     if os.geteuid() != 0:
         raise ClusterError("the cluster kit runs as root (kubelet, containerd and runc need it)")
-    peers = peers or build_peers()
+    if release not in RELEASES:
+        raise ClusterError(f"no Kubernetes release {release!r}; the kit runs {sorted(RELEASES)}")
+    if pid_of("kube-apiserver") is not None and running_release() != release:
+        raise ClusterError(
+            f"a Kubernetes {RELEASES[running_release()]} cluster is up; {RELEASES[release]} was asked for "
+            "(scripts/cluster.sh down first)"
+        )
+    peers = peers or build_peers(("kube", "etcd", "containerd", "buildkit", "kubevirt", release))
     started = time.monotonic()
     STATE.mkdir(parents=True, exist_ok=True)
     _record_host_dirs()
+    (STATE / "kube-peer").write_text(release)
     write_files(peers)
     make_bridge()
-    commands = _commands(peers)
+    commands = _commands(peers, release)
     start("containerd", commands["containerd"], peers)
     wait_for("containerd's socket", (RUN / "containerd" / "containerd.sock").exists, component="containerd")
     start("etcd", commands["etcd"], peers)
@@ -518,6 +548,10 @@ def make_bridge() -> None:
         added = _ip("addr", "add", f"{NODE_IP}/24", "dev", BRIDGE)
         if added.returncode != 0:
             raise ClusterError(f"ip addr add {NODE_IP}/24 dev {BRIDGE}: {added.stderr.strip()}")
+    if f"{API_HOST}/32" not in _ip("-4", "-o", "addr", "show", "dev", BRIDGE).stdout:
+        added = _ip("addr", "add", f"{API_HOST}/32", "dev", BRIDGE)
+        if added.returncode != 0:
+            raise ClusterError(f"ip addr add {API_HOST}/32 dev {BRIDGE}: {added.stderr.strip()}")
     _ip("link", "set", BRIDGE, "up")
 
 
@@ -602,7 +636,7 @@ def _pod_pids() -> set[int]:
     return pids
 
 
-KIT_PEERS = ("kube", "etcd", "containerd", "buildkit")
+KIT_PEERS = ("kube", "kube134", "etcd", "containerd", "buildkit")
 
 
 def _ours(exe: str, cmdline: str, roots: Sequence[Path]) -> bool:
