@@ -41,6 +41,9 @@ IMAGE = "registry.example.com/kubevirt-gpu-passthrough:0.1.0"
 CLAIM_METADATA_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 PASSTHROUGH = f"passthrough.{DRIVER_NAME}"
 
+TU106_NUMA1 = {"pci-0000-86-00-0", "pci-0000-af-00-0"}
+"""What the sample template's selectors mean on node01: TU106 on NUMA node 1 (the cards below 0x85 and 0xae)."""
+
 
 def deploy_dra(cluster: Cluster, tree: Path, workload: str = "vm-passthrough") -> list[Doc]:
     """``deploy/dra`` as it is (its ``/sys`` pointed at ``tree``), the node labelled for it; the plugin Ready."""
@@ -274,3 +277,18 @@ def vm_json() -> str:
     docs = list(yaml.safe_load_all((DEPLOY / "dra" / "example" / "vm.yaml").read_text()))
     (vm,) = [d for d in docs if d and d.get("kind") == "VirtualMachine"]
     return json.dumps(vm)
+
+
+def spec_view(slices: list[dict[str, object]]) -> list[object]:
+    """The parts of slices both sides decide (not the pool generation, which the publisher counts up)."""
+    view = []
+    for s in slices:
+        spec = dict(s["spec"])  # type: ignore[call-overload]
+        pool = dict(spec.pop("pool"))
+        pool.pop("generation")
+        view.append({**spec, "pool": pool})
+    return sorted(view, key=repr)
+
+
+def slices_are(cluster: Cluster, tree: Path) -> bool:
+    return spec_view(published(cluster)) == spec_view(expected_slices(tree))

@@ -29,10 +29,12 @@ import pytest
 
 from schemas.dra import DRIVER_NAME
 from simkit.fixture_nodes import SRIOV_VGPU_NODE, VGPU_NODE
+from simkit.sysfs_fixture import Node
 from simkit.sysfs_fixture import build as build_node
 from tests.cluster import kit
 from tests.cluster.dra import (
     DRA_LABEL,
+    TU106_NUMA1,
     VMS,
     allocation,
     cdi_specs,
@@ -40,7 +42,6 @@ from tests.cluster.dra import (
     claim_of,
     delete_pod,
     deploy_dra,
-    expected_slices,
     files_match_checkpoint,
     kubelet_claims,
     metadata_claims,
@@ -53,6 +54,7 @@ from tests.cluster.dra import (
     published_devices,
     request,
     running,
+    slices_are,
     vm_json,
 )
 from tests.cluster.support import (
@@ -66,8 +68,6 @@ from tests.cluster.support import (
 
 pytestmark = pytest.mark.cluster
 SLICE_DEADLINE = 120.0
-TU106_NUMA1 = {"pci-0000-86-00-0", "pci-0000-af-00-0"}
-"""What the sample template's selectors mean on node01: TU106 on NUMA node 1 (the cards below 0x85 and 0xae)."""
 
 
 @pytest.fixture(scope="module")
@@ -82,26 +82,11 @@ def dra_node(cluster: Cluster, node01_tree: Path) -> Iterator[Cluster]:
     deploy_plugin(cluster, node01_tree)
 
 
-def _spec_view(slices: list[dict[str, object]]) -> list[object]:
-    """The parts of slices both sides decide (not the pool generation, which the publisher counts up)."""
-    view = []
-    for s in slices:
-        spec = dict(s["spec"])  # type: ignore[call-overload]
-        pool = dict(spec.pop("pool"))
-        pool.pop("generation")
-        view.append({**spec, "pool": pool})
-    return sorted(view, key=repr)
-
-
-def _slices_are(cluster: Cluster, tree: Path) -> bool:
-    return _spec_view(published(cluster)) == _spec_view(expected_slices(tree))
-
-
 def test_slices_are_stored_as_the_plugin_sent_them(dra_node: Cluster, node01_tree: Path) -> None:
     cluster = dra_node
     wait_until(
         "node01's slices in the API server as `xmlgen discover --dra-slices` says",
-        lambda: _slices_are(cluster, node01_tree),
+        lambda: slices_are(cluster, node01_tree),
         deadline=SLICE_DEADLINE,
         explain=lambda: f"stored: {published(cluster)}" + plugin_log(cluster),
     )
@@ -354,12 +339,12 @@ def test_slices_follow_a_device_made_unhealthy_removed_and_given_back(dra_node: 
     ids=["vgpu", "sriov-vgpu"],
 )
 def test_vgpu_trees_publish_and_prepare(
-    dra_node: Cluster, node01_tree: Path, node: object, workload: str, device_class: str, count: int
+    dra_node: Cluster, node01_tree: Path, node: Node, workload: str, device_class: str, count: int
 ) -> None:
     cluster = dra_node
-    tree = kit.STATE / "fixtures" / node.name  # type: ignore[attr-defined]
+    tree = kit.STATE / "fixtures" / node.name
     if not (tree / "sys").exists():
-        build_node(node, tree)  # type: ignore[arg-type]
+        build_node(node, tree)
     (tree / "lib" / "modules").mkdir(parents=True, exist_ok=True)
     groups = sorted(p.name for p in (tree / "dev" / "vfio").iterdir() if p.name.isdigit())
     made = make_dev_vfio(groups)
@@ -367,7 +352,7 @@ def test_vgpu_trees_publish_and_prepare(
         deploy_dra(cluster, tree, workload)
         wait_until(
             f"{node.name}'s slices stored as sent",
-            lambda: _slices_are(cluster, tree),  # type: ignore[attr-defined]
+            lambda: slices_are(cluster, tree),
             deadline=SLICE_DEADLINE,
             explain=lambda: f"stored: {published(cluster)}" + plugin_log(cluster),
         )
