@@ -12,7 +12,8 @@ would.
 - floor: an empty ``NodePrepareResources`` (no claims) on the same socket, interleaved with the round trips
   so that machine noise hits both alike.
 
-Prints the medians and the ratios and exits 0: a measurement, not a test (no goal is set).
+Prints the medians and the ratios and exits 0: a measurement, not a test (no goal is set). ``--cluster`` measures
+the same prepare path on the real node instead (bench/dra_cluster.py).
 """
 
 from __future__ import annotations
@@ -110,8 +111,20 @@ def median_pair(first: Callable[[], None], second: Callable[[], None], rounds: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=500, help="round trips per claim size (default: %(default)s)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="round trips per claim size (default: 500; 10 with --cluster)"
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the real kubelet's prepare path instead (bench/dra_cluster.py: claim to container start vs an empty pod)",
+    )
     options = parser.parse_args(argv)
+    if options.cluster:
+        from bench.dra_cluster import run
+
+        return run(max(options.rounds or 10, 3))
+    options.rounds = options.rounds or 500
     rounds = max(options.rounds, 5)
     base = Path(tempfile.mkdtemp(prefix="drb", dir="/tmp"))
     figures: dict[int, tuple[float, float]] = {}
