@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,46 @@ def pod(name: str, claims: dict[str, str], *, template: bool = False) -> Doc:
             ],
         },
     }
+
+
+KUBEVIRT_DRA_GATES = ("Sidecar", "GPUsWithDRA", "HostDevicesWithDRA")
+"""The KubeVirt CR's gates for the DRA example (deploy/dra/kubevirt-patch.yaml adds the last two)."""
+
+
+def kubevirt_vm_pod(cluster: Cluster, name: str) -> Doc:
+    """:func:`pod` with the claims KubeVirt 1.9's own template service gives ``deploy/dra/example/vm.yaml``'s pod
+    (``launcher-pod`` with the DRA gates on): its ``resourceClaims`` and compute's ``resources.claims``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as cr:
+        yaml.safe_dump(
+            {
+                "apiVersion": "kubevirt.io/v1",
+                "kind": "KubeVirt",
+                "metadata": {"name": "kubevirt", "namespace": "kubevirt"},
+                "spec": {"configuration": {"developerConfiguration": {"featureGates": list(KUBEVIRT_DRA_GATES)}}},
+            },
+            cr,
+        )
+        cr.flush()
+        done = subprocess.run(
+            [
+                str(cluster.peers.binary("kubevirt", "launcher-pod")),
+                "--vm",
+                str(DEPLOY / "dra" / "example" / "vm.yaml"),
+                "--kubevirt",
+                cr.name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0, f"launcher-pod: {done.stderr[-1500:]}"
+    rendered: Doc = yaml.safe_load(done.stdout)
+    (compute,) = [c for c in rendered["spec"]["containers"] if c["name"] == "compute"]
+    doc = pod(name, {})
+    doc["spec"]["resourceClaims"] = rendered["spec"]["resourceClaims"]
+    doc["spec"]["containers"][0]["resources"] = {"claims": compute["resources"]["claims"]}
+    return doc
 
 
 def claim(name: str, requests: list[Doc]) -> Doc:

@@ -44,6 +44,7 @@ from tests.cluster.dra import (
     deploy_dra,
     files_match_checkpoint,
     kubelet_claims,
+    kubevirt_vm_pod,
     metadata_claims,
     oci_spec,
     plugin_checkpoint,
@@ -103,9 +104,9 @@ def test_slices_are_stored_as_the_plugin_sent_them(dra_node: Cluster, node01_tre
         assert (owner["kind"], owner["name"]) == ("Node", kit.NODE)
 
 
-def test_the_sample_template_gets_what_its_selectors_mean_and_the_container_its_devices(dra_node: Cluster) -> None:
+def test_the_example_vms_claims_get_what_their_selectors_mean_and_the_container_its_devices(dra_node: Cluster) -> None:
     cluster = dra_node
-    cluster.apply([pod("sample", {"gpus": "tu106-pair"}, template=True)])
+    cluster.apply([kubevirt_vm_pod(cluster, "sample")])  # the example VM's claims, as KubeVirt renders its pod
     try:
         doc = running(cluster, "sample")
         name = claim_of(cluster, doc, "gpus")

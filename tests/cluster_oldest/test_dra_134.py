@@ -24,11 +24,11 @@ from tests.cluster.dra import (
     delete_pod,
     deploy_dra,
     kubelet_claims,
+    kubevirt_vm_pod,
     metadata_claims,
     plugin_checkpoint,
     plugin_events,
     plugin_log,
-    pod,
     published,
     published_devices,
     running,
@@ -64,9 +64,9 @@ def test_the_1_34_kubelet_registers_the_plugin_and_its_slices_are_stored_as_sent
     assert len(published_devices(cluster)) == 4
 
 
-def test_the_1_34_scheduler_and_kubelet_give_the_sample_template_its_devices(dra134: Cluster) -> None:
+def test_the_1_34_scheduler_and_kubelet_give_the_example_vms_claims_their_devices(dra134: Cluster) -> None:
     cluster = dra134
-    cluster.apply([pod("sample", {"gpus": "tu106-pair"}, template=True)])
+    cluster.apply([kubevirt_vm_pod(cluster, "sample")])  # the example VM's claims, as KubeVirt renders its pod
     try:
         doc = running(cluster, "sample")
         name = claim_of(cluster, doc, "gpus")
