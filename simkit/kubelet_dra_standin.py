@@ -299,12 +299,12 @@ class KubeletDraStandIn:
                 raise DraStandInError(f"NodeUnprepareResources left out claim {uid}")
         return {uid: response.claims[uid].error for _, _, uid in claims}
 
-    def watch_health(self, driver: str) -> HealthWatch:
-        """``NodeWatchResources`` on ``driver``'s endpoint (no deadline: the kubelet's stream lives as long as the
-        plugin's registration)."""
+    def watch_health(self, driver: str, timeout: float | None = None) -> HealthWatch:
+        """``NodeWatchResources`` on ``driver``'s endpoint. The kubelet sets no deadline (its stream lives as long
+        as the plugin's registration); ``timeout`` is one for tests that must not wait forever."""
         plugin = self._plugin(driver)
         stub = health_grpc.DRAResourceHealthStub(plugin.channel)
-        return HealthWatch(stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest()))
+        return HealthWatch(stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest(), timeout=timeout))
 
     def _plugin(self, driver: str) -> _Plugin:
         with self._changed:

@@ -206,7 +206,8 @@ def test_streams_beyond_the_cap_are_refused_and_the_open_ones_keep_going() -> No
                 runner.server.health.update([DeviceState("node01", "probe", pb.UNKNOWN)])
                 for reader in readers:  # every open stream still hears the news
                     reader.until(lambda m: "probe" in health_of(m))
-                readers.pop().close()  # a kubelet's stream breaks: its place is free again at once
+                readers.pop().close()  # a kubelet's stream breaks: its place is freed (gRPC's callback)
+                assert _wait(lambda: runner.server.health.streams == MAX_STREAMS - 1)
                 with reading(socket) as again:
                     again.next()
                     assert not again.ended.is_set()
@@ -222,7 +223,9 @@ def test_a_stream_nobody_reads_never_holds_the_loop_and_then_gets_the_latest_sta
         with running_dra(runner):
             channel = grpc.insecure_channel(f"unix:{runner.server.plugin_socket}")
             try:
-                call = pb_grpc.DRAResourceHealthStub(channel).NodeWatchResources(pb.NodeWatchResourcesRequest())
+                call = pb_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                    pb.NodeWatchResourcesRequest(), timeout=PATIENCE * 4
+                )
                 board = runner.server.health
                 assert _wait(lambda: board.streams == 1)
                 big = "m" * MAX_MESSAGE
@@ -280,7 +283,7 @@ def test_the_kubelet_reads_health_on_the_registered_endpoint_and_sigterm_is_not_
                 kubelet.wait_for_registration(DRIVER_NAME, timeout=PATIENCE)
                 (devices, error) = kubelet.prepare(DRIVER_NAME, [("vms", "gpu-claim", UID)])[UID]
                 assert error == ""
-                watch = kubelet.watch_health(DRIVER_NAME)
+                watch = kubelet.watch_health(DRIVER_NAME, timeout=PATIENCE * 4)
                 messages = iter(watch)
                 report = next(messages)
                 while not report:  # the state before the prepare was seen by a scan lists nothing

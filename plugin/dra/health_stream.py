@@ -50,6 +50,8 @@ MAX_MESSAGE = 1024
 """``DeviceHealth.message``: the kubelet cuts a longer one (``v1.ResourceHealthMessageMaxLength``)."""
 MAX_DEVICES = 4096
 """Devices in one message at most (a node has a few dozen; the bound keeps a message well under gRPC's limit)."""
+POLL = 5.0
+"""Seconds a waiting stream looks again whether its peer is still there (gRPC's callback normally says so first)."""
 GONE = "not found on the node at the last scan"
 NOT_SCANNED = "the node has not been scanned yet"
 
@@ -189,7 +191,7 @@ class HealthBoard:
                     return None
                 if self._states is not None and self._version > seen:
                     return self._version, self._response()
-                self._changed.wait(self.keepalive)
+                self._changed.wait(POLL)
 
     def _response(self) -> pb.NodeWatchResourcesResponse:
         response = pb.NodeWatchResourcesResponse()
@@ -214,7 +216,8 @@ class HealthBoard:
                 "try again",
             )
         assert stream is not None
-        context.add_callback(stream.end)  # the peer went (or the server stops): the stream is gone at once
+        if not context.add_callback(stream.end):  # the peer went (or the server stops): the stream is gone at once
+            stream.end()  # already over
         try:
             seen = 0
             while True:
