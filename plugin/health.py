@@ -14,6 +14,7 @@ Pure: callers read the node (through :class:`~plugin.hostroot.HostRoot`) and pas
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -117,3 +118,28 @@ class UsabilityRule:
         if not container_exists:
             problems.append("/dev/vfio/vfio is missing (is the vfio module loaded?)")
         return problems
+
+
+PROBLEM_CODES = (
+    ("NoIOMMUGroup", re.compile(r"\bno IOMMU group\b")),
+    ("IOMMUGroupNotViable", re.compile(r"\bIOMMU group \d+ is not viable\b")),
+    ("IOMMUGroupShared", re.compile(r"\bIOMMU group \d+ is shared with GPU\b")),
+    ("VFIOGroupNodeMissing", re.compile(r"/dev/vfio/\d+ is missing\b")),
+    ("VFIOContainerMissing", re.compile(r"/dev/vfio/vfio is missing\b")),
+)
+"""A short, stable name for each problem :class:`UsabilityRule` reports, in the order the rule reports them
+(the words of :meth:`~UsabilityRule.group_problems` and :meth:`~UsabilityRule.vfio_problems`)."""
+UNKNOWN_PROBLEM = "Unhealthy"
+"""The code of a reason no pattern of :data:`PROBLEM_CODES` names."""
+
+
+def problem_code(reason: str | None) -> str:
+    """The code of the first problem ``reason`` (an unhealthy device's ``reason``, problems joined by ``; ``)
+    names, by position in the text: a CamelCase word of at most 20 letters, valid as a Kubernetes label value
+    (the DRA device taint's value, docs/dra.md, "Device taints")."""
+    found = [
+        (match.start(), code)
+        for code, pattern in PROBLEM_CODES
+        if (match := pattern.search(reason or "")) is not None
+    ]
+    return min(found)[1] if found else UNKNOWN_PROBLEM

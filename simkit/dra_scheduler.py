@@ -13,10 +13,17 @@ Given a node's ResourceSlices (:mod:`plugin.dra.slices`) and a ResourceClaim's `
 - Requests: ``exactly`` (``ExactCount`` with ``count``, or ``All``) and ``firstAvailable`` (the first
   subrequest that can be satisfied, the result naming ``<request>/<subrequest>``). Constraints:
   ``matchAttribute`` (every device of the named requests has the attribute, with one value).
+- Device taints (KEP 5055, ``spec.devices[].taints``): a device with a ``NoSchedule`` or ``NoExecute`` taint
+  is not a candidate for a request (``exactly`` or a ``firstAvailable`` subrequest) unless one of that
+  request's ``tolerations`` tolerates it; ``None`` and unknown effects are ignored. The rule of the structured
+  allocator (k8s.io/dynamic-resource-allocation ``structured``, ``taintPreventsAllocation``) and of
+  ``resourceclaim.ToleratesTaint``: a toleration's empty effect matches every effect, its empty key every key
+  (operator ``Exists``), ``Exists`` every value, ``Equal`` (the default) the same value. Eviction
+  (``NoExecute`` on an allocated device) is not modelled.
 - Search: requests in order, candidates in device-name order, backtracking; at most :data:`MAX_STEPS` steps.
   A device is never given twice (``taken``). Deterministic, so tests and the account are reproducible.
 
-Not modelled: admin access, tolerations, capacity, device taints, several nodes or pools. The DeviceClasses are
+Not modelled: admin access, capacity, eviction, several nodes or pools. The DeviceClasses are
 built here from :mod:`schemas.dra` (a test checks they equal ``deploy/dra/deviceclasses.yaml``), because
 ``deploy/`` is not installed with the package.
 """
@@ -109,12 +116,39 @@ def cel_compiler() -> Callable[[str], Selector] | None:
     return compile_selector
 
 
+BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
+"""The taint effects that keep a device from an allocation that does not tolerate them."""
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Whether ``toleration`` (a v1 ``DeviceToleration``) tolerates ``taint`` (a v1 ``DeviceTaint``)."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key") or ""
+    if key and key != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Equal":
+        return (toleration.get("value") or "") == (taint.get("value") or "")
+    return operator == "Exists"
+
+
+def taint_prevents(taints: Sequence[Mapping[str, Any]], tolerations: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a device with ``taints`` is kept from a request with ``tolerations``."""
+    return any(
+        taint.get("effect") in BLOCKING_EFFECTS and not any(tolerates(t, taint) for t in tolerations)
+        for taint in taints
+    )
+
+
 @dataclass(frozen=True)
 class SliceDevice:
     driver: str
     pool: str
     name: str
     attributes: Mapping[str, Mapping[str, Any]]
+    taints: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def variable(self) -> dict[str, Any]:
@@ -129,7 +163,13 @@ class SliceDevice:
 def slice_devices(slices: Sequence[Mapping[str, Any]]) -> list[SliceDevice]:
     """Every device of ``slices`` (v1 ResourceSlice objects), in device-name order."""
     found = [
-        SliceDevice(obj["spec"]["driver"], obj["spec"]["pool"]["name"], device["name"], device.get("attributes", {}))
+        SliceDevice(
+            obj["spec"]["driver"],
+            obj["spec"]["pool"]["name"],
+            device["name"],
+            device.get("attributes", {}),
+            tuple(device.get("taints") or ()),
+        )
         for obj in slices
         for device in obj["spec"].get("devices", [])
     ]
@@ -198,11 +238,15 @@ class Scheduler:
         own: list[Selector] = []
         if self.compiler is not None:
             own = [self.compiler(item["cel"]["expression"]) for item in spec.get("selectors", []) or []]
-        # the class's selectors, then the request's, in order, on every device (an error fails the allocation)
+        tolerations = spec.get("tolerations") or []
+        # the class's selectors, then the request's, in order, on every device (an error fails the allocation);
+        # then the device's taints against the request's tolerations
         return tuple(
             device
             for device in self.devices
-            if class_filter(device) and all(selector(device.variable) for selector in own)
+            if class_filter(device)
+            and all(selector(device.variable) for selector in own)
+            and not taint_prevents(device.taints, tolerations)
         )
 
     def _count(self, spec: Mapping[str, Any], where: str) -> int | None:

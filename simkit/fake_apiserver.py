@@ -11,7 +11,11 @@ for what the plugin does, with the server-side rules the plugin relies on:
   appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale
   ``resourceVersion`` is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and
   ``creationTimestamp`` are the server's; an immutable field changed by a PUT (``spec.driver``,
-  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers.
+  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers. Device taints
+  (``spec.devices[].taints``, 1.36 with ``DRADeviceTaints`` on) are checked as Kubernetes' validation checks
+  them (:func:`taint_problems`: key a label name, value a label value, effect ``None``/``NoSchedule``/
+  ``NoExecute``, at most 16 per device, at most 64 devices in a slice with any taint) and a taint without
+  ``timeAdded`` gets the current time, cut to the second, as the API server's defaulting does.
 - ResourceClaims (namespaced): GET.
 - Nodes: GET.
 
@@ -24,8 +28,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +48,73 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS_PREFIX = "/apis/resource.k8s.io/v1/namespaces/"
 NODES = "/api/v1/nodes/"
 IMMUTABLE = (("driver",), ("nodeName",), ("pool", "name"))
+MAX_DEVICES = 128
+"""``ResourceSliceMaxDevices`` (k8s.io/api resource/v1)."""
+MAX_DEVICES_WITH_TAINTS = 64
+"""``ResourceSliceMaxDevicesWithAdvancedFeatures``: when any device of the slice has a taint."""
+MAX_TAINTS = 16
+"""``DeviceTaintsMaxLength``."""
+TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def label_name_problem(key: object) -> str | None:
+    """Why ``key`` is not a label name (apimachinery ``IsQualifiedName``): an optional DNS-subdomain prefix of
+    at most 253 characters and ``/``, then a name of 1..63 characters, alphanumeric at both ends, ``-_.`` inside."""
+    if not isinstance(key, str) or not key:
+        return "must be a non-empty string"
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return f"prefix {prefix!r} must be a DNS subdomain of at most 253 characters"
+    if not 1 <= len(name) <= 63 or not _LABEL_NAME.fullmatch(name):
+        return f"name part {name!r} must be 1..63 characters, alphanumeric at both ends, '-', '_', '.' inside"
+    return None
+
+
+def label_value_problem(value: object) -> str | None:
+    """Why ``value`` is not a label value (``IsValidLabelValue``): empty, or at most 63 characters like a name."""
+    if not isinstance(value, str):
+        return "must be a string"
+    if value and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
+        return f"{value[:80]!r} must be at most 63 characters, alphanumeric at both ends, '-', '_', '.' inside"
+    return None
+
+
+def taint_problems(spec: JSON) -> list[str]:
+    """What Kubernetes' ResourceSlice validation says of ``spec``'s device taints and device count."""
+    devices = spec.get("devices") or []
+    if not isinstance(devices, list):
+        return ["spec.devices: must be a list"]
+    problems: list[str] = []
+    tainted = False
+    for index, device in enumerate(devices):
+        taints = device.get("taints") if isinstance(device, dict) else None
+        if taints is None:
+            continue
+        where = f"spec.devices[{index}].taints"
+        if not isinstance(taints, list):
+            problems.append(f"{where}: must be a list")
+            continue
+        tainted = tainted or bool(taints)
+        if len(taints) > MAX_TAINTS:
+            problems.append(f"{where}: Too many: {len(taints)}: must have at most {MAX_TAINTS} items")
+        for number, taint in enumerate(taints):
+            if not isinstance(taint, dict):
+                problems.append(f"{where}[{number}]: must be an object")
+                continue
+            key_problem = label_name_problem(taint.get("key"))
+            if key_problem:
+                problems.append(f"{where}[{number}].key: Invalid value: {key_problem}")
+            value_problem = label_value_problem(taint.get("value", ""))
+            if value_problem:
+                problems.append(f"{where}[{number}].value: Invalid value: {value_problem}")
+            if taint.get("effect") not in TAINT_EFFECTS:
+                problems.append(f"{where}[{number}].effect: Unsupported value: {taint.get('effect')!r}")
+    limit = MAX_DEVICES_WITH_TAINTS if tainted else MAX_DEVICES
+    if len(devices) > limit:
+        problems.append(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
+    return problems
 
 JSON = dict[str, Any]
 
@@ -110,7 +183,10 @@ def _field_selector(text: str) -> list[tuple[tuple[str, ...], str]]:
 class FakeApiServer:
     """The server; ``url`` is ``http://127.0.0.1:PORT``. Use as a context manager (or start/stop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_taints: bool = True) -> None:
+        """``device_taints`` False: an API server of 1.34/1.35 with ``DRADeviceTaints`` off (its default), which
+        drops ``spec.devices[].taints`` from what it stores."""
+        self.device_taints = device_taints
         self._state = _State()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -179,7 +255,26 @@ class FakeApiServer:
         self._state.version += 1
         return str(self._state.version)
 
+    def _admit_spec(self, obj: JSON) -> None:
+        """Kubernetes' validation of the device taints (422 naming each problem), then its defaulting; with the
+        gate off, the field dropped first (``dropDisabledDRADeviceTaintsFields``)."""
+        spec = obj.get("spec")
+        if not isinstance(spec, dict):
+            raise _ApiError(422, "Invalid", "spec: Required value")
+        if not self.device_taints:
+            for device in spec.get("devices") or []:
+                if isinstance(device, dict):
+                    device.pop("taints", None)
+        problems = taint_problems(spec)
+        if problems:
+            raise _ApiError(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(problems))
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for device in spec.get("devices") or []:
+            for taint in device.get("taints") or []:
+                taint.setdefault("timeAdded", now)
+
     def _create_slice(self, obj: JSON) -> JSON:
+        self._admit_spec(obj)
         metadata = obj.setdefault("metadata", {})
         if not isinstance(metadata, dict):
             raise _ApiError(400, "BadRequest", "metadata is not an object")
@@ -219,6 +314,7 @@ class FakeApiServer:
         for path in IMMUTABLE:
             if _get(obj.get("spec", {}), path) != _get(old.get("spec", {}), path):
                 raise _ApiError(422, "Invalid", f"spec.{'.'.join(path)}: Invalid value: field is immutable")
+        self._admit_spec(obj)
         changed = obj.get("spec") != old.get("spec")
         metadata.update(
             uid=old["metadata"]["uid"],
@@ -328,7 +424,7 @@ class FakeApiServer:
 
 
 @contextmanager
-def running() -> Iterator[FakeApiServer]:
+def running(device_taints: bool = True) -> Iterator[FakeApiServer]:
     """A started server, stopped on exit."""
-    with FakeApiServer() as server:
+    with FakeApiServer(device_taints) as server:
         yield server

@@ -14,6 +14,10 @@ What it does, as a 1.34 kubelet does:
 - DRA manager: ``NodePrepareResources`` / ``NodeUnprepareResources`` on the registered endpoint of the
   chosen API version with a 45 s deadline; an answer that leaves out a claim of the request is an error
   (the kubelet would call again), a claim's non-empty ``error`` is that claim's failure.
+- health stream (``ResourceHealthStatus``, on by default from 1.36): :meth:`watch_health` opens
+  ``v1alpha1.DRAResourceHealth/NodeWatchResources`` on the registered endpoint's channel, as the kubelet does
+  for every registered DRA plugin whatever its ``supported_versions`` say (the service is not listed there),
+  and hands each message over as a :class:`HealthReport` list.
 - :meth:`restart`: the kubelet restarts: registrations are forgotten and the directory is walked again.
 
 Tests and benchmarks drive the real plugin (``plugin.dra``) with it. Thread-safe; its watcher thread blocks
@@ -29,6 +33,7 @@ import select
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +46,8 @@ from schemas.generated.kubelet.dra.v1 import api_pb2 as v1
 from schemas.generated.kubelet.dra.v1 import api_pb2_grpc as v1_grpc
 from schemas.generated.kubelet.dra.v1beta1 import api_pb2 as v1beta1
 from schemas.generated.kubelet.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from schemas.generated.kubelet.dra_health.v1alpha1 import api_pb2 as health_pb
+from schemas.generated.kubelet.dra_health.v1alpha1 import api_pb2_grpc as health_grpc
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
@@ -94,6 +101,50 @@ class PreparedDevice:
     pool: str
     device: str
     cdi_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    """One device of a ``NodeWatchResources`` message, as the kubelet reads it."""
+
+    pool: str
+    device: str
+    health: str
+    """``HEALTHY``, ``UNHEALTHY`` or ``UNKNOWN``."""
+    message: str
+    last_updated_time: int
+    timeout_seconds: int
+
+
+class HealthWatch:
+    """An open health stream: iterate for each message's devices; :meth:`cancel` ends it (the kubelet's
+    context cancelled). Iteration ends when the plugin ends the stream; a gRPC error is raised as
+    :class:`DraStandInError` naming the status code."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[list[HealthReport]]:
+        try:
+            for response in self._call:
+                yield [
+                    HealthReport(
+                        d.device.pool_name,
+                        d.device.device_name,
+                        health_pb.HealthStatus.Name(d.health),
+                        d.message,
+                        d.last_updated_time,
+                        d.health_check_timeout_seconds,
+                    )
+                    for d in response.devices
+                ]
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise DraStandInError(f"{code.name if code else 'UNKNOWN'}: {details}") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 def container_cdi_devices(devices: list[PreparedDevice], request: str = "") -> list[str]:
@@ -247,6 +298,13 @@ class KubeletDraStandIn:
             if uid not in response.claims:
                 raise DraStandInError(f"NodeUnprepareResources left out claim {uid}")
         return {uid: response.claims[uid].error for _, _, uid in claims}
+
+    def watch_health(self, driver: str, timeout: float | None = None) -> HealthWatch:
+        """``NodeWatchResources`` on ``driver``'s endpoint. The kubelet sets no deadline (its stream lives as long
+        as the plugin's registration); ``timeout`` is one for tests that must not wait forever."""
+        plugin = self._plugin(driver)
+        stub = health_grpc.DRAResourceHealthStub(plugin.channel)
+        return HealthWatch(stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest(), timeout=timeout))
 
     def _plugin(self, driver: str) -> _Plugin:
         with self._changed:

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -122,3 +123,49 @@ def test_slices_deleted_under_the_plugin_come_back_at_the_resync() -> None:
         assert again["spec"]["devices"] == first["spec"]["devices"]
         assert again["metadata"]["name"] != first["metadata"]["name"]
         client.close()
+
+
+def test_a_gpu_turning_unhealthy_is_tainted_once_and_the_taint_then_stays_put() -> None:
+    """The fixture tree loses a GPU's VFIO group node while the plugin runs: its slice entry gets the
+    NoSchedule taint (healthy: false kept) in one update, and later scans and resyncs write nothing more."""
+    with short_dir() as base, running() as api:
+        api.add_node("node01")
+        node01 = build_tree(NODE01, base)
+        paths = DraPaths.under(base, node01)
+        client = KubeApi.for_host(api.url, timeout=(2.0, 5.0))
+        runner = dra_runner(paths, sinks=[SlicePublisher(client, "node01")], pool="node01")
+        runner.sink_resync = 0.3
+        try:
+            with running_dra(runner):
+                wait_until(lambda: len(api.slices()) == 1, what="the node's ResourceSlice", timeout=30)
+                assert runner.inventory is not None
+                group = next(
+                    d.iommu_group for r in runner.inventory.resources for d in r.devices if d.id == "0000:86:00.0"
+                )
+                (base / "gone").mkdir()
+                (node01 / "dev" / "vfio" / str(group)).rename(base / "gone" / str(group))
+
+                def sick() -> dict[str, Any] | None:
+                    devices = {d["name"]: d for obj in api.slices() for d in obj["spec"]["devices"]}
+                    device = devices.get("pci-0000-86-00-0")
+                    return device if device is not None and "taints" in device else None
+
+                wait_until(lambda: sick() is not None, what="the taint", timeout=30)
+                device = sick()
+                assert device is not None and device["attributes"]["healthy"] == {"bool": False}
+                (taint,) = device["taints"]
+                assert (taint["key"], taint["value"], taint["effect"]) == (
+                    "gpu-passthrough.kubevirt.io/unhealthy",
+                    "VFIOGroupNodeMissing",
+                    "NoSchedule",
+                )
+                api.clear_requests()
+                wait_until(
+                    lambda: len([r for r in api.requests() if r.method == "GET"]) >= 3, what="resyncs", timeout=30
+                )
+                assert [r.method for r in api.requests() if r.method != "GET"] == []  # the taint does not churn
+                assert sick() == device
+                (base / "gone" / str(group)).rename(node01 / "dev" / "vfio" / str(group))
+                wait_until(lambda: sick() is None, what="the taint removed", timeout=30)
+        finally:
+            client.close()

@@ -14,6 +14,7 @@ from schemas import genproto
 from schemas.generated.kubelet.deviceplugin.v1beta1 import api_pb2 as dp
 from schemas.generated.kubelet.dra.v1 import api_pb2 as dra_v1
 from schemas.generated.kubelet.dra.v1beta1 import api_pb2 as dra_v1beta1
+from schemas.generated.kubelet.dra_health.v1alpha1 import api_pb2 as dra_health
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
 from schemas.generated.kubevirt.hooks import info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2
@@ -43,6 +44,7 @@ def test_every_proto_is_generated() -> None:
         "kubelet/deviceplugin/v1beta1/api.proto",
         "kubelet/dra/v1/api.proto",
         "kubelet/dra/v1beta1/api.proto",
+        "kubelet/dra_health/v1alpha1/api.proto",
         "kubelet/pluginregistration/v1/api.proto",
         "kubelet/podresources/v1/api.proto",
         "kubevirt/hooks/info.proto",
@@ -235,7 +237,7 @@ def test_device_plugin_api_matches_facts() -> None:
     assert set(dp.DESCRIPTOR.message_types_by_name) == set(DEVICE_PLUGIN_FIELDS)
 
 
-@pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, plugins, pr, dp])
+@pytest.mark.parametrize("module", [info_pb2, v1alpha1_pb2, v1alpha2_pb2, v1alpha3_pb2, plugins, pr, dp, dra_health])
 def test_generated_modules_import_as_a_package(module: object) -> None:
     assert getattr(module, "__name__", "").startswith("schemas.generated.")
 
@@ -296,4 +298,30 @@ def test_dra_plugin_api_matches_kubernetes(module: Any, version: str) -> None:
         "pool_name": (2, S, False),
         "device_name": (3, S, False),
         "cdi_device_ids": (4, S, True),
+    }
+
+
+def test_dra_health_api_matches_kubernetes() -> None:
+    """staging/src/k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto (docs/dra.md, "Health stream"): the
+    kubelet calls ``/v1alpha1.DRAResourceHealth/NodeWatchResources``, a server stream."""
+    assert dra_health.DESCRIPTOR.package == "v1alpha1"
+    service = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+    assert service.full_name == "v1alpha1.DRAResourceHealth"
+    assert _methods(service) == {
+        "NodeWatchResources": ("v1alpha1.NodeWatchResourcesRequest", "v1alpha1.NodeWatchResourcesResponse", True)
+    }
+    assert _fields(dra_health.NodeWatchResourcesRequest.DESCRIPTOR) == {}
+    assert _fields(dra_health.NodeWatchResourcesResponse.DESCRIPTOR) == {"devices": (1, M, True)}
+    assert _fields(dra_health.DeviceIdentifier.DESCRIPTOR) == {"pool_name": (1, S, False), "device_name": (2, S, False)}
+    assert _fields(dra_health.DeviceHealth.DESCRIPTOR) == {
+        "device": (1, M, False),
+        "health": (2, B.TYPE_ENUM, False),
+        "last_updated_time": (3, I64, False),
+        "health_check_timeout_seconds": (4, I64, False),
+        "message": (5, S, False),
+    }
+    assert {value.name: value.number for value in dra_health.DESCRIPTOR.enum_types_by_name["HealthStatus"].values} == {
+        "UNKNOWN": 0,
+        "HEALTHY": 1,
+        "UNHEALTHY": 2,
     }

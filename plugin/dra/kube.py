@@ -19,7 +19,10 @@ the client.
   the desired set as Kubernetes' own ResourceSlice controller does: nothing when they already say the same;
   otherwise update the existing ones in place, create the missing ones (``generateName``), then delete the
   surplus, all at a new pool ``generation`` (consumers ignore a pool's older generations, so a reader never
-  mixes old and new slices). Each slice is owned by the Node object (so it goes with the node).
+  mixes old and new slices). Each slice is owned by the Node object (so it goes with the node). Taints are
+  part of what is compared, so a device turning unhealthy (or healthy) is a change; their ``timeAdded``
+  comes from :class:`~plugin.dra.slices.TaintTimes` (when this process first saw the device unhealthy, or the
+  earlier time a taint of ours on the server already says), so an unchanged taint never makes a write.
 - :class:`KubeClaims` is the :class:`~plugin.dra.claims.ClaimSource` a running plugin uses: GET the
   ``resource.k8s.io/v1`` ResourceClaim and read its allocation (:func:`~plugin.dra.claims.results_from_claim_object`
   checks the UID, so a re-created claim is never prepared with the old one's devices).
@@ -45,7 +48,7 @@ import urllib3.connection
 import urllib3.connectionpool
 
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
-from plugin.dra.slices import API_VERSION, KIND, ProductNames, build_slices, check_node_name
+from plugin.dra.slices import API_VERSION, KIND, ProductNames, TaintTimes, build_slices, check_node_name
 from plugin.inventory import Inventory
 from plugin.log import log_event
 from runtime.pciids import PciIds
@@ -61,7 +64,7 @@ read that cannot finish fails the claim with a clear error before the kubelet gi
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 """Largest answer read (a list of our slices: a few hundred KiB at most; etcd's object limit is 1.5 MiB)."""
 MAX_SLICES = 64
-"""More slices of ours for one node than this is someone else's mess, not a pool we made (128 devices each)."""
+"""More slices of ours for one node than this is someone else's mess, not a pool we made (64 to 128 devices each)."""
 FIELD_MANAGER = "gpu-device-plugin"
 """``fieldManager`` of our writes (``kubectl get -o yaml --show-managed-fields`` says who wrote what)."""
 
@@ -373,6 +376,11 @@ def _canonical(devices: object) -> str:
     return json.dumps(devices, sort_keys=True)
 
 
+def _tainted(obj: Mapping[str, Any]) -> bool:
+    devices = _spec(obj).get("devices")
+    return isinstance(devices, list) and any(isinstance(d, Mapping) and d.get("taints") for d in devices)
+
+
 def _pool_name(obj: Mapping[str, Any]) -> object:
     pool = _spec(obj).get("pool")
     return pool.get("name") if isinstance(pool, Mapping) else None
@@ -395,10 +403,20 @@ class PublishResult:
 class SlicePublisher:
     """Keeps ``node_name``'s ResourceSlices equal to what the latest inventory offers (see the module doc)."""
 
-    def __init__(self, api: KubeApi, node_name: str, product_names: ProductNames | None = None) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        node_name: str,
+        product_names: ProductNames | None = None,
+        taint_times: TaintTimes | None = None,
+    ) -> None:
         """``product_names``: pci.ids names for ``productName``; default: the pci.ids the inventory was named
-        from (``Inventory.pci_ids_path``), read once per path."""
+        from (``Inventory.pci_ids_path``), read once per path. ``taint_times``: the clock of the taints'
+        ``timeAdded`` (tests give one with their own clock)."""
         self._api = api
+        self.taint_times = taint_times or TaintTimes()
+        self.server_drops_taints = False
+        """Whether the last write of a tainted device came back without its taints (the gate off there)."""
         self._node_name = check_node_name(node_name)
         self._product_names = product_names
         self._pci_ids: tuple[str | None, ProductNames | None] = (None, None)
@@ -430,10 +448,11 @@ class SlicePublisher:
 
     def _desired(self, inventory: Inventory, generation: int) -> list[JSON]:
         names = self._names_for(inventory)
+        times = self.taint_times.times
         slices = (
-            build_slices(inventory, self._node_name, generation)
+            build_slices(inventory, self._node_name, generation, taint_times=times)
             if names is None
-            else build_slices(inventory, self._node_name, generation, names)
+            else build_slices(inventory, self._node_name, generation, names, taint_times=times)
         )
         owner = self.owner_reference() if slices else None
         for obj in slices:
@@ -457,8 +476,29 @@ class SlicePublisher:
         # Which slice holds which run of devices does not matter (created slices get random names, so their
         # name order is not the order they were written in): the same runs, each in one slice, is the same pool.
         return sorted(_canonical(_spec(have).get("devices", [])) for have in existing) == sorted(
-            _canonical(want["spec"]["devices"]) for want in desired
+            _canonical(self._as_stored(want["spec"]["devices"])) for want in desired
         )
+
+    def _as_stored(self, devices: list[JSON]) -> list[JSON]:
+        """``devices`` as this API server keeps them: without taints when it drops the field (the gate off)."""
+        if not self.server_drops_taints:
+            return devices
+        return [{key: value for key, value in device.items() if key != "taints"} for device in devices]
+
+    def _note_taints(self, sent: JSON, answer: JSON) -> None:
+        """Learn from a write's answer whether the server keeps device taints (a 1.34/1.35 API server with
+        ``DRADeviceTaints`` off drops them; comparing them against its slices would write at every sync)."""
+        if not _tainted(sent):
+            return
+        drops = not _tainted(answer)
+        if drops and not self.server_drops_taints:
+            log_event(
+                "dra_taints_dropped",
+                node=self._node_name,
+                note="the API server dropped spec.devices[].taints (DRADeviceTaints off); the healthy attribute "
+                "still tells unhealthy devices",
+            )
+        self.server_drops_taints = drops
 
     def publish(self, inventory: Inventory) -> None:
         """:meth:`sync` and log what changed: the serve loop's inventory sink (``plugin.dra.runner``)."""
@@ -476,6 +516,7 @@ class SlicePublisher:
     def sync(self, inventory: Inventory) -> PublishResult:
         """Bring the node's slices to ``inventory``'s devices; :class:`KubeError` when a call fails (the next
         call starts over from what the server has)."""
+        self.taint_times.observe(inventory)  # before the list: a device's time is when we saw it, API up or not
         existing = self._api.list_slices(self._node_name)
         if len(existing) > MAX_SLICES:
             raise KubeError(
@@ -483,6 +524,7 @@ class SlicePublisher:
                 f"{MAX_SLICES} this plugin would ever make; delete them (kubectl delete resourceslices "
                 f"--field-selector spec.nodeName={self._node_name},spec.driver={DRIVER_NAME})"
             )
+        self.taint_times.adopt(existing)
         current = max((_generation(obj) for obj in existing), default=0)
         generation = current + 1
         owner_known = self._owner is not None
@@ -508,10 +550,10 @@ class SlicePublisher:
                     "resourceVersion": _metadata(old).get("resourceVersion"),
                     "ownerReferences": obj["metadata"]["ownerReferences"],
                 }
-                self._api.replace_slice(name, obj)
+                self._note_taints(obj, self._api.replace_slice(name, obj))
                 updated += 1
             else:
-                self._api.create_slice(obj)
+                self._note_taints(obj, self._api.create_slice(obj))
                 created += 1
         for old in [*reusable, *stale]:
             self._api.delete_slice(str(_metadata(old).get("name", "")))

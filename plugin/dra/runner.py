@@ -8,7 +8,10 @@ One thread, blocking on file descriptors like :class:`~plugin.manager.PluginMana
 - on a VFIO change, a uevent, or every ``scan_interval``: rescan (:func:`plugin.sysfs.scan`); the core
   prepares against the newest inventory, and each :class:`InventorySink` gets an inventory that differs from
   the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
-  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in;
+  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in; after each scan the kubelet's health
+  streams get the devices' health (:mod:`plugin.dra.health_stream`: sent when it changed, and again every
+  ``KEEPALIVE`` seconds; a scan that fails sends nothing, so the kubelet turns the devices UNKNOWN after the
+  timeout rather than hear a stale "healthy");
 - a socket removed under us (a wiped registry directory) is served again, which makes the kubelet register
   us anew; a kubelet restart re-reads the registry directory and registers us again by itself, but it also
   deletes every ResourceSlice of the node when it starts (and a driver's slices when no plugin of it has been
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from plugin.config import PluginConfig
+from plugin.dra.health_stream import device_states, health_timeout
 from plugin.dra.options import DEFAULT_SCAN_INTERVAL
 from plugin.dra.prepare import PrepareCore
 from plugin.dra.service import DraServeError, DraServer
@@ -88,6 +92,7 @@ class DraRunner:
         self.config = config
         self.core = core
         self.server = server
+        server.health.timeout_seconds = health_timeout(scan_interval)
         self.host_root = Path(config.host_root).absolute()
         self.scan_interval = scan_interval
         self.pci_ids = pci_ids
@@ -215,6 +220,7 @@ class DraRunner:
             log_event("dra_inventory", devices=devices)
         self.inventory = inventory
         self.core.update_inventory(inventory)
+        self.server.health.update(device_states(inventory, self.core.prepared().values(), self.core.pool))
         self._offer(inventory)
 
     def _registered_anew(self) -> bool:

@@ -13,7 +13,9 @@ PrepareCore` (one core behind both API versions, whose messages are the same); a
 is ``INVALID_ARGUMENT``; anything unexpected is ``INTERNAL`` with a short message, never a traceback.
 :class:`DraServer` owns both gRPC servers and their sockets: each socket is bound under a dot name and
 renamed into place once served (the kubelet never dials a socket nobody answers), and removed on stop
-only while it is still ours.
+only while it is still ours. The DRAPlugin socket also serves the kubelet's health stream
+(``v1alpha1.DRAResourceHealth``, :mod:`plugin.dra.health_stream`): the kubelet calls it on the endpoint it
+registered, without looking for it in ``supported_versions``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import grpc
 
 from plugin.dra.claims import ClaimRef
+from plugin.dra.health_stream import MAX_STREAMS, HealthBoard, HealthServicer
 from plugin.dra.prepare import MAX_CLAIMS_PER_CALL, PREPARE_BUDGET, PrepareCore
 from plugin.log import log_event
 from runtime import sockets
@@ -40,6 +43,7 @@ from schemas.generated.kubelet.dra.v1 import api_pb2 as v1
 from schemas.generated.kubelet.dra.v1 import api_pb2_grpc as v1_grpc
 from schemas.generated.kubelet.dra.v1beta1 import api_pb2 as v1beta1
 from schemas.generated.kubelet.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from schemas.generated.kubelet.dra_health.v1alpha1 import api_pb2_grpc as health_grpc
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2 as reg
 from schemas.generated.kubelet.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
@@ -51,15 +55,16 @@ SOCKET_NAME = "dra.sock"
 REGISTRATION_SOCKET = f"{DRIVER_NAME}-reg.sock"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest request accepted: 256 claims of three names each are ~200 KiB; gRPC refuses more before we parse."""
-WORKERS = 8
-"""Threads serving the DRAPlugin socket."""
-PREPARE_CALLS = WORKERS - 2
+PREPARE_CALLS = 6
 """NodePrepareResources calls served at once. A prepare may wait on the API server (reading its claims, up to
 ``plugin.dra.prepare.PREPARE_BUDGET``); the other workers are never taken by prepares, so an unprepare (which
 reads nothing: it works from the checkpoint) is answered at once however slow the API server is. A prepare
 beyond this is answered ``RESOURCE_EXHAUSTED`` at once (the kubelet retries it), never queued on a worker."""
-MAX_CONCURRENT_RPCS = 16
-"""Calls in progress or queued; beyond, gRPC answers ``RESOURCE_EXHAUSTED`` (the kubelet retries)."""
+WORKERS = PREPARE_CALLS + 2 + MAX_STREAMS
+"""Threads serving a socket: the prepares', two for everything else, and one per health stream (a stream holds
+its thread while it is open)."""
+MAX_CONCURRENT_RPCS = 16 + MAX_STREAMS
+"""Calls in progress or queued, open streams included; beyond, gRPC answers ``RESOURCE_EXHAUSTED``."""
 ANSWER_MARGIN = 5.0
 """Seconds kept, of the caller's deadline for a prepare, for writing files and answering after the reads (a
 quarter of it when that is less)."""
@@ -278,11 +283,17 @@ class DraServer:
         self.plugin_socket = plugin_dir.absolute() / SOCKET_NAME
         self.registration_socket = registry_dir.absolute() / REGISTRATION_SOCKET
         self.registration = RegistrationServicer(self.plugin_socket)
+        self.health = HealthBoard()
+        """The kubelet's health streams; the serve loop sets its state after each scan."""
         slots = threading.BoundedSemaphore(PREPARE_CALLS)
         self._plugin = _Socket(
             self.plugin_socket,
-            (v1_grpc.add_DRAPluginServicer_to_server, v1beta1_grpc.add_DRAPluginServicer_to_server),
-            (DraServicer(core, v1, slots), DraServicer(core, v1beta1, slots)),
+            (
+                v1_grpc.add_DRAPluginServicer_to_server,
+                v1beta1_grpc.add_DRAPluginServicer_to_server,
+                health_grpc.add_DRAResourceHealthServicer_to_server,
+            ),
+            (DraServicer(core, v1, slots), DraServicer(core, v1beta1, slots), HealthServicer(self.health)),
         )
         self._registrar = _Socket(
             self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,), (self.registration,)
@@ -294,6 +305,7 @@ class DraServer:
                 sockets.check_socket_path_length(socket)
             except sockets.SocketInUse as exc:
                 raise DraServeError(str(exc)) from None
+        self.health.open()
         self._plugin.start()
         try:
             self._registrar.start()
@@ -328,5 +340,6 @@ class DraServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         self._registrar.stop(0)
+        self.health.close()  # the streams end now: the grace below never waits on a kubelet's stream
         self._plugin.stop(grace)
         log_event("dra_stopped", plugin_socket=str(self.plugin_socket))

@@ -17,15 +17,23 @@ The shape follows Kubernetes' own types and validation (k8s.io/api/resource/v1 `
   unqualified. A string value over :data:`MAX_STRING_VALUE` characters (a long pci.ids name) is left out
   rather than cut: a selector comparing it must not match a truncated name.
 - Unhealthy devices are published with ``healthy: false`` (the DeviceClasses select ``healthy``), so a
-  device's state is visible in the slice instead of the device silently vanishing.
+  device's state is visible in the slice instead of the device silently vanishing, and with a device taint
+  (KEP 5055, ``DRADeviceTaints``, beta and on by default from 1.36): key :data:`TAINT_KEY`, the first problem's
+  code as value (:func:`plugin.health.problem_code`), effect :data:`TAINT_EFFECT`, ``timeAdded`` when the
+  plugin first saw the device unhealthy (:class:`TaintTimes`). A pool with a tainted device goes out in slices
+  of at most :data:`MAX_DEVICES_PER_SLICE_WITH_TAINTS`. An API server with the gate off drops the field; the
+  ``healthy`` attribute still says it (docs/dra.md, "Device taints").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from plugin.dra.claims import is_dns_subdomain
+from plugin.health import problem_code
 from plugin.inventory import Device, Inventory, Resource
 from schemas.dra import (
     ATTR_DEVICE_ID,
@@ -52,7 +60,20 @@ API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
 
 MAX_DEVICES_PER_SLICE = 128
-"""``ResourceSliceMaxDevices`` (64 only for devices with taints, counters or list attributes: ours have none)."""
+"""``ResourceSliceMaxDevices``: devices in a slice none of whose devices has taints (counters, list attributes)."""
+MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64
+"""``ResourceSliceMaxDevicesWithAdvancedFeatures`` (k8s.io/api 1.36 ``resource/v1/types.go``): devices in a slice
+of which any device has a taint."""
+MAX_TAINTS_PER_DEVICE = 16
+"""``DeviceTaintsMaxLength`` (we put at most one)."""
+TAINT_KEY = f"{DRIVER_NAME}/unhealthy"
+"""The key of the taint an unhealthy device carries: a label name in the driver's domain."""
+TAINT_EFFECT = "NoSchedule"
+"""No new allocation of the device unless the claim tolerates the taint; a claim already allocated keeps it and
+its pod (a VM) keeps running. Not ``NoExecute``: that deletes every pod using the device, which for a VFIO GPU is
+the VM's death (docs/dra.md, "Device taints")."""
+TIME_ADDED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+"""``timeAdded`` as the API server writes a ``metav1.Time``: RFC 3339 in UTC, whole seconds."""
 MAX_ATTRIBUTES_PER_DEVICE = 32
 """``ResourceSliceMaxAttributesAndCapacitiesPerDevice`` (we publish at most 12)."""
 MAX_STRING_VALUE = 64
@@ -115,17 +136,97 @@ def device_attributes(device: Device, resource: Resource, product_names: Product
     return kept
 
 
-def slice_devices(inventory: Inventory, product_names: ProductNames = _no_names) -> list[dict[str, Any]]:
-    """Every device of ``inventory`` as a v1 ``Device`` (``name`` + ``attributes``), sorted by name.
+def format_time(seconds: float) -> str:
+    """``seconds`` since the epoch as a ``timeAdded`` (:data:`TIME_ADDED`), cut to the second as Kubernetes does."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(seconds)))
+
+
+def device_taints(device: Device, time_added: str | None = None) -> list[dict[str, Any]]:
+    """The v1 ``taints`` of one device: none when healthy, else the one :data:`TAINT_KEY` taint whose value
+    names the first problem; ``timeAdded`` when given (else the API server sets it at the write)."""
+    if device.healthy:
+        return []
+    taint: dict[str, Any] = {"key": TAINT_KEY, "value": problem_code(device.reason), "effect": TAINT_EFFECT}
+    if time_added is not None:
+        taint["timeAdded"] = time_added
+    return [taint]
+
+
+def unhealthy_names(inventory: Inventory) -> set[str]:
+    """The device names of ``inventory``'s unhealthy devices (those that carry a taint)."""
+    return {
+        device_name(device.kind, device.id)
+        for resource in inventory.resources
+        for device in resource.devices
+        if not device.healthy
+    }
+
+
+def slice_devices(
+    inventory: Inventory,
+    product_names: ProductNames = _no_names,
+    taint_times: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Every device of ``inventory`` as a v1 ``Device`` (``name``, ``attributes``, ``taints`` when unhealthy, with
+    ``taint_times[name]`` as ``timeAdded``), sorted by name.
 
     The same device in two resources cannot happen in discovery; should it, the first wins and the rest are
     dropped, since two devices of one name in a pool would make the whole slice invalid."""
+    times = taint_times or {}
     found: dict[str, dict[str, Any]] = {}
     for resource in inventory.resources:
         for device in resource.devices:
             name = device_name(device.kind, device.id)
-            found.setdefault(name, {"name": name, "attributes": device_attributes(device, resource, product_names)})
+            if name in found:
+                continue
+            entry: dict[str, Any] = {"name": name, "attributes": device_attributes(device, resource, product_names)}
+            taints = device_taints(device, times.get(name))
+            assert len(taints) <= MAX_TAINTS_PER_DEVICE
+            if taints:
+                entry["taints"] = taints
+            found[name] = entry
     return [found[name] for name in sorted(found)]
+
+
+class TaintTimes:
+    """When each unhealthy device's taint was added, so ``timeAdded`` stays put while the taint does.
+
+    :meth:`observe` takes each inventory: a device newly unhealthy gets the current time (``clock``, seconds
+    since the epoch), one that stays unhealthy keeps its time, a healthy or vanished one is forgotten (its taint
+    goes; a later problem is a new taint). :meth:`adopt` takes the slices on the API server: for a device this
+    process also sees unhealthy, a taint of ours there with an earlier ``timeAdded`` wins, so a restarted plugin
+    keeps the time the taint has had since before the restart. No I/O."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._since: dict[str, str] = {}
+
+    def observe(self, inventory: Inventory) -> dict[str, str]:
+        names = unhealthy_names(inventory)
+        now = format_time(self._clock())
+        self._since = {name: self._since.get(name, now) for name in sorted(names)}
+        return dict(self._since)
+
+    def adopt(self, published: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+        for obj in published:
+            spec = obj.get("spec")
+            devices = spec.get("devices") if isinstance(spec, Mapping) else None
+            for device in devices if isinstance(devices, list) else ():
+                if not isinstance(device, Mapping) or device.get("name") not in self._since:
+                    continue
+                name = str(device["name"])
+                taints = device.get("taints")
+                for taint in taints if isinstance(taints, list) else ():
+                    if not isinstance(taint, Mapping) or taint.get("key") != TAINT_KEY:
+                        continue
+                    added = taint.get("timeAdded")
+                    if taint.get("effect") == TAINT_EFFECT and isinstance(added, str) and TIME_ADDED.fullmatch(added):
+                        self._since[name] = min(self._since[name], added)
+        return dict(self._since)
+
+    @property
+    def times(self) -> dict[str, str]:
+        return dict(self._since)
 
 
 def check_node_name(node_name: str) -> str:
@@ -167,10 +268,17 @@ def build_slices(
     generation: int = 1,
     product_names: ProductNames = _no_names,
     max_devices: int = MAX_DEVICES_PER_SLICE,
+    taint_times: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The node's pool as ResourceSlices: one per :data:`MAX_DEVICES_PER_SLICE` devices, none for no devices."""
+    """The node's pool as ResourceSlices: one per :data:`MAX_DEVICES_PER_SLICE` devices (per
+    :data:`MAX_DEVICES_PER_SLICE_WITH_TAINTS` when any device is tainted), none for no devices.
+    ``taint_times``: the ``timeAdded`` of each tainted device by name (:class:`TaintTimes`)."""
     check_node_name(node_name)
     if not 1 <= max_devices <= MAX_DEVICES_PER_SLICE:
         raise ValueError(f"max_devices {max_devices} is outside 1..{MAX_DEVICES_PER_SLICE}")
-    runs = chunks(slice_devices(inventory, product_names), max_devices)
+    devices = slice_devices(inventory, product_names, taint_times)
+    if any("taints" in device for device in devices):
+        # Kubernetes counts per slice; the whole pool in runs of 64 keeps every run valid whatever its taints.
+        max_devices = min(max_devices, MAX_DEVICES_PER_SLICE_WITH_TAINTS)
+    runs = chunks(devices, max_devices)
     return [slice_object(node_name, run, generation, len(runs)) for run in runs]
