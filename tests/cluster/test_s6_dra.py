@@ -380,3 +380,89 @@ def test_vgpu_trees_publish_and_prepare(
         deploy_dra(cluster, node01_tree)
         remove_dev_vfio(made)
         shutil.rmtree(tree, ignore_errors=True)
+
+
+def _taints(cluster: Cluster, name: str) -> list[dict[str, object]] | None:
+    device = published_devices(cluster).get(name)
+    return None if device is None else list(device.get("taints", []))
+
+
+def _health_of(cluster: Cluster, pod_name: str) -> dict[str, str]:
+    """The compute container's ``allocatedResourcesStatus``: ``claim:<pod claim>/<request>`` → the health of its
+    one resource (KEP 4680, what the kubelet made of the plugin's health stream)."""
+    doc = cluster.json("get", "pod", "-n", VMS, pod_name)
+    (compute,) = [c for c in doc["status"].get("containerStatuses", []) if c["name"] == "compute"]
+    health = {}
+    for entry in compute.get("allocatedResourcesStatus") or []:
+        states = {r.get("health") for r in entry.get("resources", [])}
+        health[entry["name"]] = ",".join(sorted(s for s in states if s))
+    return health
+
+
+def test_an_unhealthy_gpu_is_tainted_and_its_vms_pod_is_told(dra_node: Cluster) -> None:
+    """1.36's device taints and the kubelet's resource health: the GPU of a running VM's pod loses its VFIO group
+    node; its slice entry gets the NoSchedule taint, the pod's status says Unhealthy for that request only, the
+    pod keeps running; the node back, the taint goes and the status says Healthy."""
+    cluster = dra_node
+    cluster.kubectl("create", "-f", "-", stdin=yaml.safe_dump(kubevirt_vm_pod(cluster, "watched")))
+    node = Path("/dev/vfio/74")  # 0000:86:00.0's group
+    try:
+        doc = running(cluster, "watched")
+        by_request = {r["request"]: r["device"] for r in allocation(cluster, claim_of(cluster, doc, "gpus"))}
+        assert set(by_request.values()) == TU106_NUMA1
+        sick = next(request for request, device in by_request.items() if device == "pci-0000-86-00-0")
+        well = next(request for request in by_request if request != sick)
+        wait_until(
+            "both requests Healthy in the pod's status",
+            lambda: (
+                _health_of(cluster, "watched") == {f"claim:gpus/{sick}": "Healthy", f"claim:gpus/{well}": "Healthy"}
+            ),
+            deadline=SLICE_DEADLINE,
+            explain=lambda: f"status: {_health_of(cluster, 'watched')}" + plugin_log(cluster),
+        )
+        assert _taints(cluster, "pci-0000-86-00-0") == []
+        node.unlink()
+        taints = wait_until(
+            "pci-0000-86-00-0 tainted in its slice",
+            lambda: _taints(cluster, "pci-0000-86-00-0") or None,
+            deadline=SLICE_DEADLINE,
+            explain=lambda: plugin_log(cluster),
+        )
+        (taint,) = taints
+        assert (taint["key"], taint["value"], taint["effect"]) == (
+            f"{DRIVER_NAME}/unhealthy",
+            "VFIOGroupNodeMissing",
+            "NoSchedule",
+        )
+        assert taint["timeAdded"]
+        wait_until(
+            "the sick request Unhealthy in the pod's status, the other Healthy",
+            lambda: (
+                _health_of(cluster, "watched") == {f"claim:gpus/{sick}": "Unhealthy", f"claim:gpus/{well}": "Healthy"}
+            ),
+            deadline=SLICE_DEADLINE,
+            explain=lambda: f"status: {_health_of(cluster, 'watched')}" + plugin_log(cluster),
+        )
+        # NoSchedule: an allocated claim keeps its device and the pod keeps running.
+        still = running(cluster, "watched")
+        assert still["status"]["containerStatuses"][0]["restartCount"] == 0
+        assert _taints(cluster, "pci-0000-af-00-0") == []
+    finally:
+        if not node.exists():
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    try:
+        wait_until(
+            "the taint gone once the node is back",
+            lambda: _taints(cluster, "pci-0000-86-00-0") == [],
+            deadline=SLICE_DEADLINE,
+            explain=lambda: plugin_log(cluster),
+        )
+        wait_until(
+            "both requests Healthy again",
+            lambda: set(_health_of(cluster, "watched").values()) == {"Healthy"},
+            deadline=SLICE_DEADLINE,
+            explain=lambda: f"status: {_health_of(cluster, 'watched')}" + plugin_log(cluster),
+        )
+    finally:
+        delete_pod(cluster, "watched")
+    wait_until("watched's files removed", lambda: not cdi_specs() and not metadata_claims())

@@ -9,6 +9,8 @@ health in pod status (``ResourceHealthStatus`` is alpha and off), so the kubelet
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,30 @@ def test_the_1_34_scheduler_and_kubelet_give_the_example_vms_claims_their_device
     wait_until("the claim's files removed", lambda: not cdi_specs() and not metadata_claims())
     assert uid not in kubelet_claims()
     assert kit.running_release() == "kube134"
+
+
+def test_the_1_34_api_server_drops_the_taint_and_keeps_healthy_false(dra134: Cluster) -> None:
+    """1.34's API server has device taints off (``DRADeviceTaints`` alpha): it stores the slice without the taint
+    the plugin sends for an unhealthy GPU, and ``healthy: false`` still keeps the DeviceClasses from giving it."""
+    cluster = dra134
+    node = Path("/dev/vfio/74")
+    node.unlink()
+    try:
+
+        def unhealthy() -> dict[str, object] | None:
+            device = published_devices(cluster).get("pci-0000-86-00-0")
+            return device if device and device["attributes"]["healthy"]["bool"] is False else None
+
+        device = wait_until(
+            "pci-0000-86-00-0 healthy: false in its slice", unhealthy, deadline=120, explain=lambda: plugin_log(cluster)
+        )
+        assert "taints" not in device, device
+    finally:
+        if not node.exists():
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    wait_until(
+        "pci-0000-86-00-0 healthy again",
+        lambda: published_devices(cluster)["pci-0000-86-00-0"]["attributes"]["healthy"]["bool"] is True,
+        deadline=120,
+        explain=lambda: plugin_log(cluster),
+    )
