@@ -13,7 +13,13 @@ from tests.cluster import images, kit
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/cluster.sh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("up", help="build the peers if needed (cached), start the one-node cluster, wait for it")
+    up = commands.add_parser("up", help="build the peers if needed (cached), start the one-node cluster, wait for it")
+    up.add_argument(
+        "--release",
+        choices=sorted(kit.RELEASES.values()),
+        default=kit.RELEASES["kube"],
+        help="the Kubernetes release to run (default: %(default)s; 1.34 is the oldest deploy/dra claims)",
+    )
     commands.add_parser("down", help="stop everything the kit started and remove what it made")
     commands.add_parser("status", help="the components' pids (null: not running)")
     logs = commands.add_parser("logs", help="the end of a component's log")
@@ -25,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            kit.up()
+            (release,) = [peer for peer, name in kit.RELEASES.items() if name == args.release]
+            kit.up(release=release)
             print(f"export KUBECONFIG={kit.STATE / 'admin.kubeconfig'}")
         elif args.command == "down":
             problems = kit.down()
