@@ -19,11 +19,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 from tests.cluster import images, kit
 from tests.cluster.conftest import NODE01_FOR_VMS
 from tests.cluster.dra import cdi_specs, delete_pod, deploy_dra, metadata_claims, pod, running
-from tests.cluster.support import DEPLOY, Cluster, make_dev_vfio, remove_dev_vfio, wait_until
+from tests.cluster.support import DEPLOY, Cluster, fixture_tree, remove_dev_vfio, wait_until
 
 
 def _start(cluster: Cluster, doc: dict[str, object]) -> float:
@@ -40,19 +41,13 @@ def run(rounds: int) -> int:
     if os.geteuid() != 0:
         print("bench.dra_prepare --cluster runs the cluster kit, which needs root")
         return 2
-    from simkit.sysfs_fixture import build as build_node
-
     was_up = kit.pid_of("kube-apiserver") is not None
     peers = kit.up(kit.build_peers())
-    made = []
+    made: list[Path] = []
     try:
         images.build_project_image(peers)
         cluster = Cluster(peers)
-        tree = kit.STATE / "fixtures" / "node01"
-        if not (tree / "sys").exists():
-            build_node(NODE01_FOR_VMS, tree)
-        (tree / "lib" / "modules").mkdir(parents=True, exist_ok=True)
-        made = make_dev_vfio(sorted(p.name for p in (tree / "dev" / "vfio").iterdir() if p.name.isdigit()))
+        tree, made = fixture_tree(NODE01_FOR_VMS)
         deploy_dra(cluster, tree)
         cluster.kubectl("apply", "-k", str(DEPLOY / "dra" / "example"))
         claimed, empty = [], []

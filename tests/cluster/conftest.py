@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 
 from simkit.fixture_nodes import NODE01
-from simkit.sysfs_fixture import build as build_node
 from tests.cluster import images, kit
 from tests.cluster.support import (
     WORKLOAD_LABEL,
     Cluster,
     deploy_plugin,
-    make_dev_vfio,
+    fixture_tree,
     plugin_serving,
     remove_dev_vfio,
 )
@@ -64,12 +63,7 @@ agent could not move the T4 to vfio-pci here; the plugin's view (four TU106) is 
 @pytest.fixture(scope="package")
 def node01_tree(cluster: Cluster) -> Iterator[Path]:
     """node01's sysfs (four TU106 cards on vfio-pci) as a host path the DaemonSets mount, and its groups' nodes."""
-    root = kit.STATE / "fixtures" / "node01"
-    if not (root / "sys").exists():
-        build_node(NODE01_FOR_VMS, root)
-    (root / "lib" / "modules").mkdir(parents=True, exist_ok=True)
-    groups = sorted(p.name for p in (root / "dev" / "vfio").iterdir() if p.name.isdigit())
-    made = make_dev_vfio(groups)
+    root, made = fixture_tree(NODE01_FOR_VMS)
     yield root
     remove_dev_vfio(made)
 

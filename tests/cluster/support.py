@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from simkit.sysfs_fixture import Node
+from simkit.sysfs_fixture import build as build_node
 from tests.cluster import kit
 
 DEPLOY = kit.REPO / "deploy"
@@ -157,6 +159,16 @@ def make_dev_vfio(groups: Iterable[str]) -> list[Path]:
             os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             made.append(path)
     return made
+
+
+def fixture_tree(node: Node) -> tuple[Path, list[Path]]:
+    """``node``'s fixture tree under the kit's state (built once) and the stand-in ``/dev/vfio`` nodes of its groups;
+    returns the tree and the nodes made here (for :func:`remove_dev_vfio`)."""
+    root = kit.STATE / "fixtures" / node.name
+    if not (root / "sys").exists():
+        build_node(node, root)
+    (root / "lib" / "modules").mkdir(parents=True, exist_ok=True)
+    return root, make_dev_vfio(sorted(p.name for p in (root / "dev" / "vfio").iterdir() if p.name.isdigit()))
 
 
 def remove_dev_vfio(made: Iterable[Path]) -> None:

@@ -31,7 +31,6 @@ import yaml
 from schemas.dra import DRIVER_NAME
 from simkit.fixture_nodes import SRIOV_VGPU_NODE, VGPU_NODE
 from simkit.sysfs_fixture import Node
-from simkit.sysfs_fixture import build as build_node
 from tests.cluster import kit
 from tests.cluster.dra import (
     DRA_LABEL,
@@ -63,7 +62,7 @@ from tests.cluster.support import (
     DEPLOY,
     Cluster,
     deploy_plugin,
-    make_dev_vfio,
+    fixture_tree,
     remove_dev_vfio,
     wait_until,
 )
@@ -347,12 +346,7 @@ def test_vgpu_trees_publish_and_prepare(
     dra_node: Cluster, node01_tree: Path, node: Node, workload: str, device_class: str, count: int
 ) -> None:
     cluster = dra_node
-    tree = kit.STATE / "fixtures" / node.name
-    if not (tree / "sys").exists():
-        build_node(node, tree)
-    (tree / "lib" / "modules").mkdir(parents=True, exist_ok=True)
-    groups = sorted(p.name for p in (tree / "dev" / "vfio").iterdir() if p.name.isdigit())
-    made = make_dev_vfio(groups)
+    tree, made = fixture_tree(node)
     try:
         deploy_dra(cluster, tree, workload)
         wait_until(

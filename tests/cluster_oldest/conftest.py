@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from simkit.sysfs_fixture import build as build_node
 from tests.cluster import images, kit
 from tests.cluster.conftest import NODE01_FOR_VMS
-from tests.cluster.support import Cluster, make_dev_vfio, remove_dev_vfio
+from tests.cluster.support import Cluster, fixture_tree, remove_dev_vfio
 from tests.libvirt_support import missing
 
 RELEASE = "kube134"
@@ -52,11 +51,6 @@ def cluster134() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="package")
 def node01_tree134(cluster134: Cluster) -> Iterator[Path]:
-    root = kit.STATE / "fixtures" / "node01"
-    if not (root / "sys").exists():
-        build_node(NODE01_FOR_VMS, root)
-    (root / "lib" / "modules").mkdir(parents=True, exist_ok=True)
-    groups = sorted(p.name for p in (root / "dev" / "vfio").iterdir() if p.name.isdigit())
-    made = make_dev_vfio(groups)
+    root, made = fixture_tree(NODE01_FOR_VMS)
     yield root
     remove_dev_vfio(made)
