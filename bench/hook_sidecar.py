@@ -122,6 +122,12 @@ def measure(hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, 
 
 
 def sysfs_tree(directory: Path, count: int) -> Path:
+    """:func:`build_sysfs_tree`, built once per run and size."""
+    sys_dir = directory / f"node{count}" / "sys"
+    return sys_dir if sys_dir.is_dir() else build_sysfs_tree(directory, count)
+
+
+def build_sysfs_tree(directory: Path, count: int) -> Path:
     """A node's sysfs with ``count`` cards on vfio-pci: function 0 a display function with an A100's 128 GiB
     BAR1, functions 1-3 a TU106's audio, USB and UCSI, the four in one IOMMU group."""
     from simkit.fixture_nodes import (

@@ -152,11 +152,16 @@ def with_read_companions(
         wanted = wanted[:MAX_GPUS]
     sources = {gpu for _, gpu in pci}
     tables: dict[str, dict[PciAddress, tuple[PciAddress, ...]]] = {}
-    for spec, gpu in wanted:
-        try:
-            functions = reader.read(gpu, sources)
-        except InputError as exc:
-            warnings.append(f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {exc}")
+    read_all = getattr(reader, "read_all", None)  # a reader that resolves its paths once for all the GPUs
+    if read_all is not None:
+        outcomes: list[tuple[PciAddress, ...] | InputError] = read_all([gpu for _, gpu in wanted], sources)
+    else:
+        outcomes = [_read_one(reader, gpu, sources) for _, gpu in wanted]
+    for (spec, gpu), functions in zip(wanted, outcomes, strict=True):
+        if isinstance(functions, InputError):
+            warnings.append(
+                f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {functions}"
+            )
             continue
         variable = companions_key(spec.variable)
         if functions and variable is not None:
@@ -166,6 +171,15 @@ def with_read_companions(
     merged = dict(allocation.companions)
     merged.update((name, MappingProxyType(table)) for name, table in tables.items())
     return replace(allocation, companions=MappingProxyType(merged))
+
+
+def _read_one(
+    reader: CompanionReader, gpu: PciAddress, sources: Collection[PciAddress]
+) -> tuple[PciAddress, ...] | InputError:
+    try:
+        return reader.read(gpu, sources)
+    except InputError as exc:
+        return exc
 
 
 def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
@@ -189,12 +203,14 @@ def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, w
         functions = table.get(spec.source) if table is not None else None
         if not functions:
             continue
+        if allocated.isdisjoint(functions):
+            found.append((index, spec, functions))
+            continue
         taken = [function for function in functions if function in allocated]
-        if taken:
-            warnings.append(
-                f"{spec.label}: companion {', '.join(map(str, taken))} is a GPU of this VM itself; "
-                "it is not placed again in the GPU's slot"
-            )
+        warnings.append(
+            f"{spec.label}: companion {', '.join(map(str, taken))} is a GPU of this VM itself; "
+            "it is not placed again in the GPU's slot"
+        )
         keep = tuple(function for function in functions if function not in allocated)
         if keep:
             found.append((index, spec, keep))
@@ -429,7 +445,10 @@ def companions_pass(
     edits = _Placer(writer)
     if len(parsed.root.findall("devices")) != 1:
         edits.writer.no_fast()
-    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)}  # type: ignore[union-attr]
+    source = parsed.source
+    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
+    may_hold = b"-fn" in source or b"&" in source
+    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
     aliases.update(handle.spec.alias for handle in handles.values() if isinstance(handle, NewHostdev))
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
@@ -452,10 +471,8 @@ def companions_pass(
             continue
         slot, root_port = where
         layout = edits.layout(hostdev)
-        render = renderer_for(layout)
-        variable = companions_variable_for(spec.variable) or spec.variable
-        texts: list[str] = []
         placed: list[int] = []
+        joining: list[PciAddress] = []
         for companion in functions:
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
@@ -470,16 +487,46 @@ def companions_pass(
                     f"alias {alias!r} is already used in the domain; it would collide with the companion "
                     f"{companion} of {spec.label}"
                 )
-            companion_spec = _companion_spec(spec, companion, alias, variable)
-            address = _guest_address(slot, companion.function, False, layout.expanded_empty)
-            texts.append(before_alias(render(companion_spec), address))
             domain.used[(*slot, companion.function)] = hostdev
-            added.append(companion_spec)
             joined[companion] = spec.label
             placed.append(companion.function)
-        edits.add_after(hostdev, texts, layout.indent)
+            joining.append(companion)
+        if joining:
+            texts, specs_added = _companion_texts(layout, slot, index, spec, tuple(joining))
+            added += specs_added
+            edits.add_after(hostdev, texts, layout.indent)
         placements.append(Placement(spec.alias, spec.source_text, slot, tuple(sorted(placed)), root_port))
     return Placed(added, placements, warnings)
+
+
+_TEXTS_KEPT = 256
+_texts: dict[tuple[object, ...], tuple[tuple[str, ...], tuple[HostdevSpec, ...]]] = {}
+
+
+def _companion_texts(
+    layout: Layout, slot: tuple[int, int, int], index: int, spec: HostdevSpec, companions: tuple[PciAddress, ...]
+) -> tuple[tuple[str, ...], tuple[HostdevSpec, ...]]:
+    """The hostdevs of ``spec``'s ``companions`` in ``slot`` and their text, laid out for ``layout``: a pure
+    function of its arguments, whose last :data:`_TEXTS_KEPT` results are kept (the hook writes the same GPUs on
+    every call of a pod, as ``HostdevRenderer.run`` keeps its texts)."""
+    key = (layout, slot, index, spec, companions)
+    found = _texts.get(key)
+    if found is None:
+        render = renderer_for(layout)
+        variable = companions_variable_for(spec.variable) or spec.variable
+        specs = tuple(
+            _companion_spec(spec, companion, COMPANION_ALIAS % (index, companion.function), variable)
+            for companion in companions
+        )
+        texts = tuple(
+            before_alias(render(added), _guest_address(slot, added.source.function, False, layout.expanded_empty))
+            for added in specs
+            if isinstance(added.source, PciAddress)
+        )
+        if len(_texts) >= _TEXTS_KEPT:
+            _texts.clear()
+        found = _texts[key] = (texts, specs)
+    return found
 
 
 def _companion_spec(spec: HostdevSpec, companion: PciAddress, alias: str, variable: str) -> HostdevSpec:

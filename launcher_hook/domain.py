@@ -406,13 +406,9 @@ def _record(
     devices_elements = parsed.root.findall("devices")
     if doomed or len(devices_elements) != 1:
         writer.no_fast()
-    fixed: set[int] = set()
-    for splice, hostdev, spec in removals:
-        fix = None
-        if id(hostdev) not in fixed:
-            fixed.add(id(hostdev))
-            fix = functools.partial(_correct_form, hostdev, spec, unit)
-        writer.splice(*splice, tree_fix=fix)
+    if removals:
+        corrected = list({id(hostdev): (hostdev, spec) for _, hostdev, spec in removals}.values())
+        writer.splice_all([splice for splice, _, _ in removals], functools.partial(_correct_forms, corrected, unit))
     for hostdev, changes in touched:
         _write_corrected(writer, hostdev, changes)
     if doomed:
@@ -426,9 +422,10 @@ def _record(
     return left
 
 
-def _correct_form(hostdev: etree._Element, spec: HostdevSpec, unit: str) -> None:
-    """A hostdev in virt-launcher's form corrected on the tree (the bytes had the correction spliced)."""
-    _merge_into(hostdev, spec, unit, [])
+def _correct_forms(corrected: list[tuple[etree._Element, HostdevSpec]], unit: str) -> None:
+    """The hostdevs in virt-launcher's form corrected on the tree (the bytes had the corrections spliced)."""
+    for hostdev, spec in corrected:
+        _merge_into(hostdev, spec, unit, [])
 
 
 def _write_corrected(writer: DomainWriter, hostdev: etree._Element, changes: set[str]) -> None:

@@ -21,6 +21,7 @@ writer returns the input bytes.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,10 +60,16 @@ class NewHostdev:
 
     def texts(self, layout: Layout) -> list[str]:
         """Its elements in document order, each laid out for ``layout``."""
-        text = render_hostdev(self.spec, layout)
-        if self.address is not None:
-            text = before_alias(text, self.address)
-        return [*self.before, text, *self.after]
+        text = _hostdev_text(self.spec, layout, self.address)
+        return [*self.before, text, *self.after] if self.before or self.after else [text]
+
+
+@functools.lru_cache(maxsize=256)
+def _hostdev_text(spec: HostdevSpec, layout: Layout, address: str | None) -> str:
+    """``spec``'s hostdev laid out for ``layout``, with the guest ``address`` before its alias (kept: the hook
+    writes the same GPUs on every call of a pod)."""
+    text = render_hostdev(spec, layout)
+    return before_alias(text, address) if address is not None else text
 
 
 @dataclass
@@ -140,6 +147,12 @@ class DomainWriter:
         self._splices.append((start, end, text))
         if tree_fix is not None:
             self._tree_fixes.append(tree_fix)
+
+    def splice_all(self, splices: Sequence[Splice], tree_fix: Callable[[], None]) -> None:
+        """:meth:`splice` of each of ``splices``, with one ``tree_fix`` making all their changes on the tree."""
+        self.changed = True
+        self._splices += splices
+        self._tree_fixes.append(tree_fix)
 
     def reserialise(self, hostdev: etree._Element, expanded_empty: bool) -> None:
         """Write ``hostdev`` (changed on the tree) anew from the tree, in its place in the bytes."""
@@ -268,11 +281,14 @@ class DomainWriter:
         return written
 
 
+_PLACE = operator.itemgetter(0, 1)
+
+
 def _apply(source: bytes, edits: Sequence[Splice]) -> bytes | None:
     """``source`` with ``edits`` made, or None when two overlap."""
     pieces: list[bytes] = []
     position = 0
-    for start, end, text in sorted(edits, key=lambda edit: (edit[0], edit[1])):
+    for start, end, text in sorted(edits, key=_PLACE):  # (stable: insertions at one place keep their order)
         if start < position:
             return None
         pieces += (source[position:start], text)

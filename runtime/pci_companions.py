@@ -21,7 +21,7 @@ Any problem is an ``InputError`` naming the device and the file; the hook then p
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +60,29 @@ class SysfsCompanions:
     def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
         """The companions of ``gpu`` in function order (none when it is not a passthrough GPU); ``gpus``: the
         VM's other GPUs, never companions. Raises ``InputError`` naming the device and the file."""
-        paths = Resolver(self.root, f"reading the companions of {gpu}")  # this read's only: nothing kept
+        return self._read(Resolver(self.root, f"reading the companions of {gpu}"), gpu, gpus)
+
+    def read_all(
+        self, wanted: Sequence[PciAddress], gpus: Collection[PciAddress] = ()
+    ) -> list[tuple[PciAddress, ...] | InputError]:
+        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), the links
+        resolved once for all of them (a :class:`~runtime.sysfs_paths.Resolver` of this call only: nothing is
+        kept beyond it)."""
+        if not wanted:
+            return []
+        try:
+            paths = Resolver(self.root, f"reading the companions of {wanted[0]}")
+        except InputError as exc:
+            return [exc for _ in wanted]
+        found: list[tuple[PciAddress, ...] | InputError] = []
+        for gpu in wanted:
+            try:
+                found.append(self._read(paths, gpu, gpus))
+            except InputError as exc:
+                found.append(exc)
+        return found
+
+    def _read(self, paths: Resolver, gpu: PciAddress, gpus: Collection[PciAddress]) -> tuple[PciAddress, ...]:
         found = self._function(paths, gpu)
         if found is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu} does not exist under {str(self.root)!r}")
