@@ -90,6 +90,8 @@ class HostdevsInDomain:
     view: DomainHostdevs
     in_order: list[etree._Element] | None = None
     """Every hostdev of every ``<devices>``, in document order."""
+    spans: dict[int, tuple[int, int]] | None = None
+    """Where each hostdev of ``in_order`` is in the bytes (by ``id``), when the read found them there."""
     kubevirt_forms: dict[SourceKey, KubevirtForm] | None = None
     """Set when every hostdev is in virt-launcher's own PCI form (read from the bytes, see
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
@@ -159,6 +161,7 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
     by_source: dict[SourceKey, list[etree._Element]] = {}
     alias_sources: dict[str, SourceKey | None] = {}
     forms: dict[SourceKey, KubevirtForm] = {}
+    spans: dict[int, tuple[int, int]] = {}
     first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
     for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
         form, mode, source_type, domain, bus, slot, function, alias_bytes = found.groups()
@@ -168,12 +171,14 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
         if key in by_source:
             return None
         alias = alias_bytes.decode()
-        by_source[key] = [in_order[position]]
+        element = in_order[position]
+        by_source[key] = [element]
+        spans[id(element)] = found.span()
         alias_sources.setdefault(alias, key)
         forms[key] = (alias, found.span(3) if source_type else None, None if mode else found.start(2))
     if len(forms) != count:
         return None
-    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, forms)
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, spans, forms)
 
 
 def hostdevs_from_tree(parsed: ParsedDomain) -> HostdevsInDomain:
@@ -338,6 +343,8 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     parsed = writer.parsed
     unit = writer.unit
     writer.in_order = existing.in_order
+    if existing.spans is not None and existing.in_order is not None:
+        writer.know_spans(existing.spans, existing.in_order)
     warnings: list[str] = []
     final: list[HostdevSpec] = []
     new: list[NewHostdev] = []

@@ -102,6 +102,7 @@ class DomainWriter:
         self._run: _NewRun | None = None
         self._late: list[Callable[[bool], list[Splice]]] = []
         self._after_serialise: list[Callable[[bytes], bytes]] = []
+        self._layouts: dict[tuple[str, bool], Layout] = {}
         self._spans: tuple[dict[int, tuple[int, int]], list[etree._Element]] | bool | None = False
 
     @functools.cached_property
@@ -126,11 +127,20 @@ class DomainWriter:
         spans = self._spans
         return spans[0].get(id(hostdev)) if isinstance(spans, tuple) else None
 
+    def know_spans(self, spans: dict[int, tuple[int, int]], elements: list[etree._Element]) -> None:
+        """Where the hostdevs ``elements`` are in the bytes, as a pass read them (``spans``, by ``id``)."""
+        if self._spans is False and len(spans) == len(elements):
+            self._spans = (spans, elements)
+
     def layout_at(self, indent: str, offset: int | None) -> Layout:
         """The layout of a new element with indentation ``indent`` written at ``offset`` of the original bytes
         (None: at the end; the empty-element style of its neighbours)."""
         near = offset if offset is not None else len(self.parsed.source)
-        return Layout(indent, self.unit if indent else "", self.parsed.writes_empty_expanded_near(near))
+        key = (indent, self.parsed.writes_empty_expanded_near(near))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout(indent, self.unit if indent else "", key[1])
+        return layout
 
     @property
     def new_layout(self) -> Layout:

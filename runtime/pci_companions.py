@@ -40,9 +40,9 @@ DISPLAY_CLASS = 0x03
 
 @dataclass(frozen=True)
 class _Function:
-    group: Path | None
+    group: str | None
     driver: str | None
-    directory: Path
+    directory: str
 
 
 class SysfsCompanions:
@@ -86,7 +86,7 @@ class SysfsCompanions:
         found = self._function(paths, gpu)
         if found is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu} does not exist under {str(self.root)!r}")
-        if found.driver not in self.vfio_drivers or os.path.lexists(found.directory / "physfn"):
+        if found.driver not in self.vfio_drivers or os.path.lexists(f"{found.directory}/physfn"):
             return ()
         if self._pci_class(paths, gpu) >> 16 != DISPLAY_CLASS:
             return ()
@@ -102,13 +102,13 @@ class SysfsCompanions:
                 members.append((other, facts.driver))
         return select_companions(gpu, members, self.vfio_drivers, gpus)
 
-    def _link(self, paths: Resolver, relative: str, device: PciAddress) -> Path | None:
-        found = paths.link(relative, f"PCI device {device}")
+    def _link(self, paths: Resolver, relative: str, device: PciAddress) -> str | None:
+        found = paths.link_text(relative, f"PCI device {device}")
         return found[0] if found is not None else None
 
     def _function(self, paths: Resolver, address: PciAddress) -> _Function | None:
         base = f"bus/pci/devices/{address}"
-        found = paths.link(base, f"PCI device {address}")
+        found = paths.link_text(base, f"PCI device {address}")
         if found is None:
             return None
         directory, is_dir = found
@@ -116,7 +116,7 @@ class SysfsCompanions:
             raise InputError(f"PCI device {address}: {base} under {str(self.root)!r} is not a directory")
         group = self._link(paths, f"{base}/iommu_group", address)
         driver = self._link(paths, f"{base}/driver", address)
-        return _Function(group, driver.name if driver is not None else None, directory)
+        return _Function(group, driver.rpartition("/")[2] if driver is not None else None, directory)
 
     def _pci_class(self, paths: Resolver, address: PciAddress) -> int:
         path = paths.resolve(f"bus/pci/devices/{address}/class", f"PCI device {address}")

@@ -74,6 +74,11 @@ class Resolver:
     def link(self, relative: str, device: str) -> tuple[Path, bool] | None:
         """``<root>/<relative>`` resolved (as :meth:`resolve`) and whether that is a directory, or None when
         ``<root>/<relative>`` is not there (``os.path.lexists``: a dangling link is there)."""
+        found = self.link_text(relative, device)
+        return (Path(found[0]), found[1]) if found is not None else None
+
+    def link_text(self, relative: str, device: str) -> tuple[str, bool] | None:
+        """:meth:`link` with the path as text."""
         full = f"{self._base}/{relative}"
         try:
             real = self._realpath(full, 0)
@@ -89,7 +94,7 @@ class Resolver:
                 mode = os.stat(real).st_mode
             except OSError:
                 mode = 0
-        return Path(real), stat.S_ISDIR(mode)
+        return real, stat.S_ISDIR(mode)
 
     def _resolve(self, relative: str, device: str) -> str:
         full = f"{self._base}/{relative}"
