@@ -80,8 +80,10 @@ def rss_kib(pid: int) -> int:
 
 
 @contextmanager
-def server(command: list[str], socket_path: Path, env: dict[str, str] | None = None) -> Iterator[int]:
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def server(
+    command: list[str], socket_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[int]:
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     try:
         deadline = time.monotonic() + 30
         while not socket_path.is_socket():
@@ -106,16 +108,21 @@ def floor_command(socket_path: Path, mode: str) -> list[str]:
 Call = Callable[[v1alpha3_pb2.OnDefineDomainParams], object]
 
 
-def measure(hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, rounds: int) -> tuple[float, float]:
-    """Median round trips (hook, floor) in seconds, interleaved so machine noise hits both alike."""
-    for _ in range(100):  # warm up both
-        hook(params)
-        floor(params)
-    hooks, floors = [], []
+def measure(
+    hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, rounds: int, other: Call | None = None
+) -> tuple[float, float, float | None]:
+    """Median round trips (hook, floor, other hook or None) in seconds, interleaved so machine noise hits them
+    alike."""
+    calls = [floor, hook] + ([other] if other is not None else [])
+    for _ in range(100):  # warm up
+        for call in calls:
+            call(params)
+    samples: list[list[float]] = [[] for _ in calls]
     for _ in range(5):
-        floors.append(median_seconds(lambda: floor(params), max(rounds // 5, 1)))
-        hooks.append(median_seconds(lambda: hook(params), max(rounds // 5, 1)))
-    return statistics.median(hooks), statistics.median(floors)
+        for call, found in zip(calls, samples, strict=True):
+            found.append(median_seconds(lambda call=call: call(params), max(rounds // 5, 1)))  # type: ignore[misc]
+    medians = [statistics.median(found) for found in samples]
+    return medians[1], medians[0], medians[2] if other is not None else None
 
 
 # ---- the fixtures --------------------------------------------------------------------------------------
@@ -225,35 +232,53 @@ class Figure:
     floor_s: float
     size_out: int
     rss_kib: int
+    other_s: float | None = None
+    """The round trip of the hook of ``--compare``'s tree, measured interleaved with the others."""
 
     @property
     def ratio(self) -> float:
         return self.hook_s / self.floor_s
 
 
-def run_case(current: Case, floor: Call, directory: Path, base_env: dict[str, str], rounds: int) -> Figure:
+def _stub(stack: ExitStack, socket_path: Path) -> Call:
+    channel = stack.enter_context(grpc.insecure_channel(f"unix:{socket_path}"))
+    stub = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
+
+    def call(params: v1alpha3_pb2.OnDefineDomainParams) -> object:
+        return stub(params, timeout=60)
+
+    return call
+
+
+def run_case(
+    current: Case, floor: Call, directory: Path, base_env: dict[str, str], rounds: int, compare: Path | None
+) -> Figure:
     socket_path = directory / f"hook-{current.path}-{current.size}.sock"
     env = {**base_env, **current.env}
     with ExitStack() as stack:
         if current.kubelet is not None:
             stack.enter_context(server(current.kubelet, Path(current.kubelet[current.kubelet.index("--socket") + 1])))
-        pid = stack.enter_context(server(hook_command(socket_path, *current.options), socket_path, env))
-        channel = stack.enter_context(grpc.insecure_channel(f"unix:{socket_path}"))
-        stub = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
-
-        def hook(params: v1alpha3_pb2.OnDefineDomainParams) -> object:
-            return stub(params, timeout=60)
+        pid = stack.enter_context(server(hook_command(socket_path, *current.options), socket_path, env, cwd=ROOT))
+        stub = v1alpha3_pb2_grpc.CallbacksStub(stack.enter_context(grpc.insecure_channel(f"unix:{socket_path}")))
+        hook = _stub(stack, socket_path)
+        other = None
+        if compare is not None:
+            other_socket = directory / f"other-{current.path}-{current.size}.sock"
+            other_env = {**env, "PYTHONPATH": str(compare)}
+            command = hook_command(other_socket, *current.options)
+            stack.enter_context(server(command, other_socket, other_env, cwd=compare))
+            other = _stub(stack, other_socket)
 
         params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
-        produced: bytes = stub(params, timeout=60).domainXML
+        produced: bytes = stub.OnDefineDomain(params, timeout=60).domainXML
         label = f"{current.path} x{current.size}"
         assert produced.count(b"<hostdev ") == current.hostdevs, f"{label}: {produced.count(b'<hostdev ')} hostdevs"
         assert not re.search(rb"<source>\s*<address type=", produced), f"{label}: type= left on a source address"
         assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
-        again = stub(v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi), timeout=60).domainXML
-        assert again == produced, f"{label}: the hook's own output changed when given back"
-        hook_s, floor_s = measure(hook, floor, params, rounds)
-        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid))
+        again_params = v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi)
+        assert stub.OnDefineDomain(again_params, timeout=60).domainXML == produced, f"{label}: not idempotent"
+        hook_s, floor_s, other_s = measure(hook, floor, params, rounds, other)
+        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s)
 
 
 def main() -> None:
@@ -261,6 +286,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1000, help="round trips per server and case (default: 1000)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPUs per VM (default: 1,4,16,32)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"default: {','.join(PATHS)}")
+    parser.add_argument(
+        "--compare", type=Path, help="another checkout whose launcher-hook is measured too, interleaved (A/B)"
+    )
     options = parser.parse_args()
     rounds = max(options.rounds, 10)
     sizes = [int(size) for size in options.sizes.split(",")]
@@ -290,7 +318,7 @@ def main() -> None:
 
             for path in paths:
                 for size in sizes:
-                    figure = run_case(case(path, size, directory), floor, directory, base_env, rounds)
+                    figure = run_case(case(path, size, directory), floor, directory, base_env, rounds, options.compare)
                     figures.append(figure)
                     loads.append(os.getloadavg()[0])
                     print(describe(figure), flush=True)
@@ -305,7 +333,10 @@ def main() -> None:
 def describe(figure: Figure) -> str:
     head = f"{figure.case.path:17} x{figure.case.size:<3}"
     times = f"floor {figure.floor_s * 1e6:7.1f} us, hook {figure.hook_s * 1e6:7.1f} us: {figure.ratio:.2f}x"
-    return f"{head} {times}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
+    other = (
+        f"; --compare {figure.other_s * 1e6:7.1f} us: {figure.other_s / figure.floor_s:.2f}x" if figure.other_s else ""
+    )
+    return f"{head} {times}{other}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
 
 
 def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]) -> None:

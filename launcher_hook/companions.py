@@ -321,6 +321,7 @@ class _Placer:
         """Give ``hostdev`` its guest address, before its alias (or last)."""
         if isinstance(hostdev, NewHostdev):
             hostdev.address = address_text
+            self.writer.new_decorated = True
             return
         alias = hostdev.find("alias")
         if alias is None:
@@ -347,7 +348,8 @@ class _Placer:
 
     def add_before(self, hostdev: Handle, text: str, indent: str) -> None:
         if isinstance(hostdev, NewHostdev):
-            hostdev.before.append(text)
+            hostdev.add_before(text)
+            self.writer.new_decorated = True
             return
 
         def tree_fix() -> None:
@@ -361,7 +363,8 @@ class _Placer:
         if not texts:
             return
         if isinstance(hostdev, NewHostdev):
-            hostdev.after.extend(texts)
+            hostdev.add_after(texts)
+            self.writer.new_decorated = True
             return
 
         def tree_fix() -> None:

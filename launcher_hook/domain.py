@@ -329,8 +329,18 @@ class Merged:
 
     hostdevs: list[HostdevSpec]
     warnings: list[str]
-    handles: dict[SourceKey, Handle]
+    placed: list[Handle]
+    """Where each of ``hostdevs`` is: the domain's hostdev, or the one the merge adds."""
     by_source: dict[SourceKey, list[etree._Element]]
+
+    @property
+    def handles(self) -> dict[SourceKey, Handle]:
+        """:attr:`placed` by source."""
+        names = _TYPE_NAMES
+        return {
+            (names[spec.kind], device_text(spec.source)): handle
+            for spec, handle in zip(self.hostdevs, self.placed, strict=True)
+        }
 
 
 def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: HostdevsInDomain) -> Merged:
@@ -348,7 +358,7 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     warnings: list[str] = []
     final: list[HostdevSpec] = []
     new: list[NewHostdev] = []
-    handles: dict[SourceKey, Handle] = {}
+    placed: list[Handle] = []
     touched: list[tuple[etree._Element, set[str]]] = []
     doomed: list[etree._Element] = []
     introduced: dict[str, etree._Element | None] = {}
@@ -357,17 +367,17 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     removals: list[tuple[Splice, etree._Element, HostdevSpec]] = []
     type_names = _TYPE_NAMES
     for spec in specs:
-        key = (type_names[spec.kind], device_text(spec.source))  # spec_source_key
-        found = by_source.get(key) if by_source else None
+        key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
+        found = by_source.get(key) if key is not None else None
         if not found:
             item = NewHostdev(spec)
             new.append(item)
-            handles[key] = item
+            placed.append(item)
             final.append(spec)
             introduced[spec.alias] = None
             continue
-        handles[key] = found[0]
-        form = forms.get(key) if forms else None
+        placed.append(found[0])
+        form = forms.get(key) if forms and key is not None else None
         if form is not None and spec.driver is None and (not spec.force_alias or form[0] == spec.alias):
             # virt-launcher's form with nothing but type= and mode= to correct: _merge_into would only drop
             # type= (``_SOURCE_TYPE``) and add mode= (``_MODE``), which the bytes say where to cut and insert;
@@ -396,7 +406,7 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     left = by_source
     if new or touched or doomed or removals:
         left = _record(writer, new, touched, doomed, removals, by_source)
-    return Merged(final, warnings, handles, left)
+    return Merged(final, warnings, placed, left)
 
 
 def _record(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lxml import etree
 
@@ -48,20 +48,33 @@ def before_alias(text: str, address: str) -> str:
     return text[:at] + address + whitespace + text[at:]
 
 
-@dataclass(eq=False)
 class NewHostdev:
     """A hostdev the merge adds, not yet in the tree: what later passes add in and around it (a guest address
-    before its alias, elements before and after it) is kept here and rendered with it."""
+    before its alias, elements before and after it) is kept here and rendered with it. (A plain class with
+    slots: one is made per GPU on the OnDefineDomain path.)"""
 
-    spec: HostdevSpec
-    address: str | None = None
-    before: list[str] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
+    __slots__ = ("address", "after", "before", "spec")
+
+    def __init__(self, spec: HostdevSpec) -> None:
+        self.spec = spec
+        self.address: str | None = None
+        self.before: list[str] = _NONE
+        self.after: list[str] = _NONE
+
+    def add_before(self, text: str) -> None:
+        self.before = [*self.before, text]
+
+    def add_after(self, texts: Sequence[str]) -> None:
+        self.after = [*self.after, *texts]
 
     def texts(self, layout: Layout) -> list[str]:
         """Its elements in document order, each laid out for ``layout``."""
         text = _hostdev_text(self.spec, layout, self.address)
         return [*self.before, text, *self.after] if self.before or self.after else [text]
+
+
+_NONE: list[str] = []
+"""The shared empty list of a :class:`NewHostdev` nothing was added around (never appended to)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -94,6 +107,8 @@ class DomainWriter:
         self.fast = allow_fast and parsed.has_only_elements_and_text
         """Whether the edits are still all splices (see the module docstring)."""
         self.changed = False
+        self.new_decorated = False
+        """Whether a pass added something in or around a :class:`NewHostdev` (else the run is rendered whole)."""
         self.in_order: list[etree._Element] | None = None
         """The hostdevs of ``<devices>`` in order, when a pass has them (finding their bytes is then quicker)."""
         self._splices: list[Splice] = []
@@ -241,8 +256,7 @@ class DomainWriter:
         return self._serialised()
 
     def _run_text(self, run: _NewRun) -> str:
-        plain = all(item.address is None and not item.before and not item.after for item in run.items)
-        if plain:
+        if not self.new_decorated:
             return renderer_for(run.layout).run([item.spec for item in run.items])
         indent = run.layout.indent
         return "".join(indent + text for item in run.items for text in item.texts(run.layout))
