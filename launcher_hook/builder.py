@@ -33,7 +33,7 @@ from launcher_hook.companions import (
     with_read_companions,
 )
 from launcher_hook.document import CallInputs
-from launcher_hook.domain import devices_document, merge_pass, read_hostdevs
+from launcher_hook.domain import devices_document, hostdevs_of, merge_pass
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
 from launcher_hook.mmio_window import BarSource, WindowOutcome, window_pass
@@ -145,7 +145,7 @@ def build_domain(
     writer = DomainWriter(parsed)
     # libvirt reads the devices of every <devices> element; so does the hook (graphics and hostdevs).
     graphics = parsed.root.find("devices/graphics") is not None
-    existing = read_hostdevs(parsed)
+    existing = hostdevs_of(inputs)
     specs, warnings = plan_hostdevs(
         vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation, claims=claims
     )

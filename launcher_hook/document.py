@@ -273,6 +273,8 @@ class CallInputs:
         self.domain_xml = domain_xml
         self.vmi_json = vmi_json
         self.max_bytes = max_bytes
+        self.memo: dict[str, object] = {}
+        """What later steps read of the untouched document once for all of them (``domain.hostdevs_of``)."""
 
     @functools.cached_property
     def domain(self) -> ParsedDomain | None:

@@ -29,6 +29,7 @@ from lxml import etree
 from launcher_hook.document import (
     _HOSTDEV_START,
     HOSTDEV_END,
+    CallInputs,
     ParsedDomain,
     append_child,
     child_slots,
@@ -124,6 +125,17 @@ def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
     if b"<hostdev" not in parsed.source:
         return HostdevsInDomain({}, NO_HOSTDEVS)
     return _kubevirt_hostdevs(parsed) or hostdevs_from_tree(parsed)
+
+
+def hostdevs_of(inputs: CallInputs) -> HostdevsInDomain:
+    """:func:`read_hostdevs` of the call's domain, read once for the allocation source and the merge (before any
+    pass changes the tree)."""
+    found = inputs.memo.get("hostdevs")
+    if not isinstance(found, HostdevsInDomain):
+        parsed = inputs.domain
+        assert parsed is not None
+        found = inputs.memo["hostdevs"] = read_hostdevs(parsed)
+    return found
 
 
 # virt-launcher's PCI hostdev (docs/kubevirt-hostdevs.md, "Shape"), exactly, with the children that do not

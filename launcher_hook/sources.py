@@ -37,7 +37,7 @@ import grpc
 
 from launcher_hook.allocation import allocation_variables, parse_environ
 from launcher_hook.document import CallInputs, ParsedDomain
-from launcher_hook.domain import read_hostdevs
+from launcher_hook.domain import HostdevsInDomain, hostdevs_of, read_hostdevs
 from launcher_hook.hostdevs import model_for_type
 from launcher_hook.matching import KUBEVIRT_ALIAS_PREFIX, KUBEVIRT_USB_ALIAS_PREFIX
 from runtime.files import read_regular_file
@@ -561,7 +561,7 @@ class DomainSource:
         vmi, parsed = inputs.vmi, inputs.domain
         assert vmi is not None
         assert parsed is not None
-        return Loaded(env_from_domain(vmi, parsed), "domain XML", carries_companions=False)
+        return Loaded(env_from_domain(vmi, parsed, hostdevs_of(inputs)), "domain XML", carries_companions=False)
 
     def close(self) -> None:
         return None
@@ -571,16 +571,19 @@ _OWN_ALIAS_PREFIX = {"gpus": "ua-gpu", "hostDevices": "ua-hostdev"}
 """The hook's own alias of an entry it added (this prefix and the entry's index, ``matching._Request.alias``)."""
 
 
-def env_from_domain(vmi: VirtualMachineInstance, parsed: ParsedDomain) -> dict[str, str]:
+def env_from_domain(
+    vmi: VirtualMachineInstance, parsed: ParsedDomain, hostdevs: HostdevsInDomain | None = None
+) -> dict[str, str]:
     """The variables virt-launcher's env held for ``vmi``'s entries, as its hostdevs in ``parsed`` show them.
 
-    Per entry with a ``deviceName`` (in ``gpus[]`` then ``hostDevices[]`` order): the source of the hostdev
+    ``hostdevs``: the domain's hostdevs when the caller has read them (the call's one read, shared with the
+    merge). Per entry with a ``deviceName`` (in ``gpus[]`` then ``hostDevices[]`` order): the source of the hostdev
     aliased ``ua-gpu-<name>``/``ua-hostdevice-<name>`` (else the hook's ``ua-gpuN``/``ua-hostdevN``), under
     ``PCI_RESOURCE_<NAME>`` or ``MDEV_PCI_RESOURCE_<NAME>`` by the hostdev's type. ``InputError`` (the domain and
     the VMI the caller sent disagree) names every entry whose hostdev is missing or has no source the hook reads,
     and a device two entries hold.
     """
-    aliases = read_hostdevs(parsed).view.alias_sources
+    aliases = (hostdevs if hostdevs is not None else read_hostdevs(parsed)).view.alias_sources
     devices = vmi.spec.domain.devices
     pools: dict[str, list[str]] = {}
     holder: dict[tuple[str, str], str] = {}
