@@ -298,7 +298,8 @@ def window_pass(writer: DomainWriter, addresses: Sequence[PciAddress], source: B
     outcome.warnings += plan.warnings()
     outcome.written_mib = plan.window_mib
     args = ("-fw_cfg", f"name={FW_CFG_NAME},string={plan.window_mib}")
-    splices = _args_splices(root, writer.parsed.source, args) if writer.fast else None
+    parsed = writer.parsed
+    splices = _args_splices(root, parsed.source, args, parsed.has_only_elements_and_text) if writer.fast else None
     if splices is not None:
         writer.late(splices, functools.partial(_args_into_tree, writer, args))
     else:
@@ -381,10 +382,14 @@ def insert_qemu_args_text(parsed: ParsedDomain, output: bytes, args: Sequence[st
     return b"".join([*pieces, output[position:]])
 
 
-def _args_splices(root: etree._Element, source: bytes, args: Sequence[str]) -> Callable[[bool], list[Splice]] | None:
+def _args_splices(
+    root: etree._Element, source: bytes, args: Sequence[str], only_elements_and_text: bool | None = None
+) -> Callable[[bool], list[Splice]] | None:
     """Where and what to insert into ``source`` (the bytes of the document ``root`` is of, outside
-    ``<devices>``) for ``args``, given the output's empty-element style; None where the place is ambiguous."""
-    if not _only_elements_and_text(source) or any(not _plain_value(value) for value in args):
+    ``<devices>``) for ``args``, given the output's empty-element style; None where the place is ambiguous.
+    ``only_elements_and_text``: what the caller knows of ``source`` (None: it is looked at)."""
+    plain = _only_elements_and_text(source) if only_elements_and_text is None else only_elements_and_text
+    if not plain or any(not _plain_value(value) for value in args):
         return None
     commandlines = list(root.iterchildren(f"{{{QEMU_NS}}}commandline"))
     unit = indent_unit(root)
