@@ -265,6 +265,9 @@ def element_bytes(element: etree._Element, expanded_empty: bool) -> bytes:
     return text
 
 
+_UNREAD = object()
+
+
 class CallInputs:
     """One call's domain XML and VMI JSON, each parsed at most once, when first asked for (a refusal is an
     ``InputError`` naming the document, raised to whichever step asks first)."""
@@ -273,16 +276,24 @@ class CallInputs:
         self.domain_xml = domain_xml
         self.vmi_json = vmi_json
         self.max_bytes = max_bytes
+        self._domain: ParsedDomain | object | None = _UNREAD
+        self._vmi: VirtualMachineInstance | object | None = _UNREAD
         self.memo: dict[str, object] = {}
         """What later steps read of the untouched document once for all of them (``domain.hostdevs_of``)."""
 
-    @functools.cached_property
+    @property
     def domain(self) -> ParsedDomain | None:
-        return parse_domain(self.domain_xml, self.max_bytes) if self.domain_xml is not None else None
+        """The domain, parsed on first use (a plain attribute after that: ``cached_property`` takes a lock)."""
+        if self._domain is _UNREAD:
+            self._domain = parse_domain(self.domain_xml, self.max_bytes) if self.domain_xml is not None else None
+        return self._domain  # type: ignore[return-value]
 
-    @functools.cached_property
+    @property
     def vmi(self) -> VirtualMachineInstance | None:
-        return parse_vmi(self.vmi_json, max_bytes=self.max_bytes) if self.vmi_json is not None else None
+        """The VMI, decoded on first use."""
+        if self._vmi is _UNREAD:
+            self._vmi = parse_vmi(self.vmi_json, max_bytes=self.max_bytes) if self.vmi_json is not None else None
+        return self._vmi  # type: ignore[return-value]
 
 
 def hostdev_spans(

@@ -107,6 +107,7 @@ class DomainWriter:
         self.fast = allow_fast and parsed.has_only_elements_and_text
         """Whether the edits are still all splices (see the module docstring)."""
         self.changed = False
+        self._unit: str | None = None
         self.new_decorated = False
         """Whether a pass added something in or around a :class:`NewHostdev` (else the run is rendered whole)."""
         self.in_order: list[etree._Element] | None = None
@@ -120,10 +121,12 @@ class DomainWriter:
         self._layouts: dict[tuple[str, bool], Layout] = {}
         self._spans: tuple[dict[int, tuple[int, int]], list[etree._Element]] | bool | None = False
 
-    @functools.cached_property
+    @property
     def unit(self) -> str:
         """The document's indentation step."""
-        return indent_unit(self.parsed.root)
+        if self._unit is None:
+            self._unit = indent_unit(self.parsed.root)
+        return self._unit
 
     def no_fast(self) -> None:
         """A pass's edit cannot be placed in the bytes: the tree is serialised."""
