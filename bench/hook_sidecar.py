@@ -1,23 +1,36 @@
-"""The hook sidecar against its floors: OnDefineDomain round trip for a 16-GPU VM, and resident memory.
+"""The hook sidecar against its floor on every path a user takes, at 1, 4, 16 and 32 GPUs, and resident memory.
 
-Run: ``python -m bench.hook_sidecar [--rounds N]`` or ``python bench/hook_sidecar.py``. Every server runs in
-its own process on a unix socket, as in a pod, and one client here calls them in turn:
+Run: ``python -m bench.hook_sidecar [--rounds N] [--sizes 1,4,16,32] [--paths add,merge,…]``. Every server runs
+in its own process on a unix socket, as in a pod, and one client here calls them in turn. The paths:
 
-- latency, two cases: the hook adds the 16 hostdevs to a domain without them ("add"), and the hook merges
-  with the 16 hostdevs virt-launcher already rendered ("merge": ``type="pci"`` to drop on each source
-  address). ``launcher-hook serve`` (allocation from its env, one JSON log line per call) is measured against
-  a gRPC server that only parses and serialises the same domain with lxml (``bench/hook_floor_server.py``),
-  interleaved in the same run; goal: median round trip at most 1.3x the floor's, in each case;
-- memory: the hook's RSS after the latency runs against an idle Python gRPC server's; goal at most 1.3x (issue 12:
-  the VMI is read without pydantic, and the serve path imports no YAML).
+- ``add``: the hook adds the GPUs to a domain without them (allocation from its env);
+- ``merge``: the hook merges with the GPUs virt-launcher already rendered (``type="pci"`` to drop on each source
+  address, ``mode=`` to add);
+- ``companions-env``: ``add`` with the plugin's ``PCI_COMPANIONS_*`` variable: each GPU (a TU106 card) gets its
+  audio, USB and UCSI functions in its guest slot, behind a new root port;
+- ``companions-sysfs``: as deployed with PodResources: the allocation from a kubelet PodResources stand-in (its
+  own process; ``Get`` for the hook's pod), virt-launcher's rendered GPUs, the companions read from a sysfs tree;
+- ``companions-domain``: the deployed default: the allocation read from the domain itself (``DomainSource``),
+  companions from the sysfs tree;
+- ``efi-window``: ``add`` for an OVMF guest whose GPUs' 128 GiB BARs (read from the sysfs tree) need the 64-bit
+  PCI window: ``-fw_cfg opt/ovmf/X-PciMmio64Mb`` is written;
+- ``dra``: every GPU from a DRA claim (KEP 5304 metadata files under ``--dra-metadata-root``), companions from
+  the sysfs tree.
 
-Prints figures and ratios and exits 0; a measurement, not a test.
+Each case (path, size) gets its own ``launcher-hook serve``; it is measured against a gRPC server that only
+parses and serialises the same domain with lxml (``bench/hook_floor_server.py``), interleaved in the same run;
+goal: median round trip at most 1.3x the floor's on every case; the marginal cost of a GPU, ((hook - floor) at
+32 - (hook - floor) at 16) / 16, at most 15 us. Memory: the largest RSS of the hook servers after their runs
+against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and ``os.getloadavg()``) and
+exits 0; a measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -25,7 +38,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
@@ -33,13 +47,29 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
-from bench.workloads import kubevirt_rendered_domain, kubevirt_sized_domain, median_seconds, sixteen_gpus
+from bench.workloads import (
+    CARD_COMPANIONS_VARIABLE,
+    CARD_RESOURCE,
+    CARD_VARIABLE,
+    companions_value,
+    efi_domain,
+    gpu_addresses,
+    gpu_vmi,
+    kubevirt_sized_domain,
+    median_seconds,
+    rendered_domain,
+)
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 
 LATENCY_GOAL = 1.3
 MEMORY_GOAL = 1.3
+MARGINAL_GOAL_US = 15.0
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "hook_floor_server.py"
+KUBELET_SERVER = Path(__file__).resolve().parent / "hook_kubelet_server.py"
+PATHS = ("add", "merge", "companions-env", "companions-sysfs", "companions-domain", "efi-window", "dra")
+SIZES = (1, 4, 16, 32)
+POD = ("ml", "virt-launcher-big-abcde")
 
 
 def rss_kib(pid: int) -> int:
@@ -50,8 +80,10 @@ def rss_kib(pid: int) -> int:
 
 
 @contextmanager
-def server(command: list[str], socket_path: Path, env: dict[str, str] | None = None) -> Iterator[int]:
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def server(
+    command: list[str], socket_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[int]:
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     try:
         deadline = time.monotonic() + 30
         while not socket_path.is_socket():
@@ -64,9 +96,9 @@ def server(command: list[str], socket_path: Path, env: dict[str, str] | None = N
         process.wait(timeout=20)
 
 
-def hook_command(socket_path: Path) -> list[str]:
+def hook_command(socket_path: Path, *options: str) -> list[str]:
     code = "from launcher_hook.cli import main; main()"
-    return [sys.executable, "-c", code, "serve", "--socket", str(socket_path)]
+    return [sys.executable, "-c", code, "serve", "--socket", str(socket_path), *options]
 
 
 def floor_command(socket_path: Path, mode: str) -> list[str]:
@@ -76,71 +108,259 @@ def floor_command(socket_path: Path, mode: str) -> list[str]:
 Call = Callable[[v1alpha3_pb2.OnDefineDomainParams], object]
 
 
-def measure(hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, rounds: int) -> tuple[float, float]:
-    """Median round trips (hook, floor) in seconds, interleaved so machine noise hits both alike."""
-    for _ in range(100):  # warm up both
-        hook(params)
-        floor(params)
-    hooks, floors = [], []
+def measure(
+    hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, rounds: int, other: Call | None = None
+) -> tuple[float, float, float | None]:
+    """Median round trips (hook, floor, other hook or None) in seconds, interleaved so machine noise hits them
+    alike."""
+    calls = [floor, hook] + ([other] if other is not None else [])
+    for _ in range(100):  # warm up
+        for call in calls:
+            call(params)
+    samples: list[list[float]] = [[] for _ in calls]
     for _ in range(5):
-        floors.append(median_seconds(lambda: floor(params), rounds // 5))
-        hooks.append(median_seconds(lambda: hook(params), rounds // 5))
-    return statistics.median(hooks), statistics.median(floors)
+        for call, found in zip(calls, samples, strict=True):
+            found.append(median_seconds(lambda call=call: call(params), max(rounds // 5, 1)))  # type: ignore[misc]
+    medians = [statistics.median(found) for found in samples]
+    return medians[1], medians[0], medians[2] if other is not None else None
+
+
+# ---- the fixtures --------------------------------------------------------------------------------------
+
+
+def sysfs_tree(directory: Path, count: int) -> Path:
+    """:func:`build_sysfs_tree`, built once per run and size."""
+    sys_dir = directory / f"node{count}" / "sys"
+    return sys_dir if sys_dir.is_dir() else build_sysfs_tree(directory, count)
+
+
+def build_sysfs_tree(directory: Path, count: int) -> Path:
+    """A node's sysfs with ``count`` cards on vfio-pci: function 0 a display function with an A100's 128 GiB
+    BAR1, functions 1-3 a TU106's audio, USB and UCSI, the four in one IOMMU group."""
+    from simkit.fixture_nodes import (
+        A100_80GB_BARS,
+        CLASS_AUDIO,
+        CLASS_SERIAL_BUS,
+        CLASS_USB_XHCI,
+        CLASS_VGA,
+        NVIDIA,
+        PCI_IDS_EXCERPT,
+    )
+    from simkit.sysfs_fixture import BarSpec, Function, Node, build
+
+    functions = []
+    for index, address in enumerate(gpu_addresses(count)):
+        parts: tuple[tuple[int, int, tuple[BarSpec, ...]], ...] = (
+            (0x1F08, CLASS_VGA, A100_80GB_BARS),
+            (0x10F9, CLASS_AUDIO, ()),
+            (0x1ADA, CLASS_USB_XHCI, ()),
+            (0x1ADB, CLASS_SERIAL_BUS, ()),
+        )
+        for number, (device, pci_class, bars) in enumerate(parts):
+            name = f"{address[:-1]}{number}"
+            functions.append(Function(name, NVIDIA, device, pci_class, "vfio-pci", 100 + index, 0, bars=bars))
+    node = Node(name="bench", functions=tuple(functions), pci_ids=PCI_IDS_EXCERPT)
+    return build(node, directory / f"node{count}") / "sys"
+
+
+def dra_tree(directory: Path, count: int) -> Path:
+    """The KEP 5304 metadata files of :func:`gpu_vmi` ``(count, dra=True)``'s claims, each naming one GPU."""
+    from schemas.vmi import parse_vmi
+    from simkit.dra_files import write_vmi_tree
+
+    root = directory / f"dra{count}"
+    vmi = parse_vmi(gpu_vmi(count, dra=True))
+    devices = {(f"c{i}", "gpu"): address for i, address in enumerate(gpu_addresses(count))}
+    write_vmi_tree(root, vmi, devices, pod_name=POD[1])
+    return root
+
+
+@dataclass
+class Case:
+    """One path at one size: what the hook server gets, what the call sends, what the output must hold."""
+
+    path: str
+    size: int
+    domain: bytes
+    vmi: bytes
+    env: dict[str, str] = field(default_factory=dict)
+    options: list[str] = field(default_factory=list)
+    kubelet: list[str] | None = None
+    hostdevs: int = 0
+    must_hold: bytes = b""
+
+
+def case(path: str, size: int, directory: Path) -> Case:
+    addresses = gpu_addresses(size)
+    allocation = {CARD_VARIABLE: ",".join(addresses)}
+    vmi = gpu_vmi(size)
+    plain = kubevirt_sized_domain()
+    rendered = rendered_domain(addresses)
+    with_companions = 4 * size
+    if path == "add":
+        return Case(path, size, plain, vmi, allocation, hostdevs=size)
+    if path == "merge":
+        return Case(path, size, rendered, vmi, allocation, hostdevs=size)
+    if path == "companions-env":
+        env = {**allocation, CARD_COMPANIONS_VARIABLE: companions_value(addresses)}
+        return Case(path, size, plain, vmi, env, hostdevs=with_companions, must_hold=b"pcie-root-port")
+    sysfs = ["--sysfs-root", str(sysfs_tree(directory, size))]
+    if path == "companions-sysfs":
+        socket_path = directory / f"kubelet{size}.sock"
+        kubelet = [sys.executable, str(KUBELET_SERVER), "--socket", str(socket_path), "--pod", "/".join(POD)]
+        kubelet += ["--resource", CARD_RESOURCE, "--devices", ",".join(reversed(addresses))]
+        options = ["--pod-resources-socket", str(socket_path), *sysfs]
+        env = {"POD_NAMESPACE": POD[0], "POD_NAME": POD[1]}
+        return Case(path, size, rendered, vmi, env, options, kubelet, with_companions, b"pcie-root-port")
+    if path == "companions-domain":
+        return Case(path, size, rendered, vmi, {}, sysfs, hostdevs=with_companions, must_hold=b"pcie-root-port")
+    if path == "efi-window":
+        return Case(path, size, efi_domain(), vmi, allocation, sysfs, hostdevs=size, must_hold=b"X-PciMmio64Mb")
+    if path == "dra":
+        options = [*sysfs, "--dra-metadata-root", str(dra_tree(directory, size))]
+        return Case(path, size, plain, gpu_vmi(size, dra=True), {}, options, None, with_companions, b"ua-gpu0-fn1")
+    raise ValueError(f"unknown path {path!r}")
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figure:
+    case: Case
+    hook_s: float
+    floor_s: float
+    size_out: int
+    rss_kib: int
+    other_s: float | None = None
+    """The round trip of the hook of ``--compare``'s tree, measured interleaved with the others."""
+
+    @property
+    def ratio(self) -> float:
+        return self.hook_s / self.floor_s
+
+
+def _stub(stack: ExitStack, socket_path: Path) -> Call:
+    channel = stack.enter_context(grpc.insecure_channel(f"unix:{socket_path}"))
+    stub = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
+
+    def call(params: v1alpha3_pb2.OnDefineDomainParams) -> object:
+        return stub(params, timeout=60)
+
+    return call
+
+
+def run_case(
+    current: Case, floor: Call, directory: Path, base_env: dict[str, str], rounds: int, compare: Path | None
+) -> Figure:
+    socket_path = directory / f"hook-{current.path}-{current.size}.sock"
+    env = {**base_env, **current.env}
+    with ExitStack() as stack:
+        if current.kubelet is not None:
+            stack.enter_context(server(current.kubelet, Path(current.kubelet[current.kubelet.index("--socket") + 1])))
+        pid = stack.enter_context(server(hook_command(socket_path, *current.options), socket_path, env, cwd=ROOT))
+        stub = v1alpha3_pb2_grpc.CallbacksStub(stack.enter_context(grpc.insecure_channel(f"unix:{socket_path}")))
+        hook = _stub(stack, socket_path)
+        other = None
+        if compare is not None:
+            other_socket = directory / f"other-{current.path}-{current.size}.sock"
+            other_env = {**env, "PYTHONPATH": str(compare)}
+            command = hook_command(other_socket, *current.options)
+            stack.enter_context(server(command, other_socket, other_env, cwd=compare))
+            other = _stub(stack, other_socket)
+
+        params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
+        produced: bytes = stub.OnDefineDomain(params, timeout=60).domainXML
+        label = f"{current.path} x{current.size}"
+        assert produced.count(b"<hostdev ") == current.hostdevs, f"{label}: {produced.count(b'<hostdev ')} hostdevs"
+        assert not re.search(rb"<source>\s*<address type=", produced), f"{label}: type= left on a source address"
+        assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
+        again_params = v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi)
+        assert stub.OnDefineDomain(again_params, timeout=60).domainXML == produced, f"{label}: not idempotent"
+        hook_s, floor_s, other_s = measure(hook, floor, params, rounds, other)
+        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1000, help="round trips per server and case (default: 1000)")
-    rounds = max(parser.parse_args().rounds, 10)
-    vmi, allocation = sixteen_gpus()
-    cases = {"add": kubevirt_sized_domain(), "merge": kubevirt_rendered_domain()}
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPUs per VM (default: 1,4,16,32)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"default: {','.join(PATHS)}")
+    parser.add_argument(
+        "--compare", type=Path, help="another checkout whose launcher-hook is measured too, interleaved (A/B)"
+    )
+    options = parser.parse_args()
+    rounds = max(options.rounds, 10)
+    sizes = [int(size) for size in options.sizes.split(",")]
+    paths = [path for path in options.paths.split(",") if path]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        parser.error(f"unknown paths: {', '.join(unknown)}")
     directory = Path(tempfile.mkdtemp(prefix="hkbench", dir="/tmp"))
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PCI_RESOURCE")}
-    env.update(allocation)
-    env["PYTHONPATH"] = str(ROOT)
-    results: dict[str, tuple[float, float, int, int]] = {}
+    base_env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PCI_RESOURCE", "MDEV_PCI_RESOURCE", "PCI_COMPANIONS", "LAUNCHER_HOOK_", "POD_"))
+    }
+    base_env["PYTHONPATH"] = str(ROOT)
+    figures: list[Figure] = []
+    loads = [os.getloadavg()[0]]
     try:
-        hook_socket, floor_socket, idle_socket = (directory / name for name in ("hook.sock", "floor.sock", "idle.sock"))
+        floor_socket, idle_socket = directory / "floor.sock", directory / "idle.sock"
         with (
-            server(hook_command(hook_socket), hook_socket, env) as hook_pid,
-            server(floor_command(floor_socket, "floor"), floor_socket, env),
-            grpc.insecure_channel(f"unix:{hook_socket}") as hook_channel,
+            server(floor_command(floor_socket, "floor"), floor_socket, base_env),
             grpc.insecure_channel(f"unix:{floor_socket}") as floor_channel,
         ):
-            hook_stub = v1alpha3_pb2_grpc.CallbacksStub(hook_channel).OnDefineDomain
             floor_stub = v1alpha3_pb2_grpc.CallbacksStub(floor_channel).OnDefineDomain
-
-            def hook(params: v1alpha3_pb2.OnDefineDomainParams) -> object:
-                return hook_stub(params, timeout=60)
 
             def floor(params: v1alpha3_pb2.OnDefineDomainParams) -> object:
                 return floor_stub(params, timeout=60)
 
-            for name, domain in cases.items():
-                params = v1alpha3_pb2.OnDefineDomainParams(domainXML=domain, vmi=vmi)
-                produced = hook_stub(params, timeout=60).domainXML
-                assert produced.count(b"<hostdev ") == 16, f"{name}: the hook did not give 16 GPUs"
-                assert b'<address type="pci" domain' not in produced, f"{name}: type= left on a source address"
-                hook_s, floor_s = measure(hook, floor, params, rounds)
-                results[name] = (hook_s, floor_s, len(domain), len(produced))
-            hook_rss = rss_kib(hook_pid)
-        with server(floor_command(idle_socket, "idle"), idle_socket, env) as idle_pid:
+            for path in paths:
+                for size in sizes:
+                    figure = run_case(case(path, size, directory), floor, directory, base_env, rounds, options.compare)
+                    figures.append(figure)
+                    loads.append(os.getloadavg()[0])
+                    print(describe(figure), flush=True)
+        with server(floor_command(idle_socket, "idle"), idle_socket, base_env) as idle_pid:
             time.sleep(0.5)
             idle_rss = rss_kib(idle_pid)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    print(f"16 GPUs, {rounds} round trips per server and case, unix socket")
-    for name, (hook_s, floor_s, size_in, size_out) in results.items():
-        ratio = hook_s / floor_s
-        verdict = "MET" if ratio <= LATENCY_GOAL else "NOT MET"
-        print(f"{name:5}: domain {size_in} bytes in, {size_out} out")
-        print(f"       floor (gRPC + lxml parse/serialise) {floor_s * 1e6:8.1f} us median round trip")
-        print(f"       hook  (launcher-hook serve)         {hook_s * 1e6:8.1f} us median round trip")
-        print(f"       latency ratio: {ratio:.2f}x the floor (goal <= {LATENCY_GOAL}x): {verdict}")
+    report(figures, idle_rss, rounds, loads)
+
+
+def describe(figure: Figure) -> str:
+    head = f"{figure.case.path:17} x{figure.case.size:<3}"
+    times = f"floor {figure.floor_s * 1e6:7.1f} us, hook {figure.hook_s * 1e6:7.1f} us: {figure.ratio:.2f}x"
+    other = (
+        f"; --compare {figure.other_s * 1e6:7.1f} us: {figure.other_s / figure.floor_s:.2f}x" if figure.other_s else ""
+    )
+    return f"{head} {times}{other}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
+
+
+def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]) -> None:
+    print(f"\n{rounds} round trips per server and case, unix socket; 1-minute load {min(loads):.2f}-{max(loads):.2f}")
+    met = [figure for figure in figures if figure.ratio <= LATENCY_GOAL]
+    print(f"latency: {len(met)} of {len(figures)} cases within {LATENCY_GOAL}x the floor")
+    worst = max(figures, key=lambda figure: figure.ratio)
+    print(f"         worst {worst.case.path} x{worst.case.size}: {worst.ratio:.2f}x")
+    by_case = {(figure.case.path, figure.case.size): figure for figure in figures}
+    for path in dict.fromkeys(figure.case.path for figure in figures):
+        high, low = by_case.get((path, 32)), by_case.get((path, 16))
+        if high is None or low is None:
+            continue
+        marginal = ((high.hook_s - high.floor_s) - (low.hook_s - low.floor_s)) / 16 * 1e6
+        verdict = "MET" if marginal <= MARGINAL_GOAL_US else "NOT MET"
+        print(f"marginal cost per GPU, {path}: {marginal:.1f} us (goal <= {MARGINAL_GOAL_US:.0f} us): {verdict}")
+    hook_rss = max(figure.rss_kib for figure in figures)
     memory_ratio = hook_rss / idle_rss
-    print(f"RSS: hook {hook_rss / 1024:.1f} MiB after the runs, idle Python gRPC server {idle_rss / 1024:.1f} MiB")
+    print(
+        f"RSS: hook at most {hook_rss / 1024:.1f} MiB after its runs, idle Python gRPC server {idle_rss / 1024:.1f} MiB"
+    )
     verdict = "MET" if memory_ratio <= MEMORY_GOAL else "NOT MET"
     print(f"memory ratio: {memory_ratio:.2f}x the idle server (goal <= {MEMORY_GOAL}x): {verdict}")
+    print(json.dumps({f"{f.case.path} x{f.case.size}": round(f.ratio, 3) for f in figures}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,15 @@
 """The domain builder: allocation env + VMI + domain XML in, the domain with its GPUs out.
 
+One call is one flow over one parsed document:
+
+1. read (:mod:`launcher_hook.document`): the domain and the VMI, each parsed once (:class:`CallInputs`, shared
+   with the allocation source that reads the domain);
+2. passes, each deciding edits on that document: the hostdev merge (:func:`launcher_hook.domain.merge_pass`:
+   virt-launcher's hostdevs corrected, the hook's added, display/ramfb, DRA entries' devices), the companions
+   and their root ports (:func:`launcher_hook.companions.companions_pass`), the 64-bit MMIO window
+   (:func:`launcher_hook.mmio_window.window_pass`);
+3. write (:mod:`launcher_hook.writer`): one writer applies every pass's edits once.
+
 This is the one entry point the hook server, the sidecar-shim program and ``xmlgen render`` share. It is a
 pure function of its inputs (no env or file access of its own: the BAR sizes that decide an EFI guest's 64-bit
 PCI window come from the reader in ``BuildOptions.bars``, DRA entries' devices from ``BuildOptions.claims``,
@@ -18,17 +28,19 @@ from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey, dra_entr
 from launcher_hook.companions import (
     CompanionReader,
     Placement,
-    place_companions,
+    companions_pass,
     wanted_companions,
     with_read_companions,
 )
-from launcher_hook.domain import devices_document, merge_hostdevs, parse_domain, read_hostdevs
+from launcher_hook.document import CallInputs
+from launcher_hook.domain import devices_document, hostdevs_of, merge_pass
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
-from launcher_hook.mmio_window import BarSource, WindowOutcome, add_window
+from launcher_hook.mmio_window import BarSource, WindowOutcome, window_pass
+from launcher_hook.writer import DomainWriter
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.pci import PciAddress
-from schemas.vmi import VirtualMachineInstance, parse_vmi
+from schemas.vmi import VirtualMachineInstance
 
 SUPPORTED_DRIVERS = ("vfio",)
 
@@ -109,11 +121,15 @@ def build_domain(
     vmi_json: bytes | None,
     env: Mapping[str, str],
     options: BuildOptions | None = None,
+    *,
+    inputs: CallInputs | None = None,
 ) -> BuildResult:
-    """Render the allocated GPUs into ``domain_xml`` (or a bare ``<devices>`` when it is None)."""
+    """Render the allocated GPUs into ``domain_xml`` (or a bare ``<devices>`` when it is None); ``inputs``: the
+    call's documents when the caller has them (parsed or not yet) for the same ``domain_xml`` and ``vmi_json``."""
     options = options or BuildOptions()
-    vmi = parse_vmi(vmi_json, max_bytes=options.max_input_bytes) if vmi_json is not None else None
-    parsed = parse_domain(domain_xml, options.max_input_bytes) if domain_xml is not None else None
+    inputs = inputs if inputs is not None else CallInputs(domain_xml, vmi_json, options.max_input_bytes)
+    vmi = inputs.vmi
+    parsed = inputs.domain
     companions = vmi is None or vmi.metadata.companions  # on unless the VMI's annotation turns it off
     allocation = allocation_from_env(env)
     claims = _read_claims(vmi, options)
@@ -126,31 +142,28 @@ def build_domain(
         if companions and wanted_companions(specs, allocation, warnings):
             warnings.append("companion functions are not placed: there is no domain to place them in")
         return BuildResult(devices_document(specs), specs, warnings, vmi)
+    writer = DomainWriter(parsed)
     # libvirt reads the devices of every <devices> element; so does the hook (graphics and hostdevs).
     graphics = parsed.root.find("devices/graphics") is not None
-    existing = read_hostdevs(parsed)
+    existing = hostdevs_of(inputs)
     specs, warnings = plan_hostdevs(
         vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation, claims=claims
     )
-    spliced = merge_hostdevs(parsed, specs, existing)
-    domain, hostdevs, warnings = spliced.domain_xml, spliced.hostdevs, warnings + spliced.warnings
+    merged = merge_pass(writer, specs, existing)
+    hostdevs, warnings = merged.hostdevs, warnings + merged.warnings
     placements: list[Placement] = []
-    # The passes below re-read the hook's own output, which may outgrow the input cap by the hostdevs added:
-    # a domain within the cap must not be refused for them.
-    own_cap = max(options.max_input_bytes, len(domain))
     if companions and options.companion_reader is not None:
         allocation = with_read_companions(
             hostdevs, allocation, options.companion_reader, warnings, dra_only=options.allocation_carries_companions
         )
     if companions and allocation.companions:
-        placed = place_companions(domain, hostdevs, allocation, own_cap)
-        domain, hostdevs, placements = placed.domain_xml, hostdevs + placed.hostdevs, placed.placements
+        placed = companions_pass(writer, hostdevs, allocation, merged.handles, merged.by_source)
+        hostdevs, placements = hostdevs + placed.hostdevs, placed.placements
         warnings += placed.warnings
     mmio = None
     if options.bars is not None:
-        # Every PCI function the hook passes counts: GPUs, SR-IOV VFs, companions. Companions change only
-        # <devices>, so the window's text insertion (outside <devices>) still reads ``parsed``'s layout.
+        # Every PCI function the hook passes counts: GPUs, SR-IOV VFs, companions.
         pci = [spec.source for spec in hostdevs if isinstance(spec.source, PciAddress)]
-        domain, mmio = add_window(parsed, domain, pci, options.bars, max(own_cap, len(domain)))
+        mmio = window_pass(writer, pci, options.bars)
         warnings += mmio.warnings
-    return BuildResult(domain, hostdevs, warnings, vmi, placements, mmio)
+    return BuildResult(writer.result(), hostdevs, warnings, vmi, placements, mmio)

@@ -19,14 +19,15 @@ Where the allocation source carries no companion variable (PodResources; DRA cla
 :class:`CompanionReader` (``runtime.pci_companions.SysfsCompanions``) for each passthrough GPU's companions
 instead (:func:`with_read_companions`); a variable the allocation does carry wins.
 
-Every other byte stays: new elements are inserted next to the GPU's hostdev and the GPU's address (or the one
-attribute ``multifunction``) into its element, in the original bytes when positions are unambiguous (no
-comment, CDATA or PI), otherwise by editing the tree and serialising it as :mod:`launcher_hook.domain` does.
-Applied to its own output it changes nothing.
+Step 2, the second pass (after the hostdev merge, on the same parsed document): it decides the edits and the
+one writer (:mod:`launcher_hook.writer`) applies them with the merge's. Every other byte stays: new elements go
+next to the GPU's hostdev and the GPU's address (or the one attribute ``multifunction``) into its element; for a
+GPU the merge adds, into that pending hostdev's text. Applied to its own output it changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,20 +37,12 @@ from typing import Protocol
 from lxml import etree
 
 from launcher_hook.allocation import EnvAllocation
-from launcher_hook.domain import (
-    ParsedDomain,
-    _append,
-    _child_slots,
-    _hostdev_starts,
-    _indent_of,
-    _indent_unit,
-    hostdev_source_key,
-    hostdevs_from_tree,
-    parse_domain,
-)
-from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev
-from launcher_hook.hostdevs.base import c_number
-from launcher_hook.matching import DRA_VARIABLE_PREFIX
+from launcher_hook.document import ParsedDomain, append_child, child_slots, indent_of, parse_domain
+from launcher_hook.domain import hostdev_source_key, hostdevs_from_tree
+from launcher_hook.hostdev import HostdevSpec, Layout, renderer_for
+from launcher_hook.hostdevs.base import c_number, device_text
+from launcher_hook.matching import DRA_VARIABLE_PREFIX, SourceKey
+from launcher_hook.writer import DomainWriter, Handle, NewHostdev, before_alias
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.companions import MAX_GPUS, companions_variable_for
 
@@ -72,7 +65,6 @@ LEGACY_SLOTS = range(0x1F, 0x02, -1)
 libvirt prefers): away from the low slots libvirt's own assignment fills first."""
 MAX_BUS = 0xFF
 
-_HOSTDEV_END = re.compile(rb"</hostdev\s*>")
 _ALIAS_START = re.compile(rb"<alias[\s/>]")
 _ADDRESS_START = re.compile(rb"<address[\s/>]")
 _SOURCE_SPAN = re.compile(rb"<source[\s>].*?</source\s*>", re.DOTALL)
@@ -160,11 +152,16 @@ def with_read_companions(
         wanted = wanted[:MAX_GPUS]
     sources = {gpu for _, gpu in pci}
     tables: dict[str, dict[PciAddress, tuple[PciAddress, ...]]] = {}
-    for spec, gpu in wanted:
-        try:
-            functions = reader.read(gpu, sources)
-        except InputError as exc:
-            warnings.append(f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {exc}")
+    read_all = getattr(reader, "read_all", None)  # a reader that resolves its paths once for all the GPUs
+    if read_all is not None:
+        outcomes: list[tuple[PciAddress, ...] | InputError] = read_all([gpu for _, gpu in wanted], sources)
+    else:
+        outcomes = [_read_one(reader, gpu, sources) for _, gpu in wanted]
+    for (spec, gpu), functions in zip(wanted, outcomes, strict=True):
+        if isinstance(functions, InputError):
+            warnings.append(
+                f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {functions}"
+            )
             continue
         variable = companions_key(spec.variable)
         if functions and variable is not None:
@@ -176,6 +173,15 @@ def with_read_companions(
     return replace(allocation, companions=MappingProxyType(merged))
 
 
+def _read_one(
+    reader: CompanionReader, gpu: PciAddress, sources: Collection[PciAddress]
+) -> tuple[PciAddress, ...] | InputError:
+    try:
+        return reader.read(gpu, sources)
+    except InputError as exc:
+        return exc
+
+
 def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
     """The passthrough GPUs among ``specs`` that have companions in ``allocation``: (index, spec, companions).
 
@@ -183,22 +189,28 @@ def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, w
     """
     if not allocation.companions:
         return []
-    allocated = {spec.source for spec in specs if spec.kind is ResourceKind.PCI}
+    pci = ResourceKind.PCI
+    allocated = {spec.source for spec in specs if spec.kind is pci}
     found: list[Wanted] = []
+    keys: dict[str, str | None] = {}
     for index, spec in enumerate(specs):
-        if spec.kind is not ResourceKind.PCI or not isinstance(spec.source, PciAddress):
+        if spec.kind is not pci or not isinstance(spec.source, PciAddress):
             continue
-        variable = companions_key(spec.variable)
+        variable = keys.get(spec.variable, "")
+        if variable == "":
+            variable = keys[spec.variable] = companions_key(spec.variable)
         table = allocation.companions.get(variable) if variable is not None else None
         functions = table.get(spec.source) if table is not None else None
         if not functions:
             continue
+        if allocated.isdisjoint(functions):
+            found.append((index, spec, functions))
+            continue
         taken = [function for function in functions if function in allocated]
-        if taken:
-            warnings.append(
-                f"{spec.label}: companion {', '.join(map(str, taken))} is a GPU of this VM itself; "
-                "it is not placed again in the GPU's slot"
-            )
+        warnings.append(
+            f"{spec.label}: companion {', '.join(map(str, taken))} is a GPU of this VM itself; "
+            "it is not placed again in the GPU's slot"
+        )
         keep = tuple(function for function in functions if function not in allocated)
         if keep:
             found.append((index, spec, keep))
@@ -215,6 +227,11 @@ def _guest_numbers(address: etree._Element) -> tuple[int, int, int, int] | None:
     if any(number is None for number in numbers):
         return None
     return numbers  # type: ignore[return-value]
+
+
+_GUEST_PCI_ADDRESSES = etree.XPath("devices//address[@type='pci'][not(parent::source)]")
+"""Every guest PCI address of a device (a ``<source>``'s address is the host's)."""
+_ALIAS_NAMES = etree.XPath("//alias/@name", smart_strings=False)
 
 
 class _Domain:
@@ -236,10 +253,11 @@ class _Domain:
         indexes = [c_number(controller.get("index"), 10) for controller in controllers]
         self.unindexed = any(index is None for index in indexes)
         self.next_index = max((index for index in indexes if index is not None), default=0) + 1
-        self.used: dict[tuple[int, int, int, int], etree._Element] = {}
-        for address in root.iterfind("devices//address"):
+        self.used: dict[tuple[int, int, int, int], Handle] = {}
+        for address in _GUEST_PCI_ADDRESSES(root):  # type: ignore[union-attr]
+            assert isinstance(address, etree._Element)
             owner = address.getparent()
-            if owner is None or owner.tag == "source" or address.get("type") != "pci":
+            if owner is None:
                 continue
             numbers = _guest_numbers(address)
             if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
@@ -255,7 +273,9 @@ class _Domain:
         return next((slot for slot in LEGACY_SLOTS if not self.slot_taken(0, 0, slot)), None)
 
 
-def _label(hostdev: etree._Element) -> str:
+def _label(hostdev: Handle) -> str:
+    if isinstance(hostdev, NewHostdev):
+        return f"<hostdev> {hostdev.spec.alias!r} (added by this hook)"
     alias = hostdev.find("alias")
     name = f" {alias.get('name')!r}" if alias is not None and alias.get("name") else ""
     return f"<{hostdev.tag}>{name} at line {hostdev.sourceline}"
@@ -274,138 +294,119 @@ def _guest_address(slot: tuple[int, int, int], function: int, multifunction: boo
     return _empty("address", attributes, expanded)
 
 
-def _before_alias(text: str, address: str) -> str:
-    """``text`` (a rendered hostdev) with ``address`` before its ``<alias>``, laid out like the alias."""
-    at = text.rindex("<alias")
-    whitespace = text[len(text[:at].rstrip()) : at]
-    return text[:at] + address + whitespace + text[at:]
+class _Placer:
+    """The pass's edits of one GPU's hostdev (an element of the domain, or one the merge adds), made on the tree
+    and given to the writer."""
 
+    def __init__(self, writer: DomainWriter) -> None:
+        self.writer = writer
+        self.parsed = writer.parsed
+        self._layouts: dict[int, tuple[etree._Element, Layout]] = {}
 
-class _Edits:
-    """The changes, made on the tree and recorded as byte insertions (offset in the original, text)."""
+    def layout(self, hostdev: Handle) -> Layout:
+        """How what goes in and next to ``hostdev`` is laid out: like it (its indentation, the empty-element
+        style of the bytes before it)."""
+        if isinstance(hostdev, NewHostdev):
+            return self.writer.new_layout
+        found = self._layouts.get(id(hostdev))
+        if found is None or found[0] is not hostdev:
+            span = self.writer.hostdev_span(hostdev) if self.writer.fast else None
+            found = self._layouts[id(hostdev)] = (
+                hostdev,
+                self.writer.layout_at(indent_of(hostdev) or "", span[0] if span is not None else None),
+            )
+        return found[1]
 
-    def __init__(self, parsed: ParsedDomain) -> None:
-        self.parsed = parsed
-        self.unit = _indent_unit(parsed.root)
-        self.inserts: list[tuple[int, str]] = []
-        self.changed = False
-        self.fast = parsed.has_only_elements_and_text and len(parsed.root.findall("devices")) == 1
-        self._spans: dict[int, tuple[int, int]] | None = None
-        if self.fast:
-            self._spans = self._hostdev_spans()
-            self.fast = self._spans is not None
-
-    def _hostdev_spans(self) -> dict[int, tuple[int, int]] | None:
-        source = self.parsed.source
-        starts = _hostdev_starts(source)
-        elements = list(self.parsed.root.iter("{*}hostdev"))
-        self._elements = elements  # lxml keeps one proxy per node while it is referenced: the ids stay valid
-        if len(starts) != len(elements):
-            return None
-        spans: dict[int, tuple[int, int]] = {}
-        for position, (start, element) in enumerate(zip(starts, elements, strict=True)):
-            end = _HOSTDEV_END.search(source, start)
-            if end is None or (position + 1 < len(starts) and starts[position + 1] < end.start()):
-                return None
-            spans[id(element)] = (start, end.end())
-        return spans
-
-    def span(self, hostdev: etree._Element) -> tuple[int, int] | None:
-        return self._spans.get(id(hostdev)) if self._spans is not None else None
-
-    def layout(self, hostdev: etree._Element) -> Layout:
-        indent = _indent_of(hostdev) or ""
-        span = self.span(hostdev)
-        near = span[0] if span is not None else len(self.parsed.source)
-        expanded = self.parsed.writes_empty_expanded_near(near)
-        return Layout(indent, self.unit if indent else "", expanded)
-
-    def _no_fast(self) -> None:
-        self.fast = False
-
-    def add_guest_address(self, hostdev: etree._Element, address_text: str) -> None:
+    def add_guest_address(self, hostdev: Handle, address_text: str) -> None:
         """Give ``hostdev`` its guest address, before its alias (or last)."""
-        self.changed = True
-        element = etree.fromstring(address_text)
+        if isinstance(hostdev, NewHostdev):
+            hostdev.address = address_text
+            self.writer.new_decorated = True
+            return
         alias = hostdev.find("alias")
         if alias is None:
-            _append(hostdev, element, *_child_slots(hostdev, self.unit))
-            self._no_fast()
+            self.writer.no_fast()
+            self.writer.tree_changed()
+            append_child(hostdev, etree.fromstring(address_text), *child_slots(hostdev, self.writer.unit))
             return
         previous = alias.getprevious()
         whitespace = previous.tail if previous is not None else hostdev.text
         whitespace = whitespace if whitespace and not whitespace.strip() else ""
-        element.tail = whitespace or None
-        alias.addprevious(element)
-        span = self.span(hostdev)
-        if span is None:
-            self._no_fast()
-            return
-        segment = self.parsed.source[span[0] : span[1]]
-        found = [match.start() for match in _ALIAS_START.finditer(segment)]
-        if len(found) != 1:
-            self._no_fast()
-            return
-        self.inserts.append((span[0] + found[0], address_text + whitespace))
 
-    def add_multifunction(self, hostdev: etree._Element, address: etree._Element) -> None:
-        self.changed = True
-        address.set("multifunction", "on")
-        span = self.span(hostdev)
-        if span is None:
-            self._no_fast()
-            return
-        segment = self.parsed.source[span[0] : span[1]]
-        inside = [(match.start(), match.end()) for match in _SOURCE_SPAN.finditer(segment)]
-        guest = [
-            match.start()
-            for match in _ADDRESS_START.finditer(segment)
-            if not any(start <= match.start() < end for start, end in inside)
-        ]
-        end = _START_TAG_END.match(segment, guest[0] + 8) if len(guest) == 1 else None
-        if end is None or b"multifunction" in segment[guest[0] : end.end()]:
-            self._no_fast()
-            return
-        self.inserts.append((span[0] + end.start(1), ' multifunction="on"'))
+        def tree_fix() -> None:
+            element = etree.fromstring(address_text)
+            element.tail = whitespace or None
+            alias.addprevious(element)
 
-    def add_before(self, hostdev: etree._Element, text: str, indent: str) -> None:
-        self.changed = True
-        element = etree.fromstring(text)
-        element.tail = indent or None
-        hostdev.addprevious(element)
-        span = self.span(hostdev)
-        if span is None:
-            self._no_fast()
-            return
-        self.inserts.append((span[0], text + indent))
+        self.writer.insert_in(hostdev, _only_alias, address_text + whitespace, tree_fix)
 
-    def add_after(self, hostdev: etree._Element, texts: Sequence[str], indent: str) -> None:
-        self.changed = True
-        tail = hostdev.tail
-        anchor = hostdev
-        for text in texts:
+    def add_multifunction(self, hostdev: Handle, address: etree._Element) -> None:
+        assert not isinstance(hostdev, NewHostdev)  # (a hostdev the merge adds has no guest address)
+        self.writer.insert_in(
+            hostdev, _guest_address_end, ' multifunction="on"', functools.partial(address.set, "multifunction", "on")
+        )
+
+    def add_before(self, hostdev: Handle, text: str, indent: str) -> None:
+        if isinstance(hostdev, NewHostdev):
+            hostdev.add_before(text)
+            self.writer.new_decorated = True
+            return
+
+        def tree_fix() -> None:
             element = etree.fromstring(text)
-            anchor.tail = indent or None
-            anchor.addnext(element)
-            anchor = element
-        anchor.tail = tail
-        span = self.span(hostdev)
-        if span is None:
-            self._no_fast()
-            return
-        self.inserts.append((span[1], "".join(indent + text for text in texts)))
+            element.tail = indent or None
+            hostdev.addprevious(element)
 
-    def result(self) -> bytes:
-        if not self.fast:
-            return self.parsed.serialize()
-        source = self.parsed.source
-        pieces: list[bytes] = []
-        position = 0
-        for offset, text in sorted(self.inserts, key=lambda insert: insert[0]):
-            pieces += (source[position:offset], text.encode())
-            position = offset
-        pieces.append(source[position:])
-        return b"".join(pieces)
+        self.writer.insert_next_to(hostdev, text + indent, tree_fix, after=False)
+
+    def add_after(self, hostdev: Handle, texts: Sequence[str], indent: str) -> None:
+        if not texts:
+            return
+        if isinstance(hostdev, NewHostdev):
+            hostdev.add_after(texts)
+            self.writer.new_decorated = True
+            return
+
+        def tree_fix() -> None:
+            tail = hostdev.tail
+            anchor = hostdev
+            for text in texts:
+                element = etree.fromstring(text)
+                anchor.tail = indent or None
+                anchor.addnext(element)
+                anchor = element
+            anchor.tail = tail
+
+        self.writer.insert_next_to(hostdev, "".join(indent + text for text in texts), tree_fix, after=True)
+
+
+def _only_alias(segment: bytes) -> int | None:
+    """Where the one ``<alias`` of a hostdev's bytes starts (None: not exactly one)."""
+    found = [match.start() for match in _ALIAS_START.finditer(segment)]
+    return found[0] if len(found) == 1 else None
+
+
+def _guest_address_end(segment: bytes) -> int | None:
+    """Where the start tag of a hostdev's one guest ``<address>`` (not its source's) ends, for an attribute."""
+    inside = [(match.start(), match.end()) for match in _SOURCE_SPAN.finditer(segment)]
+    guest = [
+        match.start()
+        for match in _ADDRESS_START.finditer(segment)
+        if not any(start <= match.start() < end for start, end in inside)
+    ]
+    end = _START_TAG_END.match(segment, guest[0] + 8) if len(guest) == 1 else None
+    if end is None or b"multifunction" in segment[guest[0] : end.end()]:
+        return None
+    return end.start(1)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What the pass decided: the hostdevs added for companions, where each GPU went, warnings."""
+
+    hostdevs: list[HostdevSpec] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def place_companions(
@@ -416,28 +417,53 @@ def place_companions(
     *,
     allow_fast: bool = True,
 ) -> Companioned:
-    """``domain_xml`` (the merge's output, holding a hostdev for each of ``specs``) with every GPU's companions
-    in its guest slot; the bytes unchanged when no GPU has companions."""
+    """:func:`companions_pass` alone on ``domain_xml`` (holding a hostdev for each of ``specs``), written; the
+    bytes unchanged when no GPU has companions."""
+    warnings: list[str] = []
+    if not wanted_companions(specs, allocation, warnings):
+        return Companioned(domain_xml, [], [], warnings)
+    parsed = parse_domain(domain_xml, max_bytes)
+    writer = DomainWriter(parsed, allow_fast=allow_fast)
+    by_source = hostdevs_from_tree(parsed).by_source
+    handles: dict[SourceKey, Handle] = {key: found[0] for key, found in by_source.items()}
+    placed = companions_pass(writer, specs, allocation, handles, by_source)
+    return Companioned(writer.result(), placed.hostdevs, placed.placements, placed.warnings)
+
+
+def companions_pass(
+    writer: DomainWriter,
+    specs: Sequence[HostdevSpec],
+    allocation: EnvAllocation,
+    handles: Mapping[SourceKey, Handle],
+    by_source: Mapping[SourceKey, list[etree._Element]],
+) -> Placed:
+    """Every GPU's companions in its guest slot: ``handles`` says where each of ``specs`` is (the merge's
+    result), ``by_source`` the domain's hostdevs."""
     warnings: list[str] = []
     wanted = wanted_companions(specs, allocation, warnings)
     if not wanted:
-        return Companioned(domain_xml, [], [], warnings)
-    parsed = parse_domain(domain_xml, max_bytes)
+        return Placed([], [], warnings)
+    parsed = writer.parsed
     domain = _Domain(parsed)
-    edits = _Edits(parsed)
-    edits.fast = edits.fast and allow_fast
-    by_source = hostdevs_from_tree(parsed).by_source
-    aliases = {alias.get("name") for alias in parsed.root.iter("alias")}
+    edits = _Placer(writer)
+    if len(parsed.root.findall("devices")) != 1:
+        edits.writer.no_fast()
+    source = parsed.source
+    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
+    may_hold = b"-fn" in source or b"&" in source
+    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
+    aliases.update(handle.spec.alias for handle in handles.values() if isinstance(handle, NewHostdev))
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     for index, spec, functions in wanted:
-        found = by_source.get(("pci", spec.source_text))
-        if not found:
+        hostdev = handles.get(("pci", spec.source_text))
+        if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        hostdev = found[0]
-        placeable = [c for c in functions if c.function != 0 and ("pci", str(c)) not in by_source and c not in joined]
-        if not placeable and next(hostdev.iterchildren("address"), None) is None:
+        placeable = [
+            c for c in functions if c.function != 0 and ("pci", device_text(c)) not in by_source and c not in joined
+        ]
+        if not placeable and _guest_of(hostdev) is None:
             # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
             for companion in functions:
                 problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
@@ -448,8 +474,8 @@ def place_companions(
             continue
         slot, root_port = where
         layout = edits.layout(hostdev)
-        texts: list[str] = []
         placed: list[int] = []
+        joining: list[PciAddress] = []
         for companion in functions:
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
@@ -464,34 +490,66 @@ def place_companions(
                     f"alias {alias!r} is already used in the domain; it would collide with the companion "
                     f"{companion} of {spec.label}"
                 )
-            companion_spec = HostdevSpec(
-                ResourceKind.PCI,
-                companion,
-                alias,
-                companions_variable_for(spec.variable) or spec.variable,
-                spec.managed,
-                spec.driver,
-                label=f"{spec.label} companion {companion}",
-            )
-            address = _guest_address(slot, companion.function, False, layout.expanded_empty)
-            texts.append(_before_alias(render_hostdev(companion_spec, layout), address))
             domain.used[(*slot, companion.function)] = hostdev
-            added.append(companion_spec)
             joined[companion] = spec.label
             placed.append(companion.function)
-        if texts:
+            joining.append(companion)
+        if joining:
+            texts, specs_added = _companion_texts(layout, slot, index, spec, tuple(joining))
+            added += specs_added
             edits.add_after(hostdev, texts, layout.indent)
         placements.append(Placement(spec.alias, spec.source_text, slot, tuple(sorted(placed)), root_port))
-    if not edits.changed:
-        return Companioned(domain_xml, added, placements, warnings)
-    return Companioned(edits.result(), added, placements, warnings)
+    return Placed(added, placements, warnings)
+
+
+_TEXTS_KEPT = 256
+_texts: dict[tuple[object, ...], tuple[tuple[str, ...], tuple[HostdevSpec, ...]]] = {}
+
+
+def _companion_texts(
+    layout: Layout, slot: tuple[int, int, int], index: int, spec: HostdevSpec, companions: tuple[PciAddress, ...]
+) -> tuple[tuple[str, ...], tuple[HostdevSpec, ...]]:
+    """The hostdevs of ``spec``'s ``companions`` in ``slot`` and their text, laid out for ``layout``: a pure
+    function of its arguments, whose last :data:`_TEXTS_KEPT` results are kept (the hook writes the same GPUs on
+    every call of a pod, as ``HostdevRenderer.run`` keeps its texts)."""
+    key = (layout, slot, index, spec, companions)
+    found = _texts.get(key)
+    if found is None:
+        render = renderer_for(layout)
+        variable = companions_variable_for(spec.variable) or spec.variable
+        specs = tuple(
+            _companion_spec(spec, companion, COMPANION_ALIAS % (index, companion.function), variable)
+            for companion in companions
+        )
+        texts = tuple(
+            before_alias(render(added), _guest_address(slot, added.source.function, False, layout.expanded_empty))
+            for added in specs
+            if isinstance(added.source, PciAddress)
+        )
+        if len(_texts) >= _TEXTS_KEPT:
+            _texts.clear()
+        found = _texts[key] = (texts, specs)
+    return found
+
+
+def _companion_spec(spec: HostdevSpec, companion: PciAddress, alias: str, variable: str) -> HostdevSpec:
+    """The hostdev of ``spec``'s companion: ``HostdevSpec(...)`` without its keyword handling (one per companion
+    on the OnDefineDomain path)."""
+    label = f"{spec.label} companion {device_text(companion)}"
+    fields = (ResourceKind.PCI, companion, alias, variable, spec.managed, spec.driver, False, False, label, False)
+    return tuple.__new__(HostdevSpec, fields)
+
+
+def _guest_of(hostdev: Handle) -> etree._Element | None:
+    """The guest ``<address>`` of a GPU's hostdev (none for one the merge adds)."""
+    return None if isinstance(hostdev, NewHostdev) else next(hostdev.iterchildren("address"), None)
 
 
 def _slot_for(
-    spec: HostdevSpec, hostdev: etree._Element, domain: _Domain, edits: _Edits, warnings: list[str]
+    spec: HostdevSpec, hostdev: Handle, domain: _Domain, edits: _Placer, warnings: list[str]
 ) -> tuple[tuple[int, int, int], int | None] | None:
     """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed."""
-    guest = next(hostdev.iterchildren("address"), None)
+    guest = _guest_of(hostdev)
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:
@@ -559,7 +617,7 @@ def _companion_problem(
     companion: PciAddress,
     slot: tuple[int, int, int],
     domain: _Domain,
-    by_source: dict[tuple[str, str], list[etree._Element]],
+    by_source: Mapping[tuple[str, str], list[etree._Element]],
     joined: Mapping[PciAddress, str],
 ) -> str | None:
     """Why ``companion`` cannot go to ``slot`` (``"there"``: it already is), or None when it can; ``joined``:
@@ -568,7 +626,7 @@ def _companion_problem(
         return "it is function 0, which the GPU takes in its guest slot"
     if companion in joined:
         return f"it is a companion of {joined[companion]} too, and joined that GPU's guest slot"
-    existing = by_source.get(("pci", str(companion)))
+    existing = by_source.get(("pci", device_text(companion))) if by_source else None
     if existing:
         guest = next(existing[0].iterchildren("address"), None)
         numbers = _guest_numbers(guest) if guest is not None and guest.get("type") == "pci" else None

@@ -1,37 +1,46 @@
-"""Reading a libvirt domain safely and merging hostdevs into it without disturbing anything else.
+"""Step 2, the first pass: merge the GPUs' hostdevs with the ones virt-launcher already wrote.
 
-The domain XML comes from virt-launcher (or a user, through xmlgen) and goes straight back to libvirt, so
-parsing refuses what could make it dangerous or ambiguous (a DOCTYPE, entities, oversized or non-UTF-8
-input) and merging keeps every other byte: the prolog, the root tag, namespaces such as ``qemu:``,
-comments, CDATA, element order, indentation and the empty-element style.
+Runs on the call's one parsed document (:mod:`launcher_hook.document`) and decides edits that the one writer
+(:mod:`launcher_hook.writer`) applies; it keeps every byte it does not change: the prolog, the root tag,
+namespaces such as ``qemu:``, comments, CDATA, element order, indentation and the empty-element style.
 
 virt-launcher has usually rendered the GPUs already: such a hostdev is kept and only corrected where libvirt
-would refuse or silently drop something (``_merge_into``; docs/kubevirt-hostdevs.md); the others are added.
-Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them: from the bytes when every
-one is in virt-launcher's exact PCI form (one regular expression; the text then says all the tree would), from
-the tree otherwise. Tests assert both reads agree.
+would refuse or silently drop something (``_merge_into``; docs/kubevirt-hostdevs.md); the others are added
+(pending :class:`~launcher_hook.writer.NewHostdev` elements, which later passes may give a guest address and
+neighbours). Hostdevs are read from every ``<devices>`` element, as libvirt's parser reads them: from the bytes
+when every one is in virt-launcher's exact PCI form (one regular expression; the text then says all the tree
+would), from the tree otherwise. Tests assert both reads agree.
 
-Two ways to write the result, one document:
-- fast: when nothing but elements and text is around and ``</devices>`` is unambiguous in the bytes (the
-  usual KubeVirt domain), new hostdevs are inserted into the original bytes and corrected ones patched in
-  place (changed attributes only; a hostdev with another correction is re-serialised alone).
-- general: otherwise (comments or CDATA, a hostdev to remove, no or two ``<devices>``) the tree is edited
-  and serialised, reusing the original prolog and root start tag verbatim.
-Tests assert both give the same bytes wherever both apply.
+Each correction is made once: on the tree, and as the splice the writer needs where the bytes say where (the
+changed attributes of a hostdev; the hostdev re-serialised alone for any other correction). virt-launcher's own
+form, where only ``type=`` is cut from the source address and ``mode=`` added, is spliced from the bytes and
+its tree change kept for the writer in case the tree is serialised.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import re
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lxml import etree
 
-from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev, renderer_for
+from launcher_hook.document import (
+    _HOSTDEV_START,
+    HOSTDEV_END,
+    CallInputs,
+    ParsedDomain,
+    append_child,
+    child_slots,
+    hostdev_starts,
+    indent_of,
+    newline_whitespace,
+    parse_domain,
+    parse_xml_document,
+    remove_keeping_layout,
+)
+from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev
 from launcher_hook.hostdevs import HOSTDEV_MODELS, model_for_type
 from launcher_hook.hostdevs.base import CHANGED_MODE as _MODE
 from launcher_hook.hostdevs.base import CHANGED_OTHER as _OTHER
@@ -39,146 +48,19 @@ from launcher_hook.hostdevs.base import CHANGED_SOURCE_TYPE as _SOURCE_TYPE
 from launcher_hook.hostdevs.base import CHANGED_SWITCHES as _SWITCHES
 from launcher_hook.hostdevs.base import device_text
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, SourceKey
+from launcher_hook.writer import DomainWriter, Handle, NewHostdev, Splice
 from schemas import InputError
-from schemas.limits import check_utf8
 
-# A UTF-8 byte order mark may precede the declaration; it must not hide the encoding it declares.
-_DECLARED_ENCODING = re.compile(rb"""^(?:\xef\xbb\xbf)?\s*<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9._-]+)["']""")
-_UTF8_NAMES = {"utf-8", "utf8", "us-ascii", "ascii"}
-_parsers = threading.local()
-
-
-def _safe_parser() -> etree.XMLParser:
-    """This thread's parser (lxml parsers are not thread-safe; building one per call is slow)."""
-    parser: etree.XMLParser | None = getattr(_parsers, "parser", None)
-    if parser is None:
-        parser = etree.XMLParser(
-            resolve_entities=False,
-            no_network=True,
-            load_dtd=False,
-            dtd_validation=False,
-            huge_tree=False,
-            remove_blank_text=False,
-            remove_comments=False,
-            remove_pis=False,
-            strip_cdata=False,
-        )
-        _parsers.parser = parser
-    return parser
-
-
-@dataclass
-class ParsedDomain:
-    """A parsed domain and the bytes it came from."""
-
-    tree: etree._ElementTree
-    source: bytes
-
-    @property
-    def root(self) -> etree._Element:
-        return self.tree.getroot()
-
-    @functools.cached_property
-    def expanded_empty(self) -> bool:
-        """True for documents that write every empty element as ``<x></x>`` (Go's encoding/xml, KubeVirt)."""
-        return b"/>" not in self.source and b"></" in self.source
-
-    def writes_empty_expanded_near(self, offset: int) -> bool:
-        """The empty-element style of the elements just before ``offset``, for new elements written there.
-
-        Looks at a window rather than the whole document: it is what the new elements should match, and
-        a search for ``/>`` is slow (a document without one is scanned to its end).
-        """
-        window = self.source[max(0, offset - 4096) : offset]
-        return b"/>" not in window and (b"></" in window or self.expanded_empty)
-
-    @functools.cached_property
-    def has_only_elements_and_text(self) -> bool:
-        """No comment, CDATA section or processing instruction (but the XML declaration) anywhere.
-
-        Single-byte probes first: ``!`` and ``?`` are rare in domains, and searching for ``<!`` is slow
-        because ``<`` is everywhere.
-        """
-        source = self.source
-        if b"!" in source and (b"<!-" in source or b"<![" in source):
-            return False
-        if not source.lstrip().startswith(b"<?xml"):
-            return b"?" not in source or b"<?" not in source
-        after = source.index(b"?>") + 2
-        return source.find(b"?", after) < 0 or source.find(b"<?", after) < 0
-
-    def serialize(self) -> bytes:
-        """The tree as bytes, with the original prolog, root start tag and empty-element style."""
-        if self.expanded_empty:
-            for element in self.root.iter():
-                if isinstance(element.tag, str) and len(element) == 0 and element.text is None:
-                    element.text = ""
-        body: bytes = etree.tostring(self.tree, encoding="UTF-8", xml_declaration=False)
-        original_end = _root_start_tag_end(self.source)
-        if not self.source[:original_end].endswith(b"/>"):
-            body = self.source[:original_end] + body[_root_start_tag_end(body) :]
-        return body + self.source[len(self.source.rstrip()) :]
-
-
-def root_start(data: bytes) -> int:
-    """Offset of the root element's ``<`` in a well-formed document (after the declaration, comments and PIs)."""
-    position = 0
-    while True:
-        position = data.index(b"<", position)
-        if data.startswith(b"<?", position):
-            position = data.index(b"?>", position) + 2
-        elif data.startswith(b"<!--", position):
-            position = data.index(b"-->", position) + 3
-        else:
-            return position
-
-
-def tag_close(data: bytes, position: int) -> int | None:
-    """Offset of the ``>`` ending the tag that starts at ``position`` (quoted attribute values skipped), or None."""
-    quote = 0
-    for offset in range(position, len(data)):
-        byte = data[offset]
-        if quote:
-            quote = 0 if byte == quote else quote
-        elif byte in b"\"'":
-            quote = byte
-        elif byte == ord(">"):
-            return offset
-    return None
-
-
-def _root_start_tag_end(data: bytes) -> int:
-    """Offset just past the root element's start tag (after the declaration, comments and PIs)."""
-    close = tag_close(data, root_start(data))
-    if close is None:
-        raise InputError("domain XML: the root start tag is not closed")
-    return close + 1
-
-
-def parse_xml_document(data: bytes, what: str, max_bytes: int) -> ParsedDomain:
-    """Parse ``data`` with no DTD, no entities and no network; any refusal names ``what`` and the reason."""
-    if len(data) > max_bytes or not data.isascii():  # ASCII is UTF-8: no decoded copy to check it
-        check_utf8(data, what, max_bytes)
-    declared = _DECLARED_ENCODING.match(data)
-    if declared and declared.group(1).decode().lower() not in _UTF8_NAMES:
-        raise InputError(f"{what} declares encoding {declared.group(1).decode()!r}; only UTF-8 is accepted")
-    if b"!" in data and (b"<!DOCTYPE" in data or b"<!ENTITY" in data):
-        raise InputError(f"{what} has a DOCTYPE or entity declaration; these are refused")
-    try:
-        root = etree.fromstring(data, _safe_parser())
-    except etree.XMLSyntaxError as exc:
-        raise InputError(f"{what} is not well-formed XML: {exc}") from None
-    tree = root.getroottree()
-    if b"!" in data and (tree.docinfo.internalDTD is not None or tree.docinfo.system_url or tree.docinfo.public_id):
-        raise InputError(f"{what} has a DOCTYPE; it is refused")
-    return ParsedDomain(tree, data)
-
-
-def parse_domain(data: bytes, max_bytes: int) -> ParsedDomain:
-    parsed = parse_xml_document(data, "domain XML", max_bytes)
-    if parsed.root.tag != "domain":
-        raise InputError(f"domain XML: the root element is <{parsed.root.tag}>, expected <domain>")
-    return parsed
+__all__ = [
+    "HOSTDEV_END",
+    "_HOSTDEV_START",
+    "ParsedDomain",
+    "hostdev_starts",
+    "parse_domain",
+    "parse_xml_document",
+]
+_hostdev_starts = hostdev_starts
+_HOSTDEV_END = HOSTDEV_END
 
 
 def hostdev_source_key(hostdev: etree._Element) -> tuple[str, str] | None:
@@ -201,49 +83,6 @@ def spec_source_key(spec: HostdevSpec) -> tuple[str, str]:
 _TYPE_NAMES = {kind: model.type_name for kind, model in HOSTDEV_MODELS.items()}
 
 
-def _newline_whitespace(text: str | None) -> str | None:
-    """``text`` if it is indentation (whitespace with a line break), else None."""
-    return text if text and "\n" in text and not text.strip() else None
-
-
-def _indent_of(element: etree._Element) -> str | None:
-    previous, parent = element.getprevious(), element.getparent()
-    return _newline_whitespace(previous.tail if previous is not None else (parent.text if parent is not None else None))
-
-
-def _indent_unit(root: etree._Element) -> str:
-    """The document's indentation step (KubeVirt uses a tab), guessed from the root's first child."""
-    text = _newline_whitespace(root.text)
-    return (text.rsplit("\n", 1)[1] or "\t") if text else "\t"
-
-
-def _child_slots(parent: etree._Element, unit: str) -> tuple[str | None, str | None]:
-    """The indentation before a new last child of ``parent`` and before ``parent``'s end tag (None: compact)."""
-    if not _is_layout(parent[-1].tail if len(parent) else parent.text):
-        # Text where the indentation would go (``<devices>text</devices>``, a CDATA section) is content, not
-        # layout: append compactly rather than overwrite it.
-        return None, None
-    if len(parent):
-        return _newline_whitespace(parent.text), _newline_whitespace(parent[-1].tail)
-    parent_indent = _indent_of(parent)
-    return (parent_indent + unit, parent_indent) if parent_indent else (None, None)
-
-
-def _is_layout(text: str | None) -> bool:
-    """True when ``text`` is only whitespace (or absent): indentation the splicer may rewrite."""
-    return text is None or not text.strip()
-
-
-def _append(parent: etree._Element, child: etree._Element, before: str | None, closing: str | None) -> None:
-    if before is not None:
-        if len(parent):
-            parent[-1].tail = before
-        else:
-            parent.text = before
-        child.tail = closing if closing is not None else (_indent_of(parent) or "\n")
-    parent.append(child)
-
-
 @dataclass(frozen=True)
 class HostdevsInDomain:
     """The hostdevs of every ``<devices>`` (libvirt's parser reads them all), indexed for the merge."""
@@ -252,6 +91,8 @@ class HostdevsInDomain:
     view: DomainHostdevs
     in_order: list[etree._Element] | None = None
     """Every hostdev of every ``<devices>``, in document order."""
+    spans: dict[int, tuple[int, int]] | None = None
+    """Where each hostdev of ``in_order`` is in the bytes (by ``id``), when the read found them there."""
     kubevirt_forms: dict[SourceKey, KubevirtForm] | None = None
     """Set when every hostdev is in virt-launcher's own PCI form (read from the bytes, see
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
@@ -263,7 +104,6 @@ bytes (None: the address has no type) and where `` mode="subsystem"`` goes in it
 KubeVirt 1.9 writes its PCI hostdevs without it, docs/kubevirt-hostdevs.md)."""
 
 _MODE_ATTRIBUTE = b' mode="subsystem"'
-
 
 
 def _hostdev_label(hostdev: etree._Element, alias: str | None) -> str:
@@ -285,6 +125,17 @@ def read_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain:
     if b"<hostdev" not in parsed.source:
         return HostdevsInDomain({}, NO_HOSTDEVS)
     return _kubevirt_hostdevs(parsed) or hostdevs_from_tree(parsed)
+
+
+def hostdevs_of(inputs: CallInputs) -> HostdevsInDomain:
+    """:func:`read_hostdevs` of the call's domain, read once for the allocation source and the merge (before any
+    pass changes the tree)."""
+    found = inputs.memo.get("hostdevs")
+    if not isinstance(found, HostdevsInDomain):
+        parsed = inputs.domain
+        assert parsed is not None
+        found = inputs.memo["hostdevs"] = read_hostdevs(parsed)
+    return found
 
 
 # virt-launcher's PCI hostdev (docs/kubevirt-hostdevs.md, "Shape"), exactly, with the children that do not
@@ -322,6 +173,7 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
     by_source: dict[SourceKey, list[etree._Element]] = {}
     alias_sources: dict[str, SourceKey | None] = {}
     forms: dict[SourceKey, KubevirtForm] = {}
+    spans: dict[int, tuple[int, int]] = {}
     first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
     for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
         form, mode, source_type, domain, bus, slot, function, alias_bytes = found.groups()
@@ -331,12 +183,14 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
         if key in by_source:
             return None
         alias = alias_bytes.decode()
-        by_source[key] = [in_order[position]]
+        element = in_order[position]
+        by_source[key] = [element]
+        spans[id(element)] = found.span()
         alias_sources.setdefault(alias, key)
         forms[key] = (alias, found.span(3) if source_type else None, None if mode else found.start(2))
     if len(forms) != count:
         return None
-    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, forms)
+    return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, spans, forms)
 
 
 def hostdevs_from_tree(parsed: ParsedDomain) -> HostdevsInDomain:
@@ -414,7 +268,7 @@ def _merge_into(
         )
     if alias != current:
         if alias_element is None:
-            _append(hostdev, etree.Element("alias", name=alias), *_child_slots(hostdev, unit))
+            append_child(hostdev, etree.Element("alias", name=alias), *child_slots(hostdev, unit))
         else:
             alias_element.set("name", alias)
         changed.add(_OTHER)
@@ -440,7 +294,7 @@ def _merge_into(
             changed.add(_OTHER)
         if spec.driver is not None and driver is None:
             driver = etree.Element("driver", name=spec.driver)
-            driver.tail = _newline_whitespace(hostdev.text)
+            driver.tail = newline_whitespace(hostdev.text)
             hostdev.insert(0, driver)
             changed.add(_OTHER)
     return alias, current, changed
@@ -451,8 +305,8 @@ def _driver_next_to_source(driver: etree._Element, source: etree._Element) -> bo
     (virt-launcher writes the driver last, after the alias, which its parser accepts and its schema refuses)."""
     if source.getprevious() is driver or source.getnext() is driver:
         return False
-    _remove_keeping_layout(driver)
-    driver.tail = _indent_of(source)
+    remove_keeping_layout(driver)
+    driver.tail = indent_of(source)
     source.addprevious(driver)
     return True
 
@@ -480,52 +334,71 @@ def _check_aliases(
         )
 
 
-def merge_hostdevs(
-    parsed: ParsedDomain,
-    specs: Sequence[HostdevSpec],
-    existing: HostdevsInDomain | None = None,
-    *,
-    allow_fast: bool = True,
-) -> Spliced:
-    """The domain with one ``<hostdev>`` per spec: a hostdev already there for the same source (virt-launcher's)
-    is kept and only corrected (``_merge_into``); the others are added to the last ``<devices>``. A second
-    hostdev for one source is removed (libvirt refuses it). Untouched elements keep their bytes.
+@dataclass(frozen=True)
+class Merged:
+    """What the merge decided: the hostdevs the hook owns in the output (with the aliases they have there), where
+    each is (by source), the domain's hostdevs that stay (by source) and warnings."""
 
-    An alias the hook writes that another element holds is an error, raised before anything is produced.
+    hostdevs: list[HostdevSpec]
+    warnings: list[str]
+    placed: list[Handle]
+    """Where each of ``hostdevs`` is: the domain's hostdev, or the one the merge adds."""
+    by_source: dict[SourceKey, list[etree._Element]]
+
+    @property
+    def handles(self) -> dict[SourceKey, Handle]:
+        """:attr:`placed` by source."""
+        names = _TYPE_NAMES
+        return {
+            (names[spec.kind], device_text(spec.source)): handle
+            for spec, handle in zip(self.hostdevs, self.placed, strict=True)
+        }
+
+
+def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: HostdevsInDomain) -> Merged:
+    """One ``<hostdev>`` per spec: a hostdev already there for the same source (virt-launcher's) is kept and only
+    corrected (``_merge_into``); the others are added to the last ``<devices>``. A second hostdev for one source
+    is removed (libvirt refuses it). Untouched elements keep their bytes.
+
+    An alias the hook writes that another element holds is an error, raised before anything is written.
     """
-    existing = existing if existing is not None else read_hostdevs(parsed)
-    unit = _indent_unit(parsed.root)
+    parsed = writer.parsed
+    unit = writer.unit
+    writer.in_order = existing.in_order
+    if existing.spans is not None and existing.in_order is not None:
+        writer.know_spans(existing.spans, existing.in_order)
     warnings: list[str] = []
     final: list[HostdevSpec] = []
-    new: list[HostdevSpec] = []
+    new: list[NewHostdev] = []
+    placed: list[Handle] = []
     touched: list[tuple[etree._Element, set[str]]] = []
     doomed: list[etree._Element] = []
     introduced: dict[str, etree._Element | None] = {}
     by_source = existing.by_source
-    forms = existing.kubevirt_forms if allow_fast else None
-    untouched_in_tree: list[tuple[etree._Element, HostdevSpec]] = []
-    removals: list[tuple[int, int, bytes]] = []
+    forms = existing.kubevirt_forms if writer.fast else None
+    removals: list[tuple[Splice, etree._Element, HostdevSpec]] = []
     type_names = _TYPE_NAMES
     for spec in specs:
         key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
         found = by_source.get(key) if key is not None else None
         if not found:
-            new.append(spec)
+            item = NewHostdev(spec)
+            new.append(item)
+            placed.append(item)
             final.append(spec)
             introduced[spec.alias] = None
             continue
+        placed.append(found[0])
         form = forms.get(key) if forms and key is not None else None
         if form is not None and spec.driver is None and (not spec.force_alias or form[0] == spec.alias):
             # virt-launcher's form with nothing but type= and mode= to correct: _merge_into would only drop
             # type= (``_SOURCE_TYPE``) and add mode= (``_MODE``), which the bytes say where to cut and insert;
-            # the tree is corrected only if needed.
+            # the tree is corrected only if it is serialised.
             form_alias, source_type, mode_at = form
             if source_type is not None:
-                removals.append((*source_type, b""))
+                removals.append(((*source_type, b""), found[0], spec))
             if mode_at is not None:
-                removals.append((mode_at, mode_at, _MODE_ATTRIBUTE))
-            if source_type is not None or mode_at is not None:
-                untouched_in_tree.append((found[0], spec))
+                removals.append(((mode_at, mode_at, _MODE_ATTRIBUTE), found[0], spec))
             final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
         hostdev, *extra = found
@@ -542,17 +415,97 @@ def merge_hostdevs(
             touched.append((hostdev, changed))
         final.append(spec if alias == spec.alias else _with_alias(spec, alias))
     _check_aliases(parsed, introduced, doomed)
-    if not (new or touched or doomed or removals):
-        return Spliced(parsed.source, final, warnings)
+    left = by_source
+    if new or touched or doomed or removals:
+        left = _record(writer, new, touched, doomed, removals, by_source)
+    return Merged(final, warnings, placed, left)
+
+
+def _record(
+    writer: DomainWriter,
+    new: list[NewHostdev],
+    touched: list[tuple[etree._Element, set[str]]],
+    doomed: list[etree._Element],
+    removals: list[tuple[Splice, etree._Element, HostdevSpec]],
+    by_source: dict[SourceKey, list[etree._Element]],
+) -> dict[SourceKey, list[etree._Element]]:
+    """Give the writer the merge's edits; returns the domain's hostdevs that stay, by source."""
+    parsed, unit = writer.parsed, writer.unit
+    left = by_source
     devices_elements = parsed.root.findall("devices")
-    if allow_fast and not doomed and len(devices_elements) == 1 and parsed.has_only_elements_and_text:
-        patched = _patch_bytes(parsed, devices_elements[0], touched, new, unit, existing.in_order, removals)
-        if patched is not None:
-            return Spliced(patched, final, warnings)
-    for hostdev, spec in untouched_in_tree:  # the general path writes the tree: correct these there too
-        _merge_into(hostdev, spec, unit, warnings)
-    _splice_tree(parsed, devices_elements, new, doomed, unit)
-    return Spliced(parsed.serialize(), final, warnings)
+    if doomed or len(devices_elements) != 1:
+        writer.no_fast()
+    if removals:
+        corrected = list({id(hostdev): (hostdev, spec) for _, hostdev, spec in removals}.values())
+        writer.splice_all([splice for splice, _, _ in removals], functools.partial(_correct_forms, corrected, unit))
+    for hostdev, changes in touched:
+        _write_corrected(writer, hostdev, changes)
+    if doomed:
+        gone = {id(element) for element in doomed}
+        left = {key: [e for e in found if id(e) not in gone] for key, found in by_source.items()}
+        for duplicate in doomed:
+            remove_keeping_layout(duplicate)
+        writer.tree_changed()
+    if new:
+        _add_new(writer, devices_elements, new)
+    return left
+
+
+def _correct_forms(corrected: list[tuple[etree._Element, HostdevSpec]], unit: str) -> None:
+    """The hostdevs in virt-launcher's form corrected on the tree (the bytes had the corrections spliced)."""
+    for hostdev, spec in corrected:
+        _merge_into(hostdev, spec, unit, [])
+
+
+def _write_corrected(writer: DomainWriter, hostdev: etree._Element, changes: set[str]) -> None:
+    """The corrected ``hostdev`` (the tree has it) in the bytes: its changed attributes patched, or the element
+    written anew for any other change."""
+    if not writer.fast:
+        writer.tree_changed()
+        return
+    span = writer.hostdev_span(hostdev)
+    if span is None:
+        writer.no_fast()
+        writer.tree_changed()
+        return
+    segment = writer.parsed.source[span[0] : span[1]]
+    patches = _segment_patches(segment, hostdev, changes) if _OTHER not in changes else None
+    if patches is None:
+        writer.reserialise(hostdev, b"/>" not in segment and (b"></" in segment or writer.parsed.expanded_empty))
+        return
+    for start, end, text in patches:
+        writer.splice(span[0] + start, span[0] + end, text)
+
+
+def _add_new(writer: DomainWriter, devices_elements: list[etree._Element], new: list[NewHostdev]) -> None:
+    """The new hostdevs, appended to the last ``<devices>`` (one is created if there is none)."""
+    parsed, unit = writer.parsed, writer.unit
+    if devices_elements:
+        devices = devices_elements[-1]
+    else:
+        devices = etree.Element("devices")
+        append_child(parsed.root, devices, *child_slots(parsed.root, unit))
+        writer.no_fast()
+    if writer.fast:
+        insertion = _insertion(parsed, devices, unit)
+        if insertion is not None:
+            writer.add_hostdevs(devices, new, insertion[1], insertion[0])
+            return
+    before, _ = child_slots(devices, unit)
+    writer.add_hostdevs(devices, new, Layout(before or "", unit if before else "", parsed.expanded_empty), None)
+
+
+def merge_hostdevs(
+    parsed: ParsedDomain,
+    specs: Sequence[HostdevSpec],
+    existing: HostdevsInDomain | None = None,
+    *,
+    allow_fast: bool = True,
+) -> Spliced:
+    """:func:`merge_pass` alone, written (``allow_fast=False``: the tree serialised, for tests)."""
+    writer = DomainWriter(parsed, allow_fast=allow_fast)
+    merged = merge_pass(writer, specs, existing if existing is not None else read_hostdevs(parsed))
+    return Spliced(writer.result(), merged.hostdevs, merged.warnings)
 
 
 def _with_alias(spec: HostdevSpec, alias: str) -> HostdevSpec:
@@ -567,97 +520,6 @@ def splice_hostdevs(parsed: ParsedDomain, specs: Sequence[HostdevSpec], *, allow
 
 _USER_ALIAS = re.compile(r"ua-[a-zA-Z0-9_-]+")
 """The aliases libvirt keeps on an inactive domain; it silently drops others (the device becomes hostdevN)."""
-_HOSTDEV_START = re.compile(rb"<(?:[A-Za-z_][\w.-]*:)?hostdev[\s/>]")
-_HOSTDEV_END = re.compile(rb"</hostdev\s*>")
-
-
-def _patch_bytes(
-    parsed: ParsedDomain,
-    devices: etree._Element,
-    touched: Sequence[tuple[etree._Element, set[str]]],
-    new: Sequence[HostdevSpec],
-    unit: str,
-    in_order: list[etree._Element] | None,
-    removals: Sequence[tuple[int, int, bytes]] = (),
-) -> bytes | None:
-    """The original bytes with each touched hostdev re-serialised in place, the ``removals`` (spans of bytes and
-    what replaces each) made and the new ones inserted before ``</devices>``, when every position is unambiguous
-    (the caller checked: no comment, CDATA section or processing instruction, one ``<devices>``); None
-    otherwise."""
-    source = parsed.source
-    edits: list[tuple[int, int, bytes]] = list(removals)
-    if touched:
-        spans = _hostdev_spans(parsed, touched, in_order)
-        if spans is None:
-            return None
-        edits += spans
-    if new:
-        insertion = _insertion(parsed, devices, new, unit)
-        if insertion is None:
-            return None
-        edits.append(insertion)
-    edits.sort(key=lambda edit: edit[0])
-    pieces: list[bytes] = []
-    position = 0
-    for start, end, text in edits:
-        if start < position:
-            return None
-        pieces += (source[position:start], text)
-        position = end
-    pieces.append(source[position:])
-    return b"".join(pieces)
-
-
-def _hostdev_starts(source: bytes) -> list[int]:
-    """Offsets of every start tag named hostdev (``<hostdev`` or ``<p:hostdev``) in ``source``."""
-    if b":hostdev" in source:
-        return [match.start() for match in _HOSTDEV_START.finditer(source)]
-    starts: list[int] = []
-    find = source.find
-    position = find(b"<hostdev")
-    while position >= 0:
-        if source[position + 8 : position + 9] in _AFTER_NAME:
-            starts.append(position)
-        position = find(b"<hostdev", position + 8)
-    return starts
-
-
-_AFTER_NAME = frozenset((b" ", b"\t", b"\n", b"\r", b">", b"/"))
-
-
-def _hostdev_spans(
-    parsed: ParsedDomain, touched: Sequence[tuple[etree._Element, set[str]]], in_order: list[etree._Element] | None
-) -> list[tuple[int, int, bytes]] | None:
-    """Where each touched hostdev is in the bytes, and its new text.
-
-    Without comments, CDATA or PIs every ``<hostdev`` / ``<p:hostdev`` in the bytes is a start tag (``<`` is
-    not allowed raw in text or attribute values), so the n-th one is the n-th element named hostdev.
-    """
-    source = parsed.source
-    starts = _hostdev_starts(source)
-    # As many start tags as hostdevs in <devices>: they are those, in order (the usual case); otherwise match
-    # them with every element named hostdev in the document.
-    elements = in_order if in_order is not None and len(in_order) == len(starts) else []
-    elements = elements or list(parsed.root.iter("{*}hostdev"))
-    if len(starts) != len(elements):
-        return None
-    index = {id(element): position for position, element in enumerate(elements)}
-    spans: list[tuple[int, int, bytes]] = []
-    for hostdev, changes in touched:
-        position = index[id(hostdev)]
-        start = starts[position]
-        end_tag = _HOSTDEV_END.search(source, start)
-        if end_tag is None or (position + 1 < len(starts) and starts[position + 1] < end_tag.start()):
-            return None
-        segment = source[start : end_tag.end()]
-        patched = _patched_segment(segment, hostdev, changes) if _OTHER not in changes else None
-        if patched is None:
-            expanded = b"/>" not in segment and (b"></" in segment or parsed.expanded_empty)
-            patched = _element_bytes(hostdev, expanded)
-        spans.append((start, end_tag.end(), patched))
-    return spans
-
-
 _SOURCE_START = re.compile(rb"<source[\s/>]")
 _KUBEVIRT_SOURCE_TYPE = re.compile(rb"""(<source>\s*<address)\s+type\s*=\s*(?:"[^"]*"|'[^']*')""")
 _ADDRESS_START = re.compile(rb"<address[\s/>]")
@@ -679,36 +541,39 @@ def _attribute_pattern(name: str) -> re.Pattern[bytes]:
 _ATTRIBUTES = {name: _attribute_pattern(name) for name in ("type", "display", "ramfb", "mode")}
 
 
-def _patched_segment(segment: bytes, hostdev: etree._Element, changes: set[str]) -> bytes | None:
-    """``segment`` (one hostdev's bytes) with only the changed attributes rewritten, or None if it cannot be
-    done safely (the caller then re-serialises the element)."""
-    if _MODE in changes:  # mode= added last of the start tag's attributes, as lxml adds it to the tree
-        end = _start_tag_end(segment, 0)
-        if end is None or _ATTRIBUTES["mode"].search(segment[:end]):
-            return None
-        at = end - 1 if segment[end - 1 : end] == b"/" else end
-        segment = segment[:at] + _MODE_ATTRIBUTE + segment[at:]
-    if _SWITCHES in changes:
+def _segment_patches(segment: bytes, hostdev: etree._Element, changes: set[str]) -> list[Splice] | None:
+    """The splices (offsets in ``segment``, one hostdev's original bytes) that rewrite only the changed
+    attributes, or None if that cannot be done safely (the caller then writes the element anew)."""
+    patches: list[Splice] = []
+    if _MODE in changes or _SWITCHES in changes:
         end = _start_tag_end(segment, 0)
         if end is None:
             return None
         tag = segment[:end]
-        for name in ("display", "ramfb"):
-            value = hostdev.get(name)
-            found = _ATTRIBUTES[name].findall(tag)
-            if len(found) > 1 or (value is not None and not value.isalpha()):
+        if _MODE in changes:  # mode= added last of the start tag's attributes, as lxml adds it to the tree
+            if _ATTRIBUTES["mode"].search(tag):
                 return None
-            if found and value is not None and b"".join(found[0]) == value.encode():
-                continue  # unchanged: keep it where it is
-            tag = _ATTRIBUTES[name].sub(b"", tag)
-            if value is not None:
-                tag = tag.removesuffix(b"/") + f' {name}="{value}"'.encode() + (b"/" if tag.endswith(b"/") else b"")
-        segment = tag + segment[end:]
+            at = len(tag) - 1 if tag.endswith(b"/") else len(tag)
+            tag = tag[:at] + _MODE_ATTRIBUTE + tag[at:]
+        if _SWITCHES in changes:
+            for name in ("display", "ramfb"):
+                value = hostdev.get(name)
+                found = _ATTRIBUTES[name].findall(tag)
+                if len(found) > 1 or (value is not None and not value.isalpha()):
+                    return None
+                if found and value is not None and b"".join(found[0]) == value.encode():
+                    continue  # unchanged: keep it where it is
+                tag = _ATTRIBUTES[name].sub(b"", tag)
+                if value is not None:
+                    slash = b"/" if tag.endswith(b"/") else b""
+                    tag = tag.removesuffix(b"/") + f' {name}="{value}"'.encode() + slash
+        patches.append((0, end, tag))
     if _SOURCE_TYPE in changes:
         # virt-launcher's form in one step: <source> holding just the address, type= its first attribute
-        segment, done = _KUBEVIRT_SOURCE_TYPE.subn(rb"\1", segment, count=1)
-        if done:
-            return segment
+        quick = _KUBEVIRT_SOURCE_TYPE.search(segment)
+        if quick is not None:
+            patches.append((quick.end(1), quick.end(), b""))
+            return patches
         source_tag = _SOURCE_START.search(segment)
         address_tag = _ADDRESS_START.search(segment, source_tag.end()) if source_tag else None
         source_end = segment.find(b"</source", source_tag.end()) if source_tag else -1
@@ -721,25 +586,12 @@ def _patched_segment(segment: bytes, hostdev: etree._Element, changes: set[str])
         found = _ATTRIBUTES["type"].findall(tag)
         if len(found) != 1:
             return None
-        segment = segment[: address_tag.start()] + _ATTRIBUTES["type"].sub(b"", tag) + segment[end:]
-    return segment
+        patches.append((address_tag.start(), end, _ATTRIBUTES["type"].sub(b"", tag)))
+    return patches
 
 
-def _element_bytes(element: etree._Element, expanded_empty: bool) -> bytes:
-    clone = copy.deepcopy(element)  # detached: no namespace declarations of its ancestors
-    clone.tail = None
-    if expanded_empty:
-        for child in clone.iter():
-            if isinstance(child.tag, str) and len(child) == 0 and child.text is None:
-                child.text = ""
-    text: bytes = etree.tostring(clone, encoding="UTF-8", xml_declaration=False)
-    return text
-
-
-def _insertion(
-    parsed: ParsedDomain, devices: etree._Element, specs: Sequence[HostdevSpec], unit: str
-) -> tuple[int, int, bytes] | None:
-    """Where and what to insert for ``specs`` before ``</devices>``, when that is unambiguous.
+def _insertion(parsed: ParsedDomain, devices: etree._Element, unit: str) -> tuple[int, Layout] | None:
+    """Where to insert new hostdevs before ``</devices>`` and their layout, when that is unambiguous.
 
     Unambiguous: ``<devices>`` has children (so it is not written ``<devices/>``) and ``</devices>`` occurs
     once.
@@ -748,59 +600,14 @@ def _insertion(
     end = source.find(b"</devices>")
     if not len(devices) or end < 0 or source.find(b"</devices>", end + 10) >= 0:
         return None
-    before, closing = _child_slots(devices, unit)
+    before, closing = child_slots(devices, unit)
     if (before is None) != (closing is None):
         return None
     closing_bytes = (closing or "").encode()
     insert_at = end - len(closing_bytes)
     if source[insert_at:end] != closing_bytes:
         return None
-    layout = Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
-    return insert_at, insert_at, renderer_for(layout).run(specs).encode()
-
-
-def _splice_tree(
-    parsed: ParsedDomain,
-    devices_elements: Sequence[etree._Element],
-    new: Sequence[HostdevSpec],
-    doomed: Sequence[etree._Element],
-    unit: str,
-) -> None:
-    """The general path: remove the doomed hostdevs, append the new ones to the last ``<devices>``."""
-    for duplicate in doomed:
-        _remove_keeping_layout(duplicate)
-    if not new:
-        return
-    root = parsed.root
-    expanded = parsed.expanded_empty
-    if devices_elements:
-        devices = devices_elements[-1]
-    else:
-        devices = etree.Element("devices")
-        _append(root, devices, *_child_slots(root, unit))
-    for spec in new:
-        before, closing = _child_slots(devices, unit)
-        element = etree.fromstring(render_hostdev(spec, Layout(before or "", unit if before else "", expanded)))
-        _append(devices, element, before, closing)
-
-
-def _remove_keeping_layout(element: etree._Element) -> None:
-    parent = element.getparent()
-    if parent is None:
-        return
-    previous = element.getprevious()
-    if previous is not None:
-        previous.tail = _kept_text(previous.tail, element.tail)
-    else:
-        parent.text = _kept_text(parent.text, element.tail)
-    parent.remove(element)
-
-
-def _kept_text(before: str | None, removed_tail: str | None) -> str | None:
-    """What goes where an element and its tail are removed: the tail's layout, but never lose text."""
-    if _is_layout(before):
-        return removed_tail
-    return before if _is_layout(removed_tail) else f"{before}{removed_tail}"
+    return insert_at, Layout(before or "", unit if before else "", parsed.writes_empty_expanded_near(end))
 
 
 def devices_document(specs: Sequence[HostdevSpec]) -> bytes:

@@ -8,31 +8,35 @@ docs/large-bar.md.
 
 - :func:`plan_window` is pure: BARs in, window out.
 - :func:`guest_firmware` and :func:`explicit_window` read a parsed domain.
-- :func:`add_window` writes ``-fw_cfg name=opt/ovmf/X-PciMmio64Mb,string=<N>`` into ``<qemu:commandline>``,
-  keeping every other byte: a text insertion when the document is elements and text only and the place is
-  unambiguous, an edit of the tree otherwise (tests assert both give the same bytes where both apply).
+- :func:`window_pass` (step 2, the last pass, on the call's one parsed document) decides to write
+  ``-fw_cfg name=opt/ovmf/X-PciMmio64Mb,string=<N>`` into ``<qemu:commandline>``; the one writer
+  (:mod:`launcher_hook.writer`) applies it with the other passes' edits, keeping every other byte: a splice
+  when the document is elements and text only and the place is unambiguous, an edit of the tree otherwise
+  (tests assert both give the same bytes where both apply).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from lxml import etree
 
-from launcher_hook.domain import (
+from launcher_hook.document import (
     ParsedDomain,
-    _append,
-    _indent_of,
-    _indent_unit,
-    _newline_whitespace,
+    append_child,
+    indent_of,
+    indent_unit,
+    newline_whitespace,
     parse_domain,
     root_start,
     tag_close,
 )
+from launcher_hook.writer import DomainWriter, Splice
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import DeviceBars, format_size
@@ -270,18 +274,13 @@ class WindowOutcome:
         return f"{head}: within OVMF's default {format_size(OVMF_DEFAULT_WINDOW)}, nothing written"
 
 
-def add_window(
-    parsed: ParsedDomain,
-    output: bytes,
-    addresses: Sequence[PciAddress],
-    source: BarSource,
-    max_bytes: int,
-) -> tuple[bytes, WindowOutcome]:
-    """``output`` (the domain ``parsed`` became) with the window the devices at ``addresses`` need, when the
-    guest boots OVMF, needs more than the default and does not set the item itself."""
-    outcome = WindowOutcome(guest_firmware(parsed.root))
+def window_pass(writer: DomainWriter, addresses: Sequence[PciAddress], source: BarSource) -> WindowOutcome:
+    """The window the devices at ``addresses`` need, given to ``writer`` when the guest boots OVMF, needs more
+    than the default and does not set the item itself."""
+    root = writer.parsed.root
+    outcome = WindowOutcome(guest_firmware(root))
     if outcome.firmware is None or not addresses:
-        return output, outcome
+        return outcome
     try:
         bars = source.read_all(addresses)
     except InputError as exc:
@@ -290,19 +289,23 @@ def add_window(
             f"{source.describe()!r} (--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT; --pci-mmio64 off to skip it)"
         ) from None
     plan = outcome.plan = plan_window(bars)
-    outcome.explicit = explicit_window(parsed.root)
+    outcome.explicit = explicit_window(root)
     if outcome.explicit is not None:
         outcome.warnings += _explicit_warnings(outcome.explicit, plan)
-        return output, outcome
+        return outcome
     if not plan.writes:
-        return output, outcome
+        return outcome
     outcome.warnings += plan.warnings()
     outcome.written_mib = plan.window_mib
     args = ("-fw_cfg", f"name={FW_CFG_NAME},string={plan.window_mib}")
-    written = insert_qemu_args_text(parsed, output, args)
-    if written is None:
-        written = insert_qemu_args_tree(output, args, max_bytes)
-    return written, outcome
+    parsed = writer.parsed
+    splices = _args_splices(root, parsed.source, args, parsed.has_only_elements_and_text) if writer.fast else None
+    if splices is not None:
+        writer.late(splices, functools.partial(_args_into_tree, writer, args))
+    else:
+        writer.no_fast()
+        _args_into_tree(writer, args)
+    return outcome
 
 
 def _explicit_warnings(explicit: ExplicitWindow, plan: MmioPlan) -> list[str]:
@@ -326,11 +329,11 @@ def _explicit_warnings(explicit: ExplicitWindow, plan: MmioPlan) -> list[str]:
 def _slots(parent: etree._Element, unit: str) -> tuple[str | None, str | None]:
     """The indentation before a new last child of ``parent`` and before its end tag (None, None: compact)."""
     if len(parent):
-        before, closing = _newline_whitespace(parent.text), _newline_whitespace(parent[-1].tail)
+        before, closing = newline_whitespace(parent.text), newline_whitespace(parent[-1].tail)
         if not (before and closing):
             return None, None
         return before, closing
-    parent_indent = _indent_of(parent)
+    parent_indent = indent_of(parent)
     if parent.text is not None and parent.text.strip():
         return None, None
     return (parent_indent + unit, parent_indent) if parent_indent else (None, None)
@@ -365,14 +368,31 @@ def _only_elements_and_text(source: bytes) -> bool:
 
 def insert_qemu_args_text(parsed: ParsedDomain, output: bytes, args: Sequence[str]) -> bytes | None:
     """``output`` with ``args`` appended to ``<qemu:commandline>`` (created before ``</domain>`` if absent) by
-    inserting text, or None where the place is ambiguous in the bytes. ``parsed`` is the domain before the
-    hostdev merge: the merge changes nothing outside ``<devices>``, so its layout is ``output``'s."""
-    root = parsed.root
-    if not _only_elements_and_text(output) or any(not _plain_value(value) for value in args):
+    the writer's splice, or None where the place is ambiguous in the bytes. ``parsed`` is a document whose layout
+    outside ``<devices>`` is ``output``'s."""
+    splices = _args_splices(parsed.root, output, args)
+    if splices is None:
+        return None
+    edits = sorted(splices(_expanded(output)))
+    pieces: list[bytes] = []
+    position = 0
+    for start, end, text in edits:
+        pieces += (output[position:start], text)
+        position = end
+    return b"".join([*pieces, output[position:]])
+
+
+def _args_splices(
+    root: etree._Element, source: bytes, args: Sequence[str], only_elements_and_text: bool | None = None
+) -> Callable[[bool], list[Splice]] | None:
+    """Where and what to insert into ``source`` (the bytes of the document ``root`` is of, outside
+    ``<devices>``) for ``args``, given the output's empty-element style; None where the place is ambiguous.
+    ``only_elements_and_text``: what the caller knows of ``source`` (None: it is looked at)."""
+    plain = _only_elements_and_text(source) if only_elements_and_text is None else only_elements_and_text
+    if not plain or any(not _plain_value(value) for value in args):
         return None
     commandlines = list(root.iterchildren(f"{{{QEMU_NS}}}commandline"))
-    unit = _indent_unit(root)
-    expanded = _expanded(output)
+    unit = indent_unit(root)
     if len(commandlines) > 1:
         return None
     if commandlines:
@@ -381,38 +401,42 @@ def insert_qemu_args_text(parsed: ParsedDomain, output: bytes, args: Sequence[st
         if own_prefix is None or root.nsmap.get(own_prefix) != QEMU_NS:
             return None
         end_tag = f"</{own_prefix}:commandline".encode()
-        where = output.find(end_tag)
-        if where < 0 or output.find(end_tag, where + 1) >= 0 or not len(commandline):
+        where = source.find(end_tag)
+        if where < 0 or source.find(end_tag, where + 1) >= 0 or not len(commandline):
             return None
         before, closing = _slots(commandline, unit)
         cut = where - len(closing or "")
-        if output[cut:where] != (closing or "").encode():
+        if source[cut:where] != (closing or "").encode():
             return None
-        text = _args_text(own_prefix, args, before or "", expanded)
-        return output[:cut] + text.encode() + output[cut:]
+        return lambda expanded: [(cut, cut, _args_text(own_prefix, args, before or "", expanded).encode())]
     prefix = _qemu_prefix(root)
     declare = b""
     if prefix is None:
         prefix = _free_prefix(root)
         declare = f' xmlns:{prefix}="{QEMU_NS}"'.encode()
-    end = output.rfind(b"</domain")
-    if end < 0 or output[end:].rstrip() not in (b"</domain>",) or not len(root):
+    end = source.rfind(b"</domain")
+    if end < 0 or source[end:].rstrip() not in (b"</domain>",) or not len(root):
         return None
     before, closing = _slots(root, unit)
     cut = end - len(closing or "")
-    if output[cut:end] != (closing or "").encode():
+    if source[cut:end] != (closing or "").encode():
+        return None
+    start_end = _root_start_tag_close(source) if declare else None
+    if declare and start_end is None:
         return None
     inner = before + unit if before else ""
     indent = before or ""
-    body = _args_text(prefix, args, inner, expanded)
-    element = f"{indent}<{prefix}:commandline>{body}{indent}</{prefix}:commandline>"
-    result = output[:cut] + element.encode() + output[cut:]
-    if declare:
-        start_end = _root_start_tag_close(result)
-        if start_end is None:
-            return None
-        result = result[:start_end] + declare + result[start_end:]
-    return result
+    name = prefix
+
+    def splices(expanded: bool) -> list[Splice]:
+        body = _args_text(name, args, inner, expanded)
+        element = f"{indent}<{name}:commandline>{body}{indent}</{name}:commandline>"
+        found: list[Splice] = [(cut, cut, element.encode())]
+        if start_end is not None:
+            found.append((start_end, start_end, declare))
+        return found
+
+    return splices
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9/_.,=:+-]*")
@@ -435,6 +459,33 @@ def _root_start_tag_close(data: bytes) -> int | None:
     return offset - 1 if data[offset - 1 : offset] == b"/" else offset
 
 
+def _args_into_tree(writer: DomainWriter, args: Sequence[str]) -> None:
+    """``args`` appended to the tree's ``<qemu:commandline>`` (created if absent). A root that does not declare
+    libvirt's QEMU namespace cannot take one in the tree (the writer keeps the root start tag's bytes): the
+    serialised output then gets it, through :func:`insert_qemu_args_tree` (the one case where the hook parses
+    its own output again: a domain with a comment, CDATA or a PI and no ``xmlns:qemu``, which KubeVirt's
+    domains always declare)."""
+    writer.tree_changed()
+    if _qemu_prefix(writer.parsed.root) is None:
+        writer.after_serialise(lambda written: insert_qemu_args_tree(written, args, len(written)))
+        return
+    _append_args(writer.parsed.root, args)
+
+
+def _append_args(root: etree._Element, args: Sequence[str]) -> None:
+    unit = indent_unit(root)
+    commandline = next(root.iterchildren(f"{{{QEMU_NS}}}commandline"), None)
+    compact = False
+    if commandline is None:
+        before, closing = _slots(root, unit)
+        commandline = etree.Element(f"{{{QEMU_NS}}}commandline")
+        append_child(root, commandline, before, closing)
+        compact = before is None
+    for value in args:
+        before, closing = (None, None) if compact else _slots(commandline, unit)
+        append_child(commandline, etree.Element(f"{{{QEMU_NS}}}arg", value=value), before, closing)
+
+
 def insert_qemu_args_tree(output: bytes, args: Sequence[str], max_bytes: int) -> bytes:
     """:func:`insert_qemu_args_text`'s result by editing the tree of ``output`` (any document)."""
     parsed = parse_domain(output, max_bytes)
@@ -445,17 +496,7 @@ def insert_qemu_args_tree(output: bytes, args: Sequence[str], max_bytes: int) ->
         declaration = f' xmlns:{_free_prefix(root)}="{QEMU_NS}"'.encode()
         parsed = parse_domain(output[:start_end] + declaration + output[start_end:], max_bytes)
         root = parsed.root
-    unit = _indent_unit(root)
-    commandline = next(root.iterchildren(f"{{{QEMU_NS}}}commandline"), None)
-    compact = False
-    if commandline is None:
-        before, closing = _slots(root, unit)
-        commandline = etree.Element(f"{{{QEMU_NS}}}commandline")
-        _append(root, commandline, before, closing)
-        compact = before is None
-    for value in args:
-        before, closing = (None, None) if compact else _slots(commandline, unit)
-        _append(commandline, etree.Element(f"{{{QEMU_NS}}}arg", value=value), before, closing)
+    _append_args(root, args)
     return parsed.serialize()
 
 

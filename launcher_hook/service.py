@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from launcher_hook.builder import BuildOptions, BuildResult, build_domain
-from launcher_hook.sources import AllocationSource, SourceUnavailable
+from launcher_hook.document import CallInputs
+from launcher_hook.sources import AllocationSource, ReadsCallInputs, SourceUnavailable
 from runtime.logs import component_logger
 from schemas import InputError
 from schemas.logformat import log_event_on
@@ -79,6 +80,7 @@ class HookService:
         self._env_options = replace(self.options, allocation_carries_companions=True)
         """For an allocation that carries the companion variables: the plugin's variable is the one word; sysfs
         is read only for GPUs a DRA claim gave (no variable can describe theirs)."""
+        self._reads_inputs = isinstance(source, ReadsCallInputs)
 
     def define_domain(
         self, domain_xml: bytes, vmi_json: bytes, *, via: str, event: str = "OnDefineDomain"
@@ -88,10 +90,18 @@ class HookService:
         source = self.source.describe()
         details: dict[str, object] = {}
         try:
-            loaded = self.source.load(vmi_json, domain_xml)
+            # The call's documents are parsed once, by whichever step needs them first: the source (the domain
+            # source reads the allocation from the domain) or the builder.
+            inputs = CallInputs(domain_xml, vmi_json, self.options.max_input_bytes)
+            reader = self.source if self._reads_inputs else None
+            loaded = (
+                reader.load_inputs(inputs)  # type: ignore[attr-defined]
+                if reader is not None
+                else self.source.load(vmi_json, domain_xml)
+            )
             source = loaded.source
             options = self._env_options if loaded.carries_companions else self.options
-            result = build_domain(domain_xml, vmi_json, loaded.env, options)
+            result = build_domain(domain_xml, vmi_json, loaded.env, options, inputs=inputs)
         except InputError as exc:
             fault = HookFault("INVALID_ARGUMENT", str(exc))
         except SourceUnavailable as exc:

@@ -31,12 +31,13 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 
 from launcher_hook.allocation import allocation_variables, parse_environ
-from launcher_hook.domain import ParsedDomain, parse_domain, read_hostdevs
+from launcher_hook.document import CallInputs, ParsedDomain
+from launcher_hook.domain import HostdevsInDomain, hostdevs_of, read_hostdevs
 from launcher_hook.hostdevs import model_for_type
 from launcher_hook.matching import KUBEVIRT_ALIAS_PREFIX, KUBEVIRT_USB_ALIAS_PREFIX
 from runtime.files import read_regular_file
@@ -90,6 +91,14 @@ class AllocationSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReadsCallInputs(Protocol):
+    """A source that reads the call's documents: given the call's :class:`CallInputs`, it uses the parse the
+    builder uses too (each document is parsed once per call)."""
+
+    def load_inputs(self, inputs: CallInputs) -> Loaded: ...
 
 
 class ProcessEnvSource:
@@ -348,6 +357,22 @@ class PodResourcesSource:
         ref = _vmi_ref(vmi_json)
         if ref is None and vmi_json:
             parse_vmi(vmi_json)  # a VMI that is not valid is the caller's error: the builder's InputError
+        return self._load(ref)
+
+    def load_inputs(self, inputs: CallInputs) -> Loaded:
+        """:meth:`load` with the VMI the builder reads too (decoded once); a VMI the builder refuses is read as
+        :meth:`load` reads it (its name, if the JSON has one), so the faults are the same."""
+        try:
+            vmi = inputs.vmi
+        except InputError:
+            return self.load(inputs.vmi_json)
+        meta = vmi.metadata if vmi is not None else None
+        ref = _VmiRef(meta.namespace, meta.name) if meta is not None and meta.namespace and meta.name else None
+        if ref is None and inputs.vmi_json:
+            return self.load(inputs.vmi_json)
+        return self._load(ref)
+
+    def _load(self, ref: _VmiRef | None) -> Loaded:
         pod, method = self._own_pod()
         if ref is not None:
             _check_caller_claim(ref, pod)
@@ -521,9 +546,22 @@ class DomainSource:
                 "the allocation is read from the call's domain XML by each gpus[]/hostDevices[] entry's alias, "
                 "and this call has no VMI to name the entries"
             )
-        vmi = parse_vmi(vmi_json, max_bytes=self.max_input_bytes)
-        parsed = parse_domain(domain_xml, self.max_input_bytes)
-        return Loaded(env_from_domain(vmi, parsed), "domain XML", carries_companions=False)
+        return self.load_inputs(CallInputs(domain_xml, vmi_json, self.max_input_bytes))
+
+    def load_inputs(self, inputs: CallInputs) -> Loaded:
+        """:meth:`load` from the call's documents as the builder parses them (once: the builder uses the same
+        parse; their limit is the builder's ``max_input_bytes``)."""
+        if not inputs.domain_xml:
+            raise SourceUnavailable("the allocation is read from the call's domain XML, and this call has none")
+        if not inputs.vmi_json:
+            raise SourceUnavailable(
+                "the allocation is read from the call's domain XML by each gpus[]/hostDevices[] entry's alias, "
+                "and this call has no VMI to name the entries"
+            )
+        vmi, parsed = inputs.vmi, inputs.domain
+        assert vmi is not None
+        assert parsed is not None
+        return Loaded(env_from_domain(vmi, parsed, hostdevs_of(inputs)), "domain XML", carries_companions=False)
 
     def close(self) -> None:
         return None
@@ -533,16 +571,19 @@ _OWN_ALIAS_PREFIX = {"gpus": "ua-gpu", "hostDevices": "ua-hostdev"}
 """The hook's own alias of an entry it added (this prefix and the entry's index, ``matching._Request.alias``)."""
 
 
-def env_from_domain(vmi: VirtualMachineInstance, parsed: ParsedDomain) -> dict[str, str]:
+def env_from_domain(
+    vmi: VirtualMachineInstance, parsed: ParsedDomain, hostdevs: HostdevsInDomain | None = None
+) -> dict[str, str]:
     """The variables virt-launcher's env held for ``vmi``'s entries, as its hostdevs in ``parsed`` show them.
 
-    Per entry with a ``deviceName`` (in ``gpus[]`` then ``hostDevices[]`` order): the source of the hostdev
+    ``hostdevs``: the domain's hostdevs when the caller has read them (the call's one read, shared with the
+    merge). Per entry with a ``deviceName`` (in ``gpus[]`` then ``hostDevices[]`` order): the source of the hostdev
     aliased ``ua-gpu-<name>``/``ua-hostdevice-<name>`` (else the hook's ``ua-gpuN``/``ua-hostdevN``), under
     ``PCI_RESOURCE_<NAME>`` or ``MDEV_PCI_RESOURCE_<NAME>`` by the hostdev's type. ``InputError`` (the domain and
     the VMI the caller sent disagree) names every entry whose hostdev is missing or has no source the hook reads,
     and a device two entries hold.
     """
-    aliases = read_hostdevs(parsed).view.alias_sources
+    aliases = (hostdevs if hostdevs is not None else read_hostdevs(parsed)).view.alias_sources
     devices = vmi.spec.domain.devices
     pools: dict[str, list[str]] = {}
     holder: dict[tuple[str, str], str] = {}

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from runtime.files import read_regular_file
-from runtime.sysfs_paths import resolve_under, resolved_root
+from runtime.sysfs_paths import Resolver, resolve_under, resolved_root
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import MAX_RESOURCE_BYTES, DeviceBars, parse_resource
@@ -38,7 +38,9 @@ class SysfsBars:
         return resolve_under(self.root, root, f"bus/pci/devices/{address}/resource", f"PCI device {address}")
 
     def read(self, address: PciAddress) -> DeviceBars:
-        path = self.resource_path(address)
+        return self._read(address, self.resource_path(address))
+
+    def _read(self, address: PciAddress, path: Path) -> DeviceBars:
         data = read_regular_file(path, MAX_RESOURCE_BYTES, f"PCI device {address}: BAR list", shown=repr(str(path)))
         where = f"PCI device {address}: {str(path)!r}"
         try:
@@ -48,5 +50,13 @@ class SysfsBars:
         return DeviceBars(address, parse_resource(text, where))
 
     def read_all(self, addresses: Iterable[PciAddress]) -> list[DeviceBars]:
-        """The BARs of each address, in order (each address once)."""
-        return [self.read(address) for address in dict.fromkeys(addresses)]
+        """The BARs of each address, in order (each address once); the links resolved once for all of them
+        (:class:`~runtime.sysfs_paths.Resolver`, kept for this call only)."""
+        listed = list(dict.fromkeys(addresses))
+        if not listed:
+            return []
+        paths = Resolver(self.root, f"reading the BARs of {listed[0]}")
+        return [
+            self._read(address, paths.resolve(f"bus/pci/devices/{address}/resource", f"PCI device {address}"))
+            for address in listed
+        ]

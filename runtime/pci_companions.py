@@ -21,14 +21,14 @@ Any problem is an ``InputError`` naming the device and the file; the hook then p
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.files import read_regular_file
 from runtime.node import VFIO_DRIVERS
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT
-from runtime.sysfs_paths import resolve_under, resolved_root
+from runtime.sysfs_paths import Resolver
 from schemas.companions import select_companions
 from schemas.errors import InputError
 from schemas.pci import MAX_FUNCTION, PciAddress
@@ -40,9 +40,9 @@ DISPLAY_CLASS = 0x03
 
 @dataclass(frozen=True)
 class _Function:
-    group: Path | None
+    group: str | None
     driver: str | None
-    directory: Path
+    directory: str
 
 
 class SysfsCompanions:
@@ -60,13 +60,35 @@ class SysfsCompanions:
     def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
         """The companions of ``gpu`` in function order (none when it is not a passthrough GPU); ``gpus``: the
         VM's other GPUs, never companions. Raises ``InputError`` naming the device and the file."""
-        root = resolved_root(self.root, f"reading the companions of {gpu}")
-        found = self._function(root, gpu)
+        return self._read(Resolver(self.root, f"reading the companions of {gpu}"), gpu, gpus)
+
+    def read_all(
+        self, wanted: Sequence[PciAddress], gpus: Collection[PciAddress] = ()
+    ) -> list[tuple[PciAddress, ...] | InputError]:
+        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), the links
+        resolved once for all of them (a :class:`~runtime.sysfs_paths.Resolver` of this call only: nothing is
+        kept beyond it)."""
+        if not wanted:
+            return []
+        try:
+            paths = Resolver(self.root, f"reading the companions of {wanted[0]}")
+        except InputError as exc:
+            return [exc for _ in wanted]
+        found: list[tuple[PciAddress, ...] | InputError] = []
+        for gpu in wanted:
+            try:
+                found.append(self._read(paths, gpu, gpus))
+            except InputError as exc:
+                found.append(exc)
+        return found
+
+    def _read(self, paths: Resolver, gpu: PciAddress, gpus: Collection[PciAddress]) -> tuple[PciAddress, ...]:
+        found = self._function(paths, gpu)
         if found is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu} does not exist under {str(self.root)!r}")
-        if found.driver not in self.vfio_drivers or os.path.lexists(found.directory / "physfn"):
+        if found.driver not in self.vfio_drivers or os.path.lexists(f"{found.directory}/physfn"):
             return ()
-        if self._pci_class(root, gpu) >> 16 != DISPLAY_CLASS:
+        if self._pci_class(paths, gpu) >> 16 != DISPLAY_CLASS:
             return ()
         if found.group is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu}/iommu_group does not exist")
@@ -75,29 +97,29 @@ class SysfsCompanions:
             if function == gpu.function:
                 continue
             other = PciAddress(gpu.domain, gpu.bus, gpu.slot, function)
-            facts = self._function(root, other)
+            facts = self._function(paths, other)
             if facts is not None and facts.group == found.group:
                 members.append((other, facts.driver))
         return select_companions(gpu, members, self.vfio_drivers, gpus)
 
-    def _link(self, root: Path, relative: str, device: PciAddress) -> Path | None:
-        if not os.path.lexists(root / relative):
-            return None
-        return resolve_under(self.root, root, relative, f"PCI device {device}")
+    def _link(self, paths: Resolver, relative: str, device: PciAddress) -> str | None:
+        found = paths.link_text(relative, f"PCI device {device}")
+        return found[0] if found is not None else None
 
-    def _function(self, root: Path, address: PciAddress) -> _Function | None:
+    def _function(self, paths: Resolver, address: PciAddress) -> _Function | None:
         base = f"bus/pci/devices/{address}"
-        directory = self._link(root, base, address)
-        if directory is None:
+        found = paths.link_text(base, f"PCI device {address}")
+        if found is None:
             return None
-        if not directory.is_dir():
+        directory, is_dir = found
+        if not is_dir:
             raise InputError(f"PCI device {address}: {base} under {str(self.root)!r} is not a directory")
-        group = self._link(root, f"{base}/iommu_group", address)
-        driver = self._link(root, f"{base}/driver", address)
-        return _Function(group, driver.name if driver is not None else None, directory)
+        group = self._link(paths, f"{base}/iommu_group", address)
+        driver = self._link(paths, f"{base}/driver", address)
+        return _Function(group, driver.rpartition("/")[2] if driver is not None else None, directory)
 
-    def _pci_class(self, root: Path, address: PciAddress) -> int:
-        path = resolve_under(self.root, root, f"bus/pci/devices/{address}/class", f"PCI device {address}")
+    def _pci_class(self, paths: Resolver, address: PciAddress) -> int:
+        path = paths.resolve(f"bus/pci/devices/{address}/class", f"PCI device {address}")
         data = read_regular_file(path, MAX_CLASS_BYTES, f"PCI device {address}: class", shown=repr(str(path)))
         text = data.decode("ascii", "replace").strip()
         try:
