@@ -405,3 +405,32 @@ def test_a_restarted_plugin_adopts_the_server_time_only_for_what_it_has_not_seen
     clock.now += 60
     restarted.observe(sick)
     assert restarted.adopt(on_server) == earlier
+
+
+def test_an_api_server_that_starts_keeping_taints_gets_them_without_a_plugin_restart() -> None:
+    """The control plane is upgraded first (1.35 → 1.36, ``DRADeviceTaints`` now on) while the node's plugin runs:
+    its device, unhealthy since before, must get its taint without waiting for a restart or a change of health.
+    The check is a dry-run update: against a server that still drops taints it writes nothing."""
+    with running(device_taints=False) as fake:
+        fake.add_node(NODE, NODE_UID)
+        client = KubeApi.for_host(fake.url, timeout=(2.0, 5.0))
+        try:
+            publisher = SlicePublisher(client, NODE)
+            publisher.taints_recheck_after = 0.0  # every sync looks again (default: hourly)
+            sick = with_health(many_gpus(2), {"0000:01:00.0": "/dev/vfio/0 is missing"})
+            assert publisher.sync(sick).created == 1
+            (before,) = fake.slices()
+            for _ in range(2):  # still dropped: nothing written, no new generation
+                assert not publisher.sync(sick).changed
+            (after,) = fake.slices()
+            assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+            assert after["spec"]["pool"]["generation"] == before["spec"]["pool"]["generation"]
+            fake.device_taints = True  # the API server is upgraded
+            assert publisher.sync(sick).updated == 1
+            taints = devices_by_name(fake.slices())["pci-0000-01-00-0"]["taints"]
+            assert [(t["key"], t["value"]) for t in taints] == [(TAINT_KEY, "VFIOGroupNodeMissing")]
+            fake.clear_requests()
+            assert not publisher.sync(sick).changed  # and then stays put
+            assert writes(fake) == []
+        finally:
+            client.close()
