@@ -9,13 +9,13 @@ for what the plugin does, with the server-side rules the plugin relies on:
   ``spec.nodeName`` and ``spec.driver``, the only field labels Kubernetes supports for them (any other,
   ``spec.pool.name`` included, is a 400, as there); GET; POST with ``generateName`` (five random characters
   appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale
-  ``resourceVersion`` is a 409 Conflict; ``dryRun=All``: checked and answered, nothing stored); DELETE. ``metadata.uid``, ``resourceVersion`` and
-  ``creationTimestamp`` are the server's; an immutable field changed by a PUT (``spec.driver``,
-  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers. Device taints
-  (``spec.devices[].taints``, 1.36 with ``DRADeviceTaints`` on) are checked as Kubernetes' validation checks
-  them (:func:`taint_problems`: key a label name, value a label value, effect ``None``/``NoSchedule``/
-  ``NoExecute``, at most 16 per device, at most 64 devices in a slice with any taint) and a taint without
-  ``timeAdded`` gets the current time, cut to the second, as the API server's defaulting does.
+  ``resourceVersion`` is a 409 Conflict; ``dryRun=All``: checked and answered, nothing stored); DELETE.
+  ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` are the server's; an immutable field changed
+  by a PUT (``spec.driver``, ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers.
+  Device taints (``spec.devices[].taints``, 1.36 with ``DRADeviceTaints`` on) are checked as Kubernetes'
+  validation checks them (:func:`taint_problems`: key a label name, value a label value, effect ``None``/
+  ``NoSchedule``/``NoExecute``, at most 16 per device, at most 64 devices in a slice with any taint) and a taint
+  without ``timeAdded`` gets the current time, cut to the second, as the API server's defaulting does.
 - ResourceClaims (namespaced): GET.
 - Nodes: GET.
 
