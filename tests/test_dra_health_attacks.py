@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from concurrent import futures
 from typing import Any, cast
 
@@ -199,3 +201,44 @@ def test_a_reason_that_is_not_utf8_does_not_break_the_stream() -> None:
     message = next(stream)
     assert message.devices[0].health == pb.UNHEALTHY
     stream.close()
+
+
+# -- the loop and a slow API server ----------------------------------------------------------------------------
+
+
+def test_a_publisher_stuck_on_the_api_server_never_holds_the_scans_or_the_health_stream() -> None:
+    """The ResourceSlice publisher may wait on the API server (20 s a call, several calls a sync); meanwhile the
+    node is still scanned, a device's change still reaches the kubelet's health stream (which would otherwise go
+    silent and turn every device Unknown after its 30 s), and the loop keeps turning (``/healthz``)."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowSink:
+        calls = 0
+
+        def publish(self, inventory: Inventory) -> None:
+            self.calls += 1
+            if self.calls >= 2:  # the first publishes; the next one hangs on the API server
+                entered.set()
+                release.wait(PATIENCE * 4)
+
+    with short_dir() as base:
+        node01 = build_tree(NODE01, base)
+        paths = DraPaths.under(base, node01)
+        runner = dra_runner(paths, sinks=[SlowSink()], pool="node01")
+        runner.sink_resync = 0.0  # every scan offers the inventory again: the second offer hangs
+        try:
+            with running_dra(runner), reading(runner.server.plugin_socket) as kubelet:
+                kubelet.next()
+                assert entered.wait(PATIENCE)
+                scans = runner.scans
+                assert _wait(lambda: runner.scans >= scans + 3), "the scans stopped while the publisher waits"
+                assert runner.liveness() is None
+                assert runner.inventory is not None
+                group = next(
+                    d.iommu_group for r in runner.inventory.resources for d in r.devices if d.id == "0000:86:00.0"
+                )
+                os.unlink(node01 / "dev" / "vfio" / str(group))
+                kubelet.until(lambda m: health_of(m)["pci-0000-86-00-0"][0] == "UNHEALTHY")
+        finally:
+            release.set()
