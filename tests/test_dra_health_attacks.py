@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from concurrent import futures
 from typing import Any, cast
@@ -118,6 +119,36 @@ def test_a_replaced_stream_is_cancelled_even_while_its_reader_never_takes_a_mess
     for stream in streams:
         stream.close()
     assert board.streams == 0
+
+
+def test_a_stream_that_stopped_taking_states_is_replaced_before_an_older_one_that_reads() -> None:
+    board = HealthBoard(max_streams=2)
+    board.update([DeviceState("p", "d", pb.HEALTHY)])
+    reading_context, stalled_context, newcomer_context = FakeContext(), FakeContext(), FakeContext()
+    heard: queue.Queue[pb.NodeWatchResourcesResponse] = queue.Queue()
+    reader = board.watch(cast(grpc.ServicerContext, reading_context))
+
+    def read() -> None:
+        for message in reader:
+            heard.put(message)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    heard.get(timeout=PATIENCE)  # the oldest stream reads on
+    stalled = board.watch(cast(grpc.ServicerContext, stalled_context))
+    next(stalled)  # took the first state, then its reader stops reading
+    board.update([DeviceState("p", "d", pb.UNHEALTHY, "why")])
+    heard.get(timeout=PATIENCE)  # the reader took the news; the stalled one did not
+    assert _wait(
+        lambda: all(s.waiting for s in board._streams if s.context is cast(grpc.ServicerContext, reading_context))
+    )
+    newcomer = board.watch(cast(grpc.ServicerContext, newcomer_context))
+    assert next(newcomer).devices[0].health == pb.UNHEALTHY
+    assert stalled_context.cancelled and not reading_context.cancelled
+    reading_context.cancel()
+    thread.join(PATIENCE)
+    newcomer.close()
+    stalled.close()
 
 
 # -- the largest state ---------------------------------------------------------------------------------------

@@ -231,6 +231,7 @@ class HealthBoard:
                 self._streams.remove(victim)
                 self._changed.notify_all()
             stream = _Stream(self, context)
+            stream.seen = self._version  # not "stalled" before its first turn: it takes the newest state at once
             self._streams.append(stream)
         if victim is not None:
             # Cancelled, not only marked: a stream whose peer never reads sits in gRPC's send, holding its server
