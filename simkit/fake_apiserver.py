@@ -9,13 +9,13 @@ for what the plugin does, with the server-side rules the plugin relies on:
   ``spec.nodeName`` and ``spec.driver``, the only field labels Kubernetes supports for them (any other,
   ``spec.pool.name`` included, is a 400, as there); GET; POST with ``generateName`` (five random characters
   appended, the base cut to 58 as the API server does); PUT with an optimistic-concurrency check (a stale
-  ``resourceVersion`` is a 409 Conflict); DELETE. ``metadata.uid``, ``resourceVersion`` and
-  ``creationTimestamp`` are the server's; an immutable field changed by a PUT (``spec.driver``,
-  ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers. Device taints
-  (``spec.devices[].taints``, 1.36 with ``DRADeviceTaints`` on) are checked as Kubernetes' validation checks
-  them (:func:`taint_problems`: key a label name, value a label value, effect ``None``/``NoSchedule``/
-  ``NoExecute``, at most 16 per device, at most 64 devices in a slice with any taint) and a taint without
-  ``timeAdded`` gets the current time, cut to the second, as the API server's defaulting does.
+  ``resourceVersion`` is a 409 Conflict; ``dryRun=All``: checked and answered, nothing stored); DELETE.
+  ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` are the server's; an immutable field changed
+  by a PUT (``spec.driver``, ``spec.nodeName``, ``spec.pool.name``) is a 422, as Kubernetes' validation answers.
+  Device taints (``spec.devices[].taints``, 1.36 with ``DRADeviceTaints`` on) are checked as Kubernetes'
+  validation checks them (:func:`taint_problems`: key a label name, value a label value, effect ``None``/
+  ``NoSchedule``/``NoExecute``, at most 16 per device, at most 64 devices in a slice with any taint) and a taint
+  without ``timeAdded`` gets the current time, cut to the second, as the API server's defaulting does.
 - ResourceClaims (namespaced): GET.
 - Nodes: GET.
 
@@ -297,7 +297,8 @@ class FakeApiServer:
         self._state.slices[name] = obj
         return obj
 
-    def _replace_slice(self, name: str, obj: JSON) -> JSON:
+    def _replace_slice(self, name: str, obj: JSON, dry_run: bool = False) -> JSON:
+        """PUT; ``dry_run`` (``?dryRun=All``): validated, defaulted and answered as stored, but nothing stored."""
         old = self._state.slices.get(name)
         if old is None:
             raise _ApiError(404, "NotFound", f'resourceslices.resource.k8s.io "{name}" not found')
@@ -318,11 +319,12 @@ class FakeApiServer:
         changed = obj.get("spec") != old.get("spec")
         metadata.update(
             uid=old["metadata"]["uid"],
-            resourceVersion=self._next_version(),
+            resourceVersion=old["metadata"]["resourceVersion"] if dry_run else self._next_version(),
             generation=old["metadata"]["generation"] + (1 if changed else 0),
             creationTimestamp=old["metadata"]["creationTimestamp"],
         )
-        self._state.slices[name] = obj
+        if not dry_run:
+            self._state.slices[name] = obj
         return obj
 
     def _route(self, method: str, path: str, query: dict[str, list[str]], body: JSON | None) -> tuple[int, JSON]:
@@ -352,7 +354,10 @@ class FakeApiServer:
             if method == "PUT":
                 if body is None:
                     raise _ApiError(400, "BadRequest", "no body")
-                return 200, self._replace_slice(name, body)
+                dry_run = query.get("dryRun", [""])[0]
+                if dry_run not in ("", "All"):
+                    raise _ApiError(400, "BadRequest", f"unsupported dryRun {dry_run!r} (only All)")
+                return 200, self._replace_slice(name, body, dry_run=dry_run == "All")
             if method == "DELETE":
                 if self._state.slices.pop(name, None) is None:
                     raise _ApiError(404, "NotFound", f'resourceslices.resource.k8s.io "{name}" not found')

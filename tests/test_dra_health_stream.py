@@ -3,9 +3,9 @@
 Read over the real unix socket by a gRPC client, as the kubelet reads it (docs/dra.md, "Health stream"): the full
 state at once, every device (pool, name) with HEALTHY/UNHEALTHY/UNKNOWN, ``last_updated_time``, the reason as
 ``message`` and ``health_check_timeout_seconds``; a device made unhealthy in the fixture tree is reported
-UNHEALTHY without reopening the stream; a prepared device gone from the node is UNHEALTHY; streams beyond the cap
-are refused without ending the open ones; a stream nobody reads never holds the loop; stop ends every stream (a
-SIGTERM'd ``serve --dra`` exits while the kubelet stand-in's stream is open).
+UNHEALTHY without reopening the stream; a prepared device gone from the node is UNHEALTHY; a stream beyond the
+cap takes the oldest one's place (tests/test_dra_health_attacks.py); a stream nobody reads never holds the loop;
+stop ends every stream (a SIGTERM'd ``serve --dra`` exits while the kubelet stand-in's stream is open).
 """
 
 from __future__ import annotations
@@ -189,28 +189,29 @@ def test_the_stream_sends_the_state_at_once_then_each_change_and_stop_ends_it() 
             assert reader.error is None  # ended cleanly: the kubelet reads EOF and opens a new one later
 
 
-def test_streams_beyond_the_cap_are_refused_and_the_open_ones_keep_going() -> None:
+def test_a_stream_beyond_the_cap_takes_the_oldest_place_and_a_closed_one_frees_its_place() -> None:
     with short_dir() as base:
         paths = DraPaths.under(base, build_tree(NODE01, base))
         runner = dra_runner(paths, pool="node01")
         with running_dra(runner):
             socket = runner.server.plugin_socket
-            readers = [Reader(socket) for _ in range(MAX_STREAMS)]
+            readers: list[Reader] = []
             try:
-                for reader in readers:
-                    reader.next()
-                with reading(socket) as extra:
-                    assert extra.ended.wait(PATIENCE)
-                    assert extra.error is not None and extra.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert not any(reader.ended.is_set() for reader in readers)
-                runner.server.health.update([DeviceState("node01", "probe", pb.UNKNOWN)])
-                for reader in readers:  # every open stream still hears the news
-                    reader.until(lambda m: "probe" in health_of(m))
-                readers.pop().close()  # a kubelet's stream breaks: its place is freed (gRPC's callback)
+                for _ in range(MAX_STREAMS):
+                    readers.append(Reader(socket))
+                    readers[-1].next()
+                readers.pop(1).close()  # a stream breaks: its place is freed (gRPC's callback)
                 assert _wait(lambda: runner.server.health.streams == MAX_STREAMS - 1)
-                with reading(socket) as again:
-                    again.next()
-                    assert not again.ended.is_set()
+                readers.append(Reader(socket))  # takes the free place: nobody goes
+                readers[-1].next()
+                assert not any(reader.ended.is_set() for reader in readers)
+                readers.append(Reader(socket))  # one beyond: served, and the oldest goes
+                readers[-1].next()
+                assert readers[0].ended.wait(PATIENCE)
+                runner.server.health.update([DeviceState("node01", "probe", pb.UNKNOWN)])
+                for reader in readers[1:]:  # every open stream still hears the news
+                    reader.until(lambda m: "probe" in health_of(m))
+                assert runner.server.health.streams == MAX_STREAMS
             finally:
                 for reader in readers:
                     reader.close()

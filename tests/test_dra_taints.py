@@ -374,3 +374,63 @@ def test_a_none_effect_taint_never_blocks_and_the_shipped_classes_still_want_hea
     with pytest.raises(AllocationError):
         shipped.allocate(claim({"name": "g", "exactly": spec}))
     assert tolerates({"operator": "Exists"}, {"key": "k", "effect": "NoExecute"})
+
+
+def test_a_taint_the_server_still_has_from_before_a_healing_this_process_saw_is_not_adopted() -> None:
+    """Healthy again, the taint goes and a later problem is a new taint, also when the write that removed the
+    taint failed (API server down) and the server still shows the old one when the device breaks again."""
+    clock = Clock()
+    times = TaintTimes(clock)
+    healthy = many_gpus(2)
+    sick = with_health(healthy, {"0000:01:00.0": "/dev/vfio/0 is missing"})
+    name = device_name(ResourceKind.PCI, "0000:01:00.0")
+    first = times.observe(sick)
+    on_server = build_slices(sick, NODE, taint_times=first)  # published with the first time
+    assert times.adopt(on_server) == first
+    clock.now += 600
+    assert times.observe(healthy) == {}  # healed; the write removing the taint fails: the server keeps it
+    clock.now += 600
+    times.observe(sick)  # broken again
+    assert times.adopt(on_server) == {name: format_time(clock.now)}  # a new taint, not the old one's time
+
+
+def test_a_restarted_plugin_adopts_the_server_time_only_for_what_it_has_not_seen_healthy() -> None:
+    clock = Clock()
+    sick = with_health(many_gpus(2), {"0000:01:00.0": "/dev/vfio/0 is missing"})
+    earlier = {device_name(ResourceKind.PCI, "0000:01:00.0"): format_time(clock.now - 3600)}
+    on_server = build_slices(sick, NODE, taint_times=earlier)
+    restarted = TaintTimes(clock)
+    restarted.observe(sick)
+    assert restarted.adopt(on_server) == earlier  # unhealthy since before the restart: the time stays
+    clock.now += 60
+    restarted.observe(sick)
+    assert restarted.adopt(on_server) == earlier
+
+
+def test_an_api_server_that_starts_keeping_taints_gets_them_without_a_plugin_restart() -> None:
+    """The control plane is upgraded first (1.35 → 1.36, ``DRADeviceTaints`` now on) while the node's plugin runs:
+    its device, unhealthy since before, must get its taint without waiting for a restart or a change of health.
+    The check is a dry-run update: against a server that still drops taints it writes nothing."""
+    with running(device_taints=False) as fake:
+        fake.add_node(NODE, NODE_UID)
+        client = KubeApi.for_host(fake.url, timeout=(2.0, 5.0))
+        try:
+            publisher = SlicePublisher(client, NODE)
+            publisher.taints_recheck_after = 0.0  # every sync looks again (default: hourly)
+            sick = with_health(many_gpus(2), {"0000:01:00.0": "/dev/vfio/0 is missing"})
+            assert publisher.sync(sick).created == 1
+            (before,) = fake.slices()
+            for _ in range(2):  # still dropped: nothing written, no new generation
+                assert not publisher.sync(sick).changed
+            (after,) = fake.slices()
+            assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+            assert after["spec"]["pool"]["generation"] == before["spec"]["pool"]["generation"]
+            fake.device_taints = True  # the API server is upgraded
+            assert publisher.sync(sick).updated == 1
+            taints = devices_by_name(fake.slices())["pci-0000-01-00-0"]["taints"]
+            assert [(t["key"], t["value"]) for t in taints] == [(TAINT_KEY, "VFIOGroupNodeMissing")]
+            fake.clear_requests()
+            assert not publisher.sync(sick).changed  # and then stays put
+            assert writes(fake) == []
+        finally:
+            client.close()

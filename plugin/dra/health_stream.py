@@ -16,9 +16,11 @@ Here: :class:`HealthBoard` holds the latest state, which the serve loop sets aft
 (:func:`device_states` of the inventory and the prepared claims) and publishes when it changed or
 :data:`KEEPALIVE` seconds after the last publication. Each stream sends the latest state it has not sent:
 nothing queues (latest state wins), so a slow reader never holds the loop, and the loop never waits on a
-stream. At most :data:`MAX_STREAMS` streams at once (each holds a server thread); one beyond is refused
-``RESOURCE_EXHAUSTED`` and the existing ones are kept: a kubelet whose stream broke has lost that stream (gRPC
-ends a stream whose connection closed and we count it gone at once), and it retries every 5 s.
+stream. At most :data:`MAX_STREAMS` streams at once (each holds a server thread); a newer one takes the place of
+one that has not taken the newest state, else of the oldest, which is cancelled (any process that can open
+``dra.sock`` can open streams; the kubelet's is the newest, opened again 5 s after its last one ended), so local
+streams never shut the kubelet's out. A message stays under the kubelet's 4 MiB receive limit
+(:data:`KUBELET_MAX_RECEIVE`, prepared devices first) and its ``message`` fields are UTF-8 of at most 1024 bytes.
 :meth:`HealthBoard.close` (stop) ends every stream at once, so SIGTERM never waits on a kubelet.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ import grpc
 
 from plugin.dra.checkpoint import PreparedClaim
 from plugin.inventory import Device, Inventory
+from plugin.log import log_event
 from schemas.dra import device_name
 from schemas.generated.kubelet.dra_health.v1alpha1 import api_pb2 as pb
 
@@ -47,9 +50,18 @@ KEEPALIVE = 10.0
 KUBELET_DEFAULT_TIMEOUT = 30
 """``DefaultHealthTimeout`` of the kubelet (``pkg/kubelet/cm/dra/healthinfo.go``), seconds."""
 MAX_MESSAGE = 1024
-"""``DeviceHealth.message``: the kubelet cuts a longer one (``v1.ResourceHealthMessageMaxLength``)."""
+"""``DeviceHealth.message`` in UTF-8 bytes: the kubelet cuts a longer one at that many *bytes*
+(``truncateHealthMessage``, Go's ``len``, ``v1.ResourceHealthMessageMaxLength``), possibly inside a character;
+we cut first, on a character boundary."""
 MAX_DEVICES = 4096
-"""Devices in one message at most (a node has a few dozen; the bound keeps a message well under gRPC's limit)."""
+"""Devices in one message at most (a node has a few dozen)."""
+KUBELET_MAX_RECEIVE = 4 * 1024 * 1024 - 64 * 1024
+"""Bytes one message may take: the kubelet dials the plugin with grpc-go's default receive limit of 4 MiB
+(``dra_plugin_manager.go`` sets no ``MaxCallRecvMsgSize``) and a longer message breaks the stream at every try, so
+no device's health is heard at all. 64 KiB are kept for the framing; :func:`device_states` stops adding devices
+at this bound, prepared devices first."""
+_ENTRY_OVERHEAD = 48
+"""Bytes of one ``DeviceHealth`` beyond its three strings, at most (tags, lengths, the enum and two varints)."""
 POLL = 5.0
 """Seconds a waiting stream looks again whether its peer is still there (gRPC's callback normally says so first)."""
 GONE = "not found on the node at the last scan"
@@ -62,8 +74,32 @@ def health_timeout(scan_interval: float) -> int:
     return max(KUBELET_DEFAULT_TIMEOUT, math.ceil(3 * max(scan_interval, KEEPALIVE)))
 
 
+def _utf8(text: str) -> str:
+    """``text`` as protobuf can send it: a name decoded with surrogate escapes (``os.readlink`` of a link whose
+    name is not UTF-8) would make serializing the whole message fail; its bytes are shown as ``\\xff`` instead."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
 def _message(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+    """``text`` as valid UTF-8 of at most :data:`MAX_MESSAGE` bytes (cut on a character, ``...`` at the end)."""
+    text = _utf8(text)
+    raw = text.encode("utf-8")
+    if len(raw) <= MAX_MESSAGE:
+        return text
+    return raw[: MAX_MESSAGE - 3].decode("utf-8", "ignore") + "..."
+
+
+def _entry_bytes(pool: str, device: str, message: str) -> int:
+    return len(pool.encode("utf-8")) + len(device.encode("utf-8")) + len(message.encode("utf-8")) + _ENTRY_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +119,45 @@ def device_states(
     """Every device the kubelet may ask about: each prepared claim's devices (their pool as answered to the
     kubelet), and with ``pool`` (the node's, as the ResourceSlices publish it) every device of ``inventory``.
     Healthy, unhealthy with its reason, unhealthy when a prepared device is gone from the node, unknown before
-    the first scan. Sorted by (pool, device), at most :data:`MAX_DEVICES`."""
+    the first scan. Sorted by (pool, device), at most :data:`MAX_DEVICES` and :data:`KUBELET_MAX_RECEIVE` bytes in
+    all, the prepared devices kept first."""
     by_name: dict[str, Device] = {}
     for resource in inventory.resources if inventory is not None else ():
         for device in resource.devices:
             by_name.setdefault(device_name(device.kind, device.id), device)
-    wanted = {(item.pool, item.device) for claim in prepared for item in claim.devices}
-    if pool is not None:
-        wanted |= {(pool, name) for name in by_name}
-    states = []
-    for pool_name, name in sorted(wanted)[:MAX_DEVICES]:
+    prepared_keys = sorted({(_utf8(item.pool), _utf8(item.device)) for claim in prepared for item in claim.devices})
+    others = sorted({(pool, name) for name in by_name} - set(prepared_keys)) if pool is not None else []
+    states: list[DeviceState] = []
+    budget = KUBELET_MAX_RECEIVE
+    for pool_name, name in [*prepared_keys, *others]:  # the prepared ones first: the kubelet looks at no others
         found = by_name.get(name)
         if inventory is None:
-            states.append(DeviceState(pool_name, name, pb.UNKNOWN, NOT_SCANNED))
+            state = DeviceState(pool_name, name, pb.UNKNOWN, NOT_SCANNED)
         elif found is None:
-            states.append(DeviceState(pool_name, name, pb.UNHEALTHY, GONE))
+            state = DeviceState(pool_name, name, pb.UNHEALTHY, GONE)
         elif found.healthy:
-            states.append(DeviceState(pool_name, name, pb.HEALTHY))
+            state = DeviceState(pool_name, name, pb.HEALTHY)
         else:
-            states.append(DeviceState(pool_name, name, pb.UNHEALTHY, _message(found.reason or "unhealthy")))
-    return tuple(states)
+            state = DeviceState(pool_name, name, pb.UNHEALTHY, _message(found.reason or "unhealthy"))
+        budget -= _entry_bytes(state.pool, state.device, state.message)
+        if budget < 0 or len(states) == MAX_DEVICES:
+            break
+        states.append(state)
+    return tuple(sorted(states, key=lambda state: (state.pool, state.device)))
 
 
 class _Stream:
-    """One open stream: ended by its generator or by gRPC's callback (the peer went), whichever comes first."""
+    """One open stream: ended by its generator, by gRPC's callback (the peer went), or by a newer stream taking
+    its place (:meth:`HealthBoard._open_stream`), whichever comes first."""
 
-    def __init__(self, board: HealthBoard) -> None:
+    def __init__(self, board: HealthBoard, context: grpc.ServicerContext) -> None:
         self.board = board
+        self.context = context
         self.ended = False
+        self.seen = 0
+        """The version of the last state it took."""
+        self.waiting = False
+        """Whether it waits in the board for a newer state (else it is in gRPC's send, or not started)."""
 
     def end(self) -> None:
         self.board._end(self)
@@ -168,13 +215,30 @@ class HealthBoard:
             self._streams.clear()
             self._changed.notify_all()
 
-    def _open_stream(self) -> _Stream | None:
+    def _open_stream(self, context: grpc.ServicerContext) -> _Stream | None:
+        """A place for a new stream; None once closed. With every place taken, the newcomer gets one and the
+        stream that has not taken the newest state (a reader that stopped reading) goes, else the oldest: any
+        process that can open ``dra.sock`` can open streams, and streams it holds must never shut out the
+        kubelet's (which is only ever the newest, opened again 5 s after its last one ended)."""
         with self._changed:
-            if self._closed or len(self._streams) >= self.max_streams:
+            if self._closed:
                 return None
-            stream = _Stream(self)
+            victim = None
+            if len(self._streams) >= self.max_streams:
+                stalled = [s for s in self._streams if not s.waiting and s.seen < self._version]
+                victim = (stalled or self._streams)[0]
+                victim.ended = True
+                self._streams.remove(victim)
+                self._changed.notify_all()
+            stream = _Stream(self, context)
+            stream.seen = self._version  # not "stalled" before its first turn: it takes the newest state at once
             self._streams.append(stream)
-            return stream
+        if victim is not None:
+            # Cancelled, not only marked: a stream whose peer never reads sits in gRPC's send, holding its server
+            # thread, where no flag of ours reaches it. Outside the lock: gRPC may run the callbacks right here.
+            log_event("dra_health_stream_replaced", streams=self.max_streams)
+            victim.context.cancel()
+        return stream
 
     def _end(self, stream: _Stream) -> None:
         with self._changed:
@@ -190,7 +254,9 @@ class HealthBoard:
                 if stream.ended or self._closed or not active():
                     return None
                 if self._states is not None and self._version > seen:
+                    stream.seen, stream.waiting = self._version, False
                     return self._version, self._response()
+                stream.waiting = True
                 self._changed.wait(POLL)
 
     def _response(self) -> pb.NodeWatchResourcesResponse:
@@ -205,16 +271,12 @@ class HealthBoard:
             )
         return response
 
-    def watch(self, context: grpc.ServicerContext) -> Iterator[pb.NodeWatchResourcesResponse]:
+    def watch(self, context: grpc.ServicerContext) -> Generator[pb.NodeWatchResourcesResponse, None, None]:
         """One ``NodeWatchResources`` stream: the full state at once (as soon as there is one), then every
         newer one, until the peer goes or :meth:`close`."""
-        stream = self._open_stream()
+        stream = self._open_stream(context)
         if stream is None:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.max_streams} NodeWatchResources streams are open already (or the plugin is stopping); "
-                "try again",
-            )
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA plugin is stopping; try again")
         assert stream is not None
         if not context.add_callback(stream.end):  # the peer went (or the server stops): the stream is gone at once
             stream.end()  # already over

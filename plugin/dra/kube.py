@@ -30,6 +30,7 @@ the client.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -65,6 +66,10 @@ MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 """Largest answer read (a list of our slices: a few hundred KiB at most; etcd's object limit is 1.5 MiB)."""
 MAX_SLICES = 64
 """More slices of ours for one node than this is someone else's mess, not a pool we made (64 to 128 devices each)."""
+TAINTS_RECHECK_AFTER = 3600.0
+"""Seconds after which a publisher that saw the API server drop device taints asks it again (a dry-run update, which
+stores nothing): a control plane upgraded to keep them (1.36) while the plugin runs gets the taints of devices that
+were already unhealthy, without waiting for a restart or a change of health."""
 FIELD_MANAGER = "gpu-device-plugin"
 """``fieldManager`` of our writes (``kubectl get -o yaml --show-managed-fields`` says who wrote what)."""
 
@@ -334,6 +339,17 @@ class KubeApi:
             field_manager=FIELD_MANAGER,
         )
 
+    def dry_run_replace_slice(self, name: str, obj: JSON) -> JSON:
+        """What the server would store for ``obj`` (``dryRun=All``: validated and defaulted, nothing stored)."""
+        return self._call(
+            f"dry-run update ResourceSlice {name}",
+            self._resource.replace_resource_slice,
+            name,
+            obj,
+            field_manager=FIELD_MANAGER,
+            dry_run="All",
+        )
+
     def delete_slice(self, name: str) -> None:
         try:
             self._call(f"delete ResourceSlice {name}", self._resource.delete_resource_slice, name)
@@ -417,6 +433,10 @@ class SlicePublisher:
         self.taint_times = taint_times or TaintTimes()
         self.server_drops_taints = False
         """Whether the last write of a tainted device came back without its taints (the gate off there)."""
+        self.taints_recheck_after = TAINTS_RECHECK_AFTER
+        """Seconds after learning that the server drops taints before asking again (:meth:`_recheck_taints`)."""
+        self._taints_checked = 0.0
+        """``time.monotonic()`` when the server was last seen dropping taints."""
         self._node_name = check_node_name(node_name)
         self._product_names = product_names
         self._pci_ids: tuple[str | None, ProductNames | None] = (None, None)
@@ -491,6 +511,8 @@ class SlicePublisher:
         if not _tainted(sent):
             return
         drops = not _tainted(answer)
+        if drops:
+            self._taints_checked = time.monotonic()
         if drops and not self.server_drops_taints:
             log_event(
                 "dra_taints_dropped",
@@ -499,6 +521,35 @@ class SlicePublisher:
                 "still tells unhealthy devices",
             )
         self.server_drops_taints = drops
+
+    def _recheck_taints(self, existing: list[JSON], desired: list[JSON]) -> bool:
+        """Whether a server seen dropping taints keeps them now (asked with a dry-run update of one slice of ours,
+        at most every :attr:`taints_recheck_after` seconds, only while a device is tainted); then the slices need
+        the write that brings their taints."""
+        if not self.server_drops_taints or time.monotonic() < self._taints_checked + self.taints_recheck_after:
+            return False
+        wanted = next((obj for obj in desired if _tainted(obj)), None)
+        target = next((obj for obj in existing if _pool_name(obj) == self._node_name), None)
+        if wanted is None or target is None:
+            return False
+        name = str(_metadata(target).get("name", ""))
+        probe = copy.deepcopy(wanted)
+        probe["metadata"] = {
+            "name": name,
+            "resourceVersion": _metadata(target).get("resourceVersion"),
+            "ownerReferences": wanted["metadata"]["ownerReferences"],
+        }
+        probe["spec"]["pool"]["generation"] = _generation(target)
+        try:
+            answer = self._api.dry_run_replace_slice(name, probe)
+        except KubeError as exc:  # the slices are as wanted: a failed question is asked again later, not a failure
+            log_event("dra_taints_recheck_failed", node=self._node_name, error=str(exc))
+            self._taints_checked = time.monotonic()
+            return False
+        self._note_taints(probe, answer)
+        if not self.server_drops_taints:
+            log_event("dra_taints_kept", node=self._node_name, note="the API server keeps device taints now")
+        return not self.server_drops_taints
 
     def publish(self, inventory: Inventory) -> None:
         """:meth:`sync` and log what changed: the serve loop's inventory sink (``plugin.dra.runner``)."""
@@ -529,7 +580,7 @@ class SlicePublisher:
         generation = current + 1
         owner_known = self._owner is not None
         desired = self._desired(inventory, generation)
-        if self._up_to_date(existing, desired):
+        if self._up_to_date(existing, desired) and not self._recheck_taints(existing, desired):
             return PublishResult(current)
         if owner_known:  # about to write: read the Node again (one deleted and re-created has a new UID)
             self._owner = None

@@ -8,7 +8,9 @@ One thread, blocking on file descriptors like :class:`~plugin.manager.PluginMana
 - on a VFIO change, a uevent, or every ``scan_interval``: rescan (:func:`plugin.sysfs.scan`); the core
   prepares against the newest inventory, and each :class:`InventorySink` gets an inventory that differs from
   the last one it took (or the same one again after it failed, or after :data:`SINK_RESYNC_INTERVAL`): the
-  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in; after each scan the kubelet's health
+  seam where the ResourceSlice publisher (plugin/dra/kube.py) plugs in. Each sink publishes on its own thread
+  (:class:`_SinkWorker`, the newest inventory waiting wins), so an API server that answers slowly or not at all
+  never holds the scans, the health stream or ``/healthz``; after each scan the kubelet's health
   streams get the devices' health (:mod:`plugin.dra.health_stream`: sent when it changed, and again every
   ``KEEPALIVE`` seconds; a scan that fails sends nothing, so the kubelet turns the devices UNKNOWN after the
   timeout rather than hear a stale "healthy");
@@ -70,6 +72,64 @@ class InventorySink(Protocol):
     def publish(self, inventory: Inventory) -> None: ...
 
 
+class _SinkWorker:
+    """One sink's own thread: the loop hands it inventories (:meth:`hand`; the newest waiting one wins) and never
+    waits for a publish, which may wait on the API server (20 s a call, several calls a sync). So a slow or dead
+    API server never holds the scans, the prepares' inventory, the kubelet's health stream or ``/healthz``."""
+
+    def __init__(self, sink: InventorySink, index: int) -> None:
+        self.sink = sink
+        self._changed = threading.Condition()
+        self._pending: Inventory | None = None
+        self._busy: Inventory | None = None
+        self._stopped = False
+        self.last: tuple[Inventory, float] | None = None
+        """The inventory the sink last took without an error, and ``time.monotonic()`` then."""
+        self._thread = threading.Thread(target=self._run, name=f"dra-sink-{index}", daemon=True)
+        self._thread.start()
+
+    def due(self, inventory: Inventory, now: float, resync: float) -> bool:
+        """Whether ``inventory`` is news for the sink: not taken yet (or failed), not already on its way, or
+        :data:`SINK_RESYNC_INTERVAL` old."""
+        with self._changed:
+            if inventory in (self._pending, self._busy):
+                return False
+            return self.last is None or self.last[0] != inventory or now >= self.last[1] + resync
+
+    def hand(self, inventory: Inventory) -> None:
+        with self._changed:
+            self._pending = inventory
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        """No more publishes; one under way finishes on its own (its calls have deadlines); never waited for."""
+        with self._changed:
+            self._stopped = True
+            self._pending = None
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while self._pending is None and not self._stopped:
+                    self._changed.wait()
+                if self._stopped:
+                    return
+                inventory, self._pending = self._pending, None
+                self._busy = inventory
+            assert inventory is not None
+            try:
+                self.sink.publish(inventory)
+            except Exception as exc:  # the publisher's trouble (API server down...) never stops the node side
+                log_event("dra_publish_failed", sink=type(self.sink).__name__, error=f"{type(exc).__name__}: {exc}")
+                done = None
+            else:
+                done = (inventory, time.monotonic())
+            with self._changed:
+                self._busy = None
+                self.last = done  # failed: None, so the next scan hands it again
+
+
 class DraRunner:
     """Runs the DRA plugin: :meth:`run` blocks until :meth:`request_stop`; safe to drive from a thread."""
 
@@ -107,7 +167,7 @@ class DraRunner:
         self._stop = threading.Event()
         self._serving = False
         self.sink_resync = SINK_RESYNC_INTERVAL
-        self._published: dict[int, tuple[Inventory, float]] = {}
+        self._workers: list[_SinkWorker] = []
         self._registrations_seen = 0
         """``RegistrationStatus.calls`` of the last confirmed registration acted on."""
         self._forced_resyncs: list[float] = []
@@ -155,6 +215,7 @@ class DraRunner:
         log_event("dra_starting", host_root=str(self.host_root), scan_interval=self.scan_interval)
         self._finished = False
         self._heartbeat = time.monotonic()
+        self._workers = [_SinkWorker(sink, index) for index, sink in enumerate(self.sinks)]
         try:
             self.core.start()
             self._watcher.ensure()
@@ -177,6 +238,8 @@ class DraRunner:
         finally:
             self._finished = True
             self.ready.clear()
+            for worker in self._workers:
+                worker.stop()
             self.server.stop()
             self._watcher.close()
 
@@ -235,21 +298,15 @@ class DraRunner:
         return True
 
     def _offer(self, inventory: Inventory) -> None:
-        """Give ``inventory`` to each sink that has not taken it (or failed, or is due a resync)."""
+        """Hand ``inventory`` to each sink's thread that has not taken it (or failed, or is due a resync); forced
+        (a registration's resync), to every one, even while it publishes the same (that sync may have listed
+        before the kubelet's wipe). Never waits for a publish."""
         now = time.monotonic()
         forced = any(at <= now for at in self._forced_resyncs)
         self._forced_resyncs = [at for at in self._forced_resyncs if at > now]
-        for index, sink in enumerate(self.sinks):
-            last = self._published.get(index)
-            if not forced and last is not None and last[0] == inventory and now < last[1] + self.sink_resync:
-                continue
-            try:
-                sink.publish(inventory)
-            except Exception as exc:  # the publisher's trouble (API server down...) never stops the node side
-                log_event("dra_publish_failed", sink=type(sink).__name__, error=f"{type(exc).__name__}: {exc}")
-                self._published.pop(index, None)
-                continue
-            self._published[index] = (inventory, time.monotonic())
+        for worker in self._workers:
+            if forced or worker.due(inventory, now, self.sink_resync):
+                worker.hand(inventory)
 
     def _problem(self, problem: str | None) -> None:
         if problem is not None and problem != self._last_problem:

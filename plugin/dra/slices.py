@@ -194,17 +194,22 @@ class TaintTimes:
     :meth:`observe` takes each inventory: a device newly unhealthy gets the current time (``clock``, seconds
     since the epoch), one that stays unhealthy keeps its time, a healthy or vanished one is forgotten (its taint
     goes; a later problem is a new taint). :meth:`adopt` takes the slices on the API server: for a device this
-    process also sees unhealthy, a taint of ours there with an earlier ``timeAdded`` wins, so a restarted plugin
-    keeps the time the taint has had since before the restart. No I/O."""
+    process has seen unhealthy at every observation since its first, a taint of ours there with an earlier
+    ``timeAdded`` wins, so a restarted plugin keeps the time the taint has had since before the restart. A device
+    this process saw healthy (or not at all) is never given a time from the server: a taint there is from before
+    that (the write removing it failed), and this problem is a new one. No I/O."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._since: dict[str, str] = {}
+        self._adoptable: set[str] | None = None
+        """Devices unhealthy at every :meth:`observe` so far (None before the first)."""
 
     def observe(self, inventory: Inventory) -> dict[str, str]:
         names = unhealthy_names(inventory)
         now = format_time(self._clock())
         self._since = {name: self._since.get(name, now) for name in sorted(names)}
+        self._adoptable = set(names) if self._adoptable is None else self._adoptable & names
         return dict(self._since)
 
     def adopt(self, published: Iterable[Mapping[str, Any]]) -> dict[str, str]:
@@ -213,6 +218,8 @@ class TaintTimes:
             devices = spec.get("devices") if isinstance(spec, Mapping) else None
             for device in devices if isinstance(devices, list) else ():
                 if not isinstance(device, Mapping) or device.get("name") not in self._since:
+                    continue
+                if device["name"] not in (self._adoptable or ()):
                     continue
                 name = str(device["name"])
                 taints = device.get("taints")
