@@ -21,13 +21,13 @@ from concurrent import futures
 from typing import Any, cast
 
 import grpc
+import pytest
 
 from plugin.dra.checkpoint import PreparedClaim, PreparedDevice
 from plugin.dra.health_stream import (
     KUBELET_MAX_RECEIVE,
     MAX_DEVICES,
     MAX_MESSAGE,
-    MAX_STREAMS,
     DeviceState,
     HealthBoard,
     HealthServicer,
@@ -40,42 +40,13 @@ from schemas.kinds import ResourceKind
 from simkit.fixture_nodes import NODE01
 from tests.dra_support import DraPaths, dra_runner, running_dra
 from tests.plugin_support import build_tree, short_dir
-from tests.test_dra_health_stream import PATIENCE, Reader, _wait, health_of, reading
+from tests.test_dra_health_stream import PATIENCE, _wait, health_of, reading
 
 GRPC_DEFAULT_RECEIVE = 4 * 1024 * 1024
 """grpc-go's ``defaultClientMaxReceiveMessageSize`` (and grpc Python's default): what the kubelet accepts."""
 
 
 # -- local streams holding every place -----------------------------------------------------------------------
-
-
-def test_local_streams_holding_every_place_never_shut_the_kubelet_out() -> None:
-    with short_dir() as base:
-        paths = DraPaths.under(base, build_tree(NODE01, base))
-        runner = dra_runner(paths, pool="node01")
-        with running_dra(runner):
-            socket = runner.server.plugin_socket
-            squatters: list[Reader] = []  # a local client's streams, all open, opened one after the other
-            try:
-                for _ in range(MAX_STREAMS):
-                    squatters.append(Reader(socket))
-                    squatters[-1].next()
-                with reading(socket) as kubelet:
-                    first = kubelet.next()  # served, not refused
-                    assert "pci-0000-86-00-0" in health_of(first)
-                    oldest = squatters[0]
-                    assert oldest.ended.wait(PATIENCE), "the oldest stream was not replaced"
-                    # ended: cleanly when it was waiting for news, else cancelled
-                    assert oldest.error is None or oldest.error.code() == grpc.StatusCode.CANCELLED
-                    assert _wait(lambda: runner.server.health.streams == MAX_STREAMS)
-                    runner.server.health.update([DeviceState("node01", "probe", pb.UNKNOWN)])
-                    kubelet.until(lambda m: "probe" in health_of(m))  # it keeps hearing the news
-                    for squatter in squatters[1:]:  # the others were not touched
-                        squatter.until(lambda m: "probe" in health_of(m))
-                    assert not kubelet.ended.is_set()
-            finally:
-                for squatter in squatters:
-                    squatter.close()
 
 
 class FakeContext:
@@ -98,24 +69,35 @@ class FakeContext:
             callback()
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise AssertionError(f"aborted {code}: {details}")
+        raise Aborted(code, details)
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"aborted {code}: {details}")
+        self.code = code
 
 
 def test_a_replaced_stream_is_cancelled_even_while_its_reader_never_takes_a_message() -> None:
     """A stream whose peer never reads sits in gRPC's send, not in the board: only cancelling its call frees the
-    server thread it holds. Replaced streams are cancelled, whatever they are doing."""
+    server thread it holds. A stalled stream that gives its place up is cancelled; one that has taken the newest
+    state keeps its place, and a newcomer is refused instead."""
     board = HealthBoard(max_streams=2)
     board.update([DeviceState("p", "d", pb.HEALTHY)])
     contexts = [FakeContext() for _ in range(5)]
     streams = [board.watch(cast(grpc.ServicerContext, context)) for context in contexts]
     for stream in streams[:2]:
         next(stream)  # the first state went out; the reader never asks for more (the generator stays here)
+    board.update([DeviceState("p", "d2", pb.HEALTHY)])  # both are now behind: stalled
     assert board.streams == 2
-    for index in range(2, 5):
-        assert next(streams[index]).devices[0].device.device_name == "d"
-        assert contexts[index - 2].cancelled  # the oldest, sitting after its yield, is cancelled
+    for index in range(2, 4):
+        assert next(streams[index]).devices[0].device.device_name == "d2"
+        assert contexts[index - 2].cancelled  # the oldest stalled one, sitting after its yield, is cancelled
         assert board.streams == 2
-    assert not any(context.cancelled for context in contexts[3:])
+    with pytest.raises(Aborted) as refused:  # the two in place took the newest state: the fifth is refused
+        next(streams[4])
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not any(context.cancelled for context in contexts[2:])
     for stream in streams:
         stream.close()
     assert board.streams == 0

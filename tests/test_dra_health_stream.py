@@ -189,7 +189,7 @@ def test_the_stream_sends_the_state_at_once_then_each_change_and_stop_ends_it() 
             assert reader.error is None  # ended cleanly: the kubelet reads EOF and opens a new one later
 
 
-def test_a_stream_beyond_the_cap_takes_the_oldest_place_and_a_closed_one_frees_its_place() -> None:
+def test_a_stream_beyond_the_cap_is_refused_while_every_stream_reads_and_a_closed_one_frees_its_place() -> None:
     with short_dir() as base:
         paths = DraPaths.under(base, build_tree(NODE01, base))
         runner = dra_runner(paths, pool="node01")
@@ -200,17 +200,19 @@ def test_a_stream_beyond_the_cap_takes_the_oldest_place_and_a_closed_one_frees_i
                 for _ in range(MAX_STREAMS):
                     readers.append(Reader(socket))
                     readers[-1].next()
+                with reading(socket) as refused:  # one beyond, while all four read: refused, nobody goes
+                    assert refused.ended.wait(PATIENCE)
+                    assert refused.error is not None
+                    assert refused.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert not any(reader.ended.is_set() for reader in readers)
                 readers.pop(1).close()  # a stream breaks: its place is freed (gRPC's callback)
                 assert _wait(lambda: runner.server.health.streams == MAX_STREAMS - 1)
                 readers.append(Reader(socket))  # takes the free place: nobody goes
                 readers[-1].next()
-                assert not any(reader.ended.is_set() for reader in readers)
-                readers.append(Reader(socket))  # one beyond: served, and the oldest goes
-                readers[-1].next()
-                assert readers[0].ended.wait(PATIENCE)
                 runner.server.health.update([DeviceState("node01", "probe", pb.UNKNOWN)])
-                for reader in readers[1:]:  # every open stream still hears the news
+                for reader in readers:  # every open stream still hears the news
                     reader.until(lambda m: "probe" in health_of(m))
+                assert not any(reader.ended.is_set() for reader in readers)
                 assert runner.server.health.streams == MAX_STREAMS
             finally:
                 for reader in readers:

@@ -17,9 +17,9 @@ Here: :class:`HealthBoard` holds the latest state, which the serve loop sets aft
 :data:`KEEPALIVE` seconds after the last publication. Each stream sends the latest state it has not sent:
 nothing queues (latest state wins), so a slow reader never holds the loop, and the loop never waits on a
 stream. At most :data:`MAX_STREAMS` streams at once (each holds a server thread); a newer one takes the place of
-one that has not taken the newest state, else of the oldest, which is cancelled (any process that can open
-``dra.sock`` can open streams; the kubelet's is the newest, opened again 5 s after its last one ended), so local
-streams never shut the kubelet's out. A message stays under the kubelet's 4 MiB receive limit
+one that has not taken the newest state (a stalled reader, which is cancelled) and is refused while every stream
+reads, so no client's stream takes a place from another's that is being served (docs/dra.md, "Health stream").
+A message stays under the kubelet's 4 MiB receive limit
 (:data:`KUBELET_MAX_RECEIVE`, prepared devices first) and its ``message`` fields are UTF-8 of at most 1024 bytes.
 :meth:`HealthBoard.close` (stop) ends every stream at once, so SIGTERM never waits on a kubelet.
 """
@@ -163,6 +163,14 @@ class _Stream:
         self.board._end(self)
 
 
+class StreamsFull(Exception):
+    """Every stream place is held by a stream that reads: the newcomer is refused (``RESOURCE_EXHAUSTED``)."""
+
+    def __init__(self, places: int) -> None:
+        super().__init__(f"all {places} health streams are open and reading; try again later")
+        self.places = places
+
+
 class HealthBoard:
     """The latest health state and the open streams (thread-safe; see the module doc)."""
 
@@ -216,17 +224,20 @@ class HealthBoard:
             self._changed.notify_all()
 
     def _open_stream(self, context: grpc.ServicerContext) -> _Stream | None:
-        """A place for a new stream; None once closed. With every place taken, the newcomer gets one and the
-        stream that has not taken the newest state (a reader that stopped reading) goes, else the oldest: any
-        process that can open ``dra.sock`` can open streams, and streams it holds must never shut out the
-        kubelet's (which is only ever the newest, opened again 5 s after its last one ended)."""
+        """A place for a new stream; None once closed. With every place taken, the newcomer gets the place of a
+        stream that has not taken the newest state (a reader that stopped reading: it is served nothing anyway),
+        and is refused (:class:`StreamsFull`) while every stream reads: one client's streams never take a place
+        from another's that is being served. ``dra.sock`` is root's alone, and the kubelet's own broken stream
+        frees its place at once (gRPC's callback), so a kubelet opening again 5 s later finds one."""
         with self._changed:
             if self._closed:
                 return None
             victim = None
             if len(self._streams) >= self.max_streams:
                 stalled = [s for s in self._streams if not s.waiting and s.seen < self._version]
-                victim = (stalled or self._streams)[0]
+                if not stalled:
+                    raise StreamsFull(self.max_streams)
+                victim = stalled[0]
                 victim.ended = True
                 self._streams.remove(victim)
                 self._changed.notify_all()
@@ -236,7 +247,7 @@ class HealthBoard:
         if victim is not None:
             # Cancelled, not only marked: a stream whose peer never reads sits in gRPC's send, holding its server
             # thread, where no flag of ours reaches it. Outside the lock: gRPC may run the callbacks right here.
-            log_event("dra_health_stream_replaced", streams=self.max_streams)
+            log_event("dra_health_stream_replaced", streams=self.max_streams, reason="stalled")
             victim.context.cancel()
         return stream
 
@@ -274,7 +285,11 @@ class HealthBoard:
     def watch(self, context: grpc.ServicerContext) -> Generator[pb.NodeWatchResourcesResponse, None, None]:
         """One ``NodeWatchResources`` stream: the full state at once (as soon as there is one), then every
         newer one, until the peer goes or :meth:`close`."""
-        stream = self._open_stream(context)
+        try:
+            stream = self._open_stream(context)
+        except StreamsFull as full:
+            log_event("dra_health_stream_refused", streams=full.places)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
         if stream is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the DRA plugin is stopping; try again")
         assert stream is not None
