@@ -10,46 +10,26 @@ used and left up; otherwise the session brings it down at the end and checks tha
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from simkit.fixture_nodes import NODE01
-from tests.cluster import images, kit
 from tests.cluster.support import (
     WORKLOAD_LABEL,
     Cluster,
+    cluster_session,
     deploy_plugin,
     fixture_tree,
     plugin_serving,
     remove_dev_vfio,
 )
-from tests.libvirt_support import missing
 
 
 @pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        missing("the real cluster runs as root (kubelet, containerd, runc)", "cluster piece missing")
-    try:
-        peers = kit.build_peers()
-    except kit.ClusterError as exc:
-        missing(f"the peers cannot be built: {exc}", "cluster piece missing")
-        raise  # unreachable
-    was_up = kit.pid_of("kubelet") is not None
-    try:
-        kit.up(peers)
-        images.build_project_image(peers)
-    except BaseException:
-        if not was_up:  # a cluster half up is not left behind
-            kit.down()
-        raise
-    yield Cluster(peers)
-    if not was_up and os.environ.get("KGP_CLUSTER_KEEP") != "1":
-        problems = kit.down()
-        assert not problems, f"scripts/cluster.sh down left: {problems}"
+    yield from cluster_session()
 
 
 NODE01_FOR_VMS = dataclasses.replace(

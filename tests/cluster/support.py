@@ -211,3 +211,37 @@ def plugin_serving(cluster: Cluster, count: int = 4) -> Doc:
         explain=lambda: f"allocatable is {cluster.node()['status'].get('allocatable')}",
     )
     return pod
+
+
+def cluster_session(release: str = "kube") -> Iterator[Cluster]:
+    """A test session's cluster of ``release`` (a package fixture's body, ``yield from``): up with the project's
+    image, then down with nothing left. A missing piece (not root, the peers cannot be built) fails under
+    ``CI=true`` and skips elsewhere. A cluster already up is used and left up, unless it runs another release:
+    that fails naming it. ``KGP_CLUSTER_KEEP=1`` leaves the session's cluster up."""
+    from tests.cluster import images
+    from tests.libvirt_support import missing
+
+    if os.geteuid() != 0:
+        missing("the real cluster runs as root (kubelet, containerd, runc)", "cluster piece missing")
+    try:
+        peers = kit.build_peers(tuple(dict.fromkeys(("kube", "etcd", "containerd", "buildkit", "kubevirt", release))))
+    except kit.ClusterError as exc:
+        missing(f"the peers cannot be built: {exc}", "cluster piece missing")
+        raise  # unreachable
+    was_up = kit.pid_of("kube-apiserver") is not None or kit.pid_of("kubelet") is not None
+    if was_up and kit.running_release() != release:
+        raise AssertionError(
+            f"a Kubernetes {kit.RELEASES[kit.running_release()]} cluster is up; this suite runs "
+            f"{kit.RELEASES[release]} on the same node (scripts/cluster.sh down, or run without KGP_CLUSTER_KEEP=1)"
+        )
+    try:
+        kit.up(peers, release=release)
+        images.build_project_image(peers)
+    except BaseException:
+        if not was_up:  # a cluster half up is not left behind
+            kit.down()
+        raise
+    yield Cluster(peers)
+    if not was_up and os.environ.get("KGP_CLUSTER_KEEP") != "1":
+        problems = kit.down()
+        assert not problems, f"scripts/cluster.sh down left: {problems}"
