@@ -40,15 +40,9 @@ class FloorCallbacks:
         return v1alpha3_pb2.ShutdownResult()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--mode", choices=["floor", "idle"], default="floor")
-    options = parser.parse_args()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    if options.mode == "floor":
-        v1alpha3_pb2_grpc.add_CallbacksServicer_to_server(FloorCallbacks(), server)
-    server.add_insecure_port(f"unix:{options.socket}")
+def serve_until_sigterm(server: grpc.Server, socket_path: str) -> None:
+    """Serve ``server`` on the unix socket ``socket_path`` until SIGTERM, then stop it at once."""
+    server.add_insecure_port(f"unix:{socket_path}")
     server.start()
     stop = threading.Event()
 
@@ -59,6 +53,17 @@ def main() -> None:
     while not stop.wait(0.5):
         pass
     server.stop(0).wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--mode", choices=["floor", "idle"], default="floor")
+    options = parser.parse_args()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    if options.mode == "floor":
+        v1alpha3_pb2_grpc.add_CallbacksServicer_to_server(FloorCallbacks(), server)
+    serve_until_sigterm(server, options.socket)
 
 
 if __name__ == "__main__":

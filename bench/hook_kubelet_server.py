@@ -8,18 +8,16 @@ kubelet is, beside the hook it answers).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from concurrent import futures
 from pathlib import Path
-from types import FrameType
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 
+from bench.hook_floor_server import serve_until_sigterm
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
 from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as pr_grpc
 
@@ -56,17 +54,7 @@ def main() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     service = PodResources(namespace, name, options.resource, options.devices.split(","))
     pr_grpc.add_PodResourcesListerServicer_to_server(service, server)
-    server.add_insecure_port(f"unix:{options.socket}")
-    server.start()
-    stop = threading.Event()
-
-    def on_signal(number: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    while not stop.wait(0.5):
-        pass
-    server.stop(0).wait()
+    serve_until_sigterm(server, options.socket)
 
 
 if __name__ == "__main__":
