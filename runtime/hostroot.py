@@ -31,19 +31,23 @@ MAX_LINKS = 40
 
 _SYS_OPENAT2 = 437
 """``openat2(2)``'s number, the same on every Linux architecture (it came after the syscall tables were unified)."""
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+"""``openat2``: fail (``EXDEV``) rather than leave the directory, by an absolute link or ``..`` above it."""
+RESOLVE_IN_ROOT = 0x10
+"""``openat2``: resolve as if the directory were ``/`` (a chroot's rules)."""
 
 
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def _load_openat2() -> Callable[[int, bytes, int], int] | None:
-    """``openat2(dirfd, path, flags)`` with ``RESOLVE_IN_ROOT`` (Linux ≥ 5.6), or None where it cannot be called.
+def load_openat2(resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> Callable[[int, bytes, int], int] | None:
+    """``openat2(dirfd, path, flags)`` with the ``resolve`` rules (Linux ≥ 5.6), or None where it cannot be called.
 
-    The kernel then resolves every link inside ``dirfd`` as a chroot would, in one call; where it is missing
-    (``ENOSYS``, or refused by a seccomp profile) :class:`HostRoot` resolves the path itself.
+    With ``RESOLVE_IN_ROOT`` (the default) the kernel resolves every link inside ``dirfd`` as a chroot would, in
+    one call; where it is missing (``ENOSYS``, or refused by a seccomp profile) :class:`HostRoot` resolves the
+    path itself. (The hook's sysfs reads use ``RESOLVE_BENEATH``: :mod:`runtime.sysfs_paths`.)
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -63,7 +67,7 @@ def _load_openat2() -> Callable[[int, bytes, int], int] | None:
     def openat2(dirfd: int, path: bytes, flags: int) -> int:
         entry = hows.get(flags)
         if entry is None:
-            how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+            how = _OpenHow(flags, 0, resolve)
             entry = hows.setdefault(flags, (how, ctypes.c_void_p(ctypes.addressof(how))))
         descriptor = int(syscall(number, dirfd, path, entry[1], size))
         if descriptor < 0:
@@ -164,7 +168,7 @@ class HostRoot:
     not followed), ``fstat`` must say a regular file, and at most :data:`MAX_ATTRIBUTE_BYTES` are read.
     """
 
-    openat2: ClassVar[Callable[[int, bytes, int], int] | None] = _load_openat2()
+    openat2: ClassVar[Callable[[int, bytes, int], int] | None] = load_openat2()
     """``openat2`` with ``RESOLVE_IN_ROOT`` for reads; None when unavailable (set on the first ``ENOSYS``)."""
     list_entries: ClassVar[Callable[[int], list[str]] | None] = _load_getdents64()
     """Lists a directory descriptor in fewer system calls than ``os.listdir``; None when unavailable."""
@@ -449,7 +453,7 @@ class HostRoot:
             return None
         if directory is not None:
             try:
-                return _last_component(os.readlink(name, dir_fd=directory))
+                return last_component(os.readlink(name, dir_fd=directory))
             except OSError:
                 return None
             finally:
@@ -462,7 +466,7 @@ class HostRoot:
             target = os.readlink(f"{self.root}{parent}/{name}")
         except OSError:
             return None
-        return _last_component(target)
+        return last_component(target)
 
     def listdir(self, path: str) -> list[str]:
         """Entries of the directory ``path`` (resolved inside the root); raises ``OSError`` as ``os.listdir``."""
@@ -541,7 +545,7 @@ class Directory:
         if self._descriptor is None:
             return self.fs.readlink_name(f"{self.path}/{name}")
         try:
-            return _last_component(os.readlink(name, dir_fd=self._descriptor))
+            return last_component(os.readlink(name, dir_fd=self._descriptor))
         except OSError:
             return None
 
@@ -685,7 +689,7 @@ class _BorrowedRoot(HostRoot):
         shared._give_back(self._lent)
 
 
-def _last_component(target: str) -> str:
+def last_component(target: str) -> str:
     """A link target's last component after normalising (``../../bus/pci/drivers/vfio-pci`` → ``vfio-pci``)."""
     name = target.rpartition("/")[2]
     if name in ("", ".", ".."):  # the rare target that needs normalising first (``…/vfio-pci/``, ``…/x/..``)

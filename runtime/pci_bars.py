@@ -1,11 +1,11 @@
 """Reading a PCI function's BARs from sysfs without leaving the sysfs root.
 
 The root is configurable (``/sys``, a fixture tree's ``sys``, a host's sysfs mounted elsewhere), so the path
-is resolved and must stay inside it: ``bus/pci/devices/<address>`` is a relative link into ``devices/pci…``,
-and a link that leads anywhere else is refused (:mod:`runtime.sysfs_paths`). The file is read with
-:func:`runtime.files.read_regular_file` (no FIFO, no device, capped) and parsed strictly by
-:func:`schemas.pci_bars.parse_resource`. Any problem is an ``InputError`` naming the device and the file. (The
-check and the open are two steps: the root is sysfs, which only the kernel writes, or a tree of ours.)
+is resolved beneath it: ``bus/pci/devices/<address>`` is a relative link into ``devices/pci…``, and a link
+that leads anywhere else is refused (:class:`runtime.sysfs_paths.SysfsView`: the kernel's ``openat2``
+``RESOLVE_BENEATH``, or the same check in Python). The file is read as a regular file only (no FIFO, no
+device, capped) and parsed strictly by :func:`schemas.pci_bars.parse_resource`. Any problem is an
+``InputError`` naming the device and the file.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from runtime.files import read_regular_file
-from runtime.sysfs_paths import Resolver, resolve_under, resolved_root
+from runtime.sysfs_paths import SysfsView
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import MAX_RESOURCE_BYTES, DeviceBars, parse_resource
@@ -32,17 +31,12 @@ class SysfsBars:
     def describe(self) -> str:
         return str(self.root)
 
-    def resource_path(self, address: PciAddress) -> Path:
-        """``<root>/bus/pci/devices/<address>/resource``, resolved; it must stay under the root."""
-        root = resolved_root(self.root, f"reading the BARs of {address}")
-        return resolve_under(self.root, root, f"bus/pci/devices/{address}/resource", f"PCI device {address}")
-
     def read(self, address: PciAddress) -> DeviceBars:
-        return self._read(address, self.resource_path(address))
+        return self.read_all([address])[0]
 
-    def _read(self, address: PciAddress, path: Path) -> DeviceBars:
-        data = read_regular_file(path, MAX_RESOURCE_BYTES, f"PCI device {address}: BAR list", shown=repr(str(path)))
-        where = f"PCI device {address}: {str(path)!r}"
+    def _read(self, view: SysfsView, address: PciAddress) -> DeviceBars:
+        data, shown = view.read(str(address), "resource", MAX_RESOURCE_BYTES, f"PCI device {address}: BAR list")
+        where = f"PCI device {address}: {shown}"
         try:
             text = data.decode("ascii")
         except UnicodeDecodeError as exc:
@@ -50,13 +44,10 @@ class SysfsBars:
         return DeviceBars(address, parse_resource(text, where))
 
     def read_all(self, addresses: Iterable[PciAddress]) -> list[DeviceBars]:
-        """The BARs of each address, in order (each address once); the links resolved once for all of them
-        (:class:`~runtime.sysfs_paths.Resolver`, kept for this call only)."""
+        """The BARs of each address, in order (each address once), through one
+        :class:`~runtime.sysfs_paths.SysfsView` of the root (this call's only)."""
         listed = list(dict.fromkeys(addresses))
         if not listed:
             return []
-        paths = Resolver(self.root, f"reading the BARs of {listed[0]}")
-        return [
-            self._read(address, paths.resolve(f"bus/pci/devices/{address}/resource", f"PCI device {address}"))
-            for address in listed
-        ]
+        with SysfsView(self.root, f"reading the BARs of {listed[0]}") as view:
+            return [self._read(view, address) for address in listed]

@@ -13,8 +13,10 @@ plugin's own rule (:func:`schemas.companions.select_companions`):
   whose ``iommu_group`` link leads to the GPU's group and whose ``driver`` link names a VFIO driver
   (:data:`runtime.node.VFIO_DRIVERS`, the plugin's default ``vfio_drivers``).
 
-Reads are few and bounded (per GPU: its directory, three links and its 10-byte ``class`` file; per other
-function of the slot: its directory and two links) and confined to the root (:mod:`runtime.sysfs_paths`).
+Reads are few and bounded (per GPU: its directory, two links, ``physfn`` and its 10-byte ``class`` file; per
+other function of the slot: its directory and two links) and confined to the root (:mod:`runtime.sysfs_paths`:
+the kernel resolves each path beneath it). ``iommu_group`` and ``driver`` are read as the plugin reads them,
+by their target's last component (the group's number, the driver's name), never followed.
 Any problem is an ``InputError`` naming the device and the file; the hook then places the GPU alone.
 """
 
@@ -22,13 +24,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.files import read_regular_file
 from runtime.node import VFIO_DRIVERS
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT
-from runtime.sysfs_paths import Resolver
+from runtime.sysfs_paths import SysfsView
 from schemas.companions import select_companions
 from schemas.errors import InputError
 from schemas.pci import MAX_FUNCTION, PciAddress
@@ -36,13 +36,6 @@ from schemas.pci import MAX_FUNCTION, PciAddress
 MAX_CLASS_BYTES = 64
 """Longest ``class`` file read (the kernel writes ``0x030000\\n``, 9 bytes)."""
 DISPLAY_CLASS = 0x03
-
-
-@dataclass(frozen=True)
-class _Function:
-    group: str | None
-    driver: str | None
-    directory: str
 
 
 class SysfsCompanions:
@@ -60,72 +53,62 @@ class SysfsCompanions:
     def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
         """The companions of ``gpu`` in function order (none when it is not a passthrough GPU); ``gpus``: the
         VM's other GPUs, never companions. Raises ``InputError`` naming the device and the file."""
-        return self._read(Resolver(self.root, f"reading the companions of {gpu}"), gpu, gpus)
+        with SysfsView(self.root, f"reading the companions of {gpu}") as view:
+            return self._read(view, gpu, gpus)
 
     def read_all(
         self, wanted: Sequence[PciAddress], gpus: Collection[PciAddress] = ()
     ) -> list[tuple[PciAddress, ...] | InputError]:
-        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), the links
-        resolved once for all of them (a :class:`~runtime.sysfs_paths.Resolver` of this call only: nothing is
-        kept beyond it)."""
+        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), through
+        one :class:`~runtime.sysfs_paths.SysfsView` of the root (this call's only: nothing is kept beyond it)."""
         if not wanted:
             return []
         try:
-            paths = Resolver(self.root, f"reading the companions of {wanted[0]}")
+            view = SysfsView(self.root, f"reading the companions of {wanted[0]}")
         except InputError as exc:
             return [exc for _ in wanted]
         found: list[tuple[PciAddress, ...] | InputError] = []
-        for gpu in wanted:
-            try:
-                found.append(self._read(paths, gpu, gpus))
-            except InputError as exc:
-                found.append(exc)
+        with view:
+            for gpu in wanted:
+                try:
+                    found.append(self._read(view, gpu, gpus))
+                except InputError as exc:
+                    found.append(exc)
         return found
 
-    def _read(self, paths: Resolver, gpu: PciAddress, gpus: Collection[PciAddress]) -> tuple[PciAddress, ...]:
-        found = self._function(paths, gpu)
-        if found is None:
+    def _read(self, view: SysfsView, gpu: PciAddress, gpus: Collection[PciAddress]) -> tuple[PciAddress, ...]:
+        name = str(gpu)
+        directory = view.open_function(name)
+        if directory is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu} does not exist under {str(self.root)!r}")
-        if found.driver not in self.vfio_drivers or os.path.lexists(f"{found.directory}/physfn"):
-            return ()
-        if self._pci_class(paths, gpu) >> 16 != DISPLAY_CLASS:
+        try:
+            found = view.links(directory)
+            if found.driver not in self.vfio_drivers or view.has(directory, "physfn"):
+                return ()
+            data, shown = view.read_in(directory, name, "class", MAX_CLASS_BYTES, f"PCI device {gpu}: class")
+        finally:
+            os.close(directory)
+        if _pci_class(data, shown, name) >> 16 != DISPLAY_CLASS:
             return ()
         if found.group is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu}/iommu_group does not exist")
         members: list[tuple[PciAddress, str | None]] = []
+        slot = name[:-1]  # "<domain>:<bus>:<slot>."
         for function in range(MAX_FUNCTION + 1):
             if function == gpu.function:
                 continue
-            other = PciAddress(gpu.domain, gpu.bus, gpu.slot, function)
-            facts = self._function(paths, other)
+            facts = view.function(f"{slot}{function}")
             if facts is not None and facts.group == found.group:
-                members.append((other, facts.driver))
+                members.append((PciAddress(gpu.domain, gpu.bus, gpu.slot, function), facts.driver))
         return select_companions(gpu, members, self.vfio_drivers, gpus)
 
-    def _link(self, paths: Resolver, relative: str, device: PciAddress) -> str | None:
-        found = paths.link_text(relative, f"PCI device {device}")
-        return found[0] if found is not None else None
 
-    def _function(self, paths: Resolver, address: PciAddress) -> _Function | None:
-        base = f"bus/pci/devices/{address}"
-        found = paths.link_text(base, f"PCI device {address}")
-        if found is None:
-            return None
-        directory, is_dir = found
-        if not is_dir:
-            raise InputError(f"PCI device {address}: {base} under {str(self.root)!r} is not a directory")
-        group = self._link(paths, f"{base}/iommu_group", address)
-        driver = self._link(paths, f"{base}/driver", address)
-        return _Function(group, driver.rpartition("/")[2] if driver is not None else None, directory)
-
-    def _pci_class(self, paths: Resolver, address: PciAddress) -> int:
-        path = paths.resolve(f"bus/pci/devices/{address}/class", f"PCI device {address}")
-        data = read_regular_file(path, MAX_CLASS_BYTES, f"PCI device {address}: class", shown=repr(str(path)))
-        text = data.decode("ascii", "replace").strip()
-        try:
-            if not text.startswith("0x"):
-                raise ValueError(text)
-            value = int(text, 16)
-        except ValueError:
-            raise InputError(f"PCI device {address}: {str(path)!r} says {text[:24]!r}, not a class code") from None
-        return value
+def _pci_class(data: bytes, shown: str, address: str) -> int:
+    text = data.decode("ascii", "replace").strip()
+    try:
+        if not text.startswith("0x"):
+            raise ValueError(text)
+        value = int(text, 16)
+    except ValueError:
+        raise InputError(f"PCI device {address}: {shown} says {text[:24]!r}, not a class code") from None
+    return value

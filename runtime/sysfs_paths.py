@@ -3,17 +3,24 @@
 The hook reads sysfs under ``--sysfs-root`` (``/sys``, a fixture tree's ``sys``, a host's sysfs mounted
 elsewhere): a PCI function's BARs (:mod:`runtime.pci_bars`) and its slot's functions, IOMMU group and drivers
 (:mod:`runtime.pci_companions`). ``bus/pci/devices/<address>`` is a relative link into ``devices/pci…``, and
-``iommu_group`` and ``driver`` are links too; each path is resolved and must stay inside the root, so a link
-that leads anywhere else is refused, naming the device and the file. (The check and the use are two steps:
-the root is sysfs, which only the kernel writes, or a tree of ours.)
+``iommu_group`` and ``driver`` are links too. Each path is resolved beneath the root, so a link that leads
+anywhere else is refused, naming the device and the file: by the kernel (:class:`SysfsView`, ``openat2`` with
+``RESOLVE_BENEATH``: one call per path, the check and the open one step), or where it lacks that by
+:class:`Resolver` in Python (the check and the use are then two steps: the root is sysfs, which only the kernel
+writes, or a tree of ours).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
+from runtime.files import read_open_file, read_regular_file
+from runtime.hostroot import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, last_component, load_openat2
 from schemas.errors import InputError
 
 
@@ -25,17 +32,6 @@ def resolved_root(root: Path, reading: str) -> Path:
     return resolved
 
 
-def resolve_under(root: Path, resolved: Path, relative: str, device: str) -> Path:
-    """``<root>/<relative>`` with every link resolved (``resolved``: the root, resolved); it must stay under
-    the root. ``device`` names the culprit in the error (``PCI device 0000:86:00.0``)."""
-    path = Path(os.path.realpath(resolved / relative))
-    if path != resolved and resolved not in path.parents:
-        raise InputError(
-            f"{device}: {relative} under {str(root)!r} leads out of that root (to {str(path)!r}); refusing to read it"
-        )
-    return path
-
-
 class _Unusual(Exception):
     """A path :class:`Resolver` leaves to ``os.path.realpath`` (a link loop, an absolute or odd link target)."""
 
@@ -45,9 +41,10 @@ MAX_LINKS = 40
 
 
 class Resolver:
-    """:func:`resolve_under` for many paths under one root, the directories it resolved remembered while it
-    lives (one read: a GPU's functions share their root, ``bus/pci/devices`` and their IOMMU group and driver
-    directories; nothing is kept beyond the reader's call).
+    """:func:`os.path.realpath` for many paths under one root, each of which must stay under it (where the
+    kernel lacks ``openat2``: :class:`SysfsView`), the directories it resolved remembered while it lives (one
+    read: a GPU's functions share their root, ``bus/pci/devices`` and their IOMMU group and driver directories;
+    nothing is kept beyond the reader's call).
 
     Each path resolves as ``os.path.realpath`` resolves it: component by component, a link replaced by its
     target read relative to the link's (resolved) directory. Only what that takes one ``lstat`` (and for a link
@@ -67,8 +64,8 @@ class Resolver:
         """``st_mode`` of resolved paths that are no link."""
 
     def resolve(self, relative: str, device: str) -> Path:
-        """``<root>/<relative>`` resolved, which must stay under the root (else ``InputError``, as
-        :func:`resolve_under`)."""
+        """``<root>/<relative>`` resolved, which must stay under the root (else ``InputError`` naming
+        ``device`` and ``relative``)."""
         return Path(self._resolve(relative, device))
 
     def link(self, relative: str, device: str) -> tuple[Path, bool] | None:
@@ -150,3 +147,189 @@ class Resolver:
         if not parts or ".." in parts or base == "/":
             raise _Unusual(path)
         return f"{base}/{'/'.join(parts)}"
+
+
+class _Kernel:
+    """``openat2`` that never leaves its directory (``RESOLVE_BENEATH``: ``EXDEV`` instead), while the kernel
+    has it; tried once per process (:meth:`resolves`): ``ENOSYS`` (an old kernel) or ``EPERM`` (a seccomp
+    profile that refuses it) leave the rest of the process to :class:`Resolver`."""
+
+    openat2: ClassVar[Callable[[int, bytes, int], int] | None] = load_openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    checked: ClassVar[bool] = False
+
+    @classmethod
+    def resolves(cls) -> bool:
+        if cls.openat2 is None or cls.checked:
+            return cls.openat2 is not None
+        here = os.open("/", _DIRECTORY)
+        try:
+            os.close(cls.openat2(here, b".", _DIRECTORY))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM):
+                raise
+            cls.openat2 = None
+        finally:
+            os.close(here)
+        cls.checked = True
+        return cls.openat2 is not None
+
+
+_DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class FunctionLinks(NamedTuple):
+    """What a PCI function's directory says by its links: the last component of ``iommu_group`` (the group's
+    number) and of ``driver`` (the driver's name); None where there is no such link."""
+
+    group: str | None
+    driver: str | None
+
+
+def _link_name(directory: int, name: str) -> str | None:
+    try:
+        return last_component(os.readlink(name, dir_fd=directory))
+    except OSError:
+        return None
+
+
+class SysfsView:
+    """One reader's call under a sysfs root: PCI functions' directories opened, their links' names and their
+    attribute files read, every path resolved beneath the root.
+
+    The kernel resolves each path in one ``openat2`` with ``RESOLVE_BENEATH`` (a link that would leave the root,
+    absolute or by ``..``, fails with ``EXDEV`` and is refused naming the device and the file); where the kernel
+    has no ``openat2`` (``ENOSYS``, a seccomp ``EPERM``), :class:`Resolver` resolves the same paths in Python.
+    A name in an open function directory is taken as it is there (``O_NOFOLLOW``): a link such as ``driver``
+    or ``iommu_group`` is only read, never followed, and its last component is the name (the device plugin
+    reads them the same way, ``plugin.node_scan``). The view's own descriptors end with :meth:`close` (or
+    ``with``); a directory :meth:`open_function` gives is the caller's to close.
+    """
+
+    def __init__(self, root: Path, reading: str) -> None:
+        self.root = root
+        self._resolver: Resolver | None = None
+        self._root_fd: int | None = None
+        self._devices_fd: int | None = None
+        if _Kernel.resolves():
+            try:
+                self._root_fd = os.open(root, _DIRECTORY)
+            except OSError:
+                raise InputError(f"sysfs root {str(root)!r} is not a directory ({reading})") from None
+        else:
+            self._resolver = Resolver(root, reading)
+
+    def __enter__(self) -> SysfsView:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for descriptor in (self._devices_fd, self._root_fd):
+            if descriptor is not None:
+                os.close(descriptor)
+        self._devices_fd = self._root_fd = None
+
+    def _beneath(self, relative: str, flags: int) -> int:
+        """``relative`` opened beneath the root; ``OSError`` as ``openat2`` fails."""
+        openat2 = _Kernel.openat2
+        assert openat2 is not None
+        assert self._root_fd is not None
+        return openat2(self._root_fd, relative.encode(), flags)
+
+    def function(self, address: str) -> FunctionLinks | None:
+        """The links of the directory ``bus/pci/devices/<address>`` leads to; None when there is no such entry
+        (:meth:`open_function`)."""
+        directory = self.open_function(address)
+        if directory is None:
+            return None
+        try:
+            return FunctionLinks(_link_name(directory, "iommu_group"), _link_name(directory, "driver"))
+        finally:
+            os.close(directory)
+
+    def links(self, directory: int) -> FunctionLinks:
+        """The links of a directory :meth:`open_function` opened."""
+        return FunctionLinks(_link_name(directory, "iommu_group"), _link_name(directory, "driver"))
+
+    def has(self, directory: int, name: str) -> bool:
+        """Whether ``name`` is there in a directory :meth:`open_function` opened (``os.path.lexists``)."""
+        try:
+            os.lstat(name, dir_fd=directory)
+        except OSError:
+            return False
+        return True
+
+    def open_function(self, address: str) -> int | None:
+        """A descriptor (``O_PATH``, the caller's to close) of the directory ``bus/pci/devices/<address>`` leads
+        to, or None when there is no such entry (a dangling link is one: ``os.path.lexists``); ``InputError``
+        when it is no directory or leads out of the root."""
+        relative = f"bus/pci/devices/{address}"
+        if self._resolver is not None:
+            found = self._resolver.link_text(relative, f"PCI device {address}")
+            if found is None:
+                return None
+            if not found[1]:
+                raise self._not_a_directory(address, relative)
+            return os.open(found[0], _DIRECTORY)
+        devices = self._devices_fd
+        if devices is None:
+            try:
+                devices = self._devices_fd = self._beneath("bus/pci/devices", _DIRECTORY)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise self._failed(address, "bus/pci/devices", exc) from None
+        try:
+            os.lstat(address, dir_fd=devices)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return self._beneath(relative, _DIRECTORY)
+        except OSError as exc:
+            raise self._failed(address, relative, exc) from None
+
+    def read(self, address: str, name: str, max_bytes: int, what: str) -> tuple[bytes, str]:
+        """The regular file ``bus/pci/devices/<address>/<name>`` (at most ``max_bytes``) and how it is shown in
+        messages; ``InputError`` naming ``what`` otherwise."""
+        relative = f"bus/pci/devices/{address}/{name}"
+        if self._resolver is not None:
+            path = self._resolver.resolve(relative, f"PCI device {address}")
+            shown = repr(str(path))
+            return read_regular_file(path, max_bytes, what, shown=shown), shown
+        shown = repr(f"{self.root}/{relative}")
+        try:
+            descriptor = self._beneath(relative, _FILE)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                raise self._failed(address, relative, exc) from None
+            raise _unreadable(what, shown, exc) from None
+        return read_open_file(descriptor, max_bytes, what, shown), shown
+
+    def read_in(self, directory: int, address: str, name: str, max_bytes: int, what: str) -> tuple[bytes, str]:
+        """:meth:`read` of ``name`` in a directory :meth:`open_function` opened for ``address``."""
+        shown = repr(f"{self.root}/bus/pci/devices/{address}/{name}")
+        try:
+            descriptor = os.open(name, _FILE, dir_fd=directory)
+        except OSError as exc:
+            raise _unreadable(what, shown, exc) from None
+        return read_open_file(descriptor, max_bytes, what, shown), shown
+
+    def _not_a_directory(self, address: str, relative: str) -> InputError:
+        return InputError(f"PCI device {address}: {relative} under {str(self.root)!r} is not a directory")
+
+    def _failed(self, address: str, relative: str, exc: OSError) -> InputError:
+        if exc.errno == errno.EXDEV:
+            return InputError(
+                f"PCI device {address}: {relative} under {str(self.root)!r} leads out of that root; refusing to read it"
+            )
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):  # (ENOENT: a dangling link)
+            return self._not_a_directory(address, relative)
+        return InputError(f"PCI device {address}: {relative} under {str(self.root)!r} cannot be opened: {exc.strerror}")
+
+
+def _unreadable(what: str, shown: str, exc: OSError) -> InputError:
+    if isinstance(exc, FileNotFoundError):
+        return InputError(f"{what} {shown} cannot be read: it does not exist")
+    return InputError(f"{what} {shown} cannot be read: {exc.strerror or exc}")

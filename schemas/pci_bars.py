@@ -9,6 +9,7 @@ computation and the fixture builder.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from schemas.errors import InputError
@@ -76,6 +77,24 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
+_KERNEL_LINE = re.compile(r"0x([0-9a-f]{16}) 0x([0-9a-f]{16}) 0x([0-9a-f]{16})")
+_KERNEL_ZERO = " ".join(["0x" + "0" * 16] * 3)
+
+
+def _fields(line: str, index: int, where: str) -> tuple[int, int, int]:
+    """A line in any other spelling: three whitespace-separated ``0x`` hex numbers of at most 64 bits."""
+    fields = line.split()
+    if len(fields) != 3 or not all(field.lower().startswith("0x") for field in fields):
+        raise InputError(f"{where}: line {index + 1} is not '0x<start> 0x<end> 0x<flags>': {line[:80]!r}")
+    try:
+        start, end, flags = (int(field, 16) for field in fields)
+    except ValueError:
+        raise InputError(f"{where}: line {index + 1} has a number that is not hex: {line[:80]!r}") from None
+    if max(start, end, flags) >= 1 << 64:
+        raise InputError(f"{where}: line {index + 1} has a number wider than 64 bits")
+    return start, end, flags
+
+
 def parse_resource(text: str, where: str) -> tuple[Bar, ...]:
     """The implemented BARs (0-5) of a ``resource`` file's ``text``; ``where`` names it in errors.
 
@@ -89,15 +108,13 @@ def parse_resource(text: str, where: str) -> tuple[Bar, ...]:
         raise InputError(f"{where}: {len(lines)} lines; a PCI function's resource file lists at least 6 BARs")
     bars: list[Bar] = []
     for index, line in enumerate(lines[:BAR_COUNT]):
-        fields = line.split()
-        if len(fields) != 3 or not all(field.lower().startswith("0x") for field in fields):
-            raise InputError(f"{where}: line {index + 1} is not '0x<start> 0x<end> 0x<flags>': {line[:80]!r}")
-        try:
-            start, end, flags = (int(field, 16) for field in fields)
-        except ValueError:
-            raise InputError(f"{where}: line {index + 1} has a number that is not hex: {line[:80]!r}") from None
-        if max(start, end, flags) >= 1 << 64:
-            raise InputError(f"{where}: line {index + 1} has a number wider than 64 bits")
+        if line == _KERNEL_ZERO:
+            continue  # not implemented
+        kernel = _KERNEL_LINE.fullmatch(line)
+        if kernel is not None:  # the kernel's own "0x%016llx 0x%016llx 0x%016llx": 64-bit hex by its form
+            start, end, flags = int(kernel[1], 16), int(kernel[2], 16), int(kernel[3], 16)
+        else:
+            start, end, flags = _fields(line, index, where)
         if start == 0 and end == 0:
             continue  # not implemented
         if end < start:

@@ -185,3 +185,23 @@ def test_any_text_is_bars_or_an_input_error(text: str) -> None:
     except InputError as exc:
         message = str(exc)
     assert message.startswith("fuzz") if message else all(0 <= bar.index < 6 and bar.size > 0 for bar in bars)
+
+
+_U64 = st.integers(0, (1 << 64) - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_U64, _U64, _U64), min_size=6, max_size=13))
+def test_the_kernels_spelling_reads_as_any_other_spelling(lines: list[tuple[int, int, int]]) -> None:
+    """A file in the kernel's own form (``0x%016llx`` three times) is read by a shortcut; the same numbers
+    spelled otherwise (upper-case digits, tabs) go the general way: both give the same BARs or the same error."""
+    kernel = "".join(f"0x{start:016x} 0x{end:016x} 0x{flags:016x}\n" for start, end, flags in lines)
+    other = "".join(f"0x{start:X}\t0X{end:x}  0x{flags:X}\n" for start, end, flags in lines)
+
+    def outcome(text: str) -> object:
+        try:
+            return parse_resource(text, "f")
+        except InputError as exc:
+            return str(exc).split(":", 2)[-1].split("(")[0]  # the line's fault, without the spelled line
+
+    assert outcome(kernel) == outcome(other)
