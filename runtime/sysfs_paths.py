@@ -175,6 +175,8 @@ class _Kernel:
 
 
 _DIRECTORY = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+MAX_DEVICES = 65536
+"""Most entries ``bus/pci/devices`` may list (PCI has 65,536 functions per segment; a host has a few hundred)."""
 _FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -210,7 +212,7 @@ class SysfsView:
         self.root = root
         self._resolver: Resolver | None = None
         self._root_fd: int | None = None
-        self._devices_fd: int | None = None
+        self._listed: frozenset[str] | None = None
         if _Kernel.resolves():
             try:
                 self._root_fd = os.open(root, _DIRECTORY)
@@ -226,10 +228,9 @@ class SysfsView:
         self.close()
 
     def close(self) -> None:
-        for descriptor in (self._devices_fd, self._root_fd):
-            if descriptor is not None:
-                os.close(descriptor)
-        self._devices_fd = self._root_fd = None
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     def _beneath(self, relative: str, flags: int) -> int:
         """``relative`` opened beneath the root; ``OSError`` as ``openat2`` fails."""
@@ -273,22 +274,36 @@ class SysfsView:
             if not found[1]:
                 raise self._not_a_directory(address, relative)
             return os.open(found[0], _DIRECTORY)
-        devices = self._devices_fd
-        if devices is None:
-            try:
-                devices = self._devices_fd = self._beneath("bus/pci/devices", _DIRECTORY)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise self._failed(address, "bus/pci/devices", exc) from None
-        try:
-            os.lstat(address, dir_fd=devices)
-        except (FileNotFoundError, NotADirectoryError):
+        listed = self._listed
+        if listed is None:
+            listed = self._listed = self._list_devices(address)
+        if address not in listed:
             return None
         try:
             return self._beneath(relative, _DIRECTORY)
         except OSError as exc:
             raise self._failed(address, relative, exc) from None
+
+    def _list_devices(self, address: str) -> frozenset[str]:
+        """The names in ``bus/pci/devices`` (links and all, as ``os.path.lexists`` sees them), listed once per view:
+        a function that is not there then costs nothing (most of a slot's eight are not)."""
+        try:
+            directory = self._beneath("bus/pci/devices", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return frozenset()
+        except OSError as exc:
+            raise self._failed(address, "bus/pci/devices", exc) from None
+        try:
+            names = os.listdir(directory)
+        except OSError as exc:
+            raise self._failed(address, "bus/pci/devices", exc) from None
+        finally:
+            os.close(directory)
+        if len(names) > MAX_DEVICES:
+            raise InputError(
+                f"bus/pci/devices under {str(self.root)!r} lists {len(names)} entries, more than {MAX_DEVICES}"
+            )
+        return frozenset(names)
 
     def read(self, address: str, name: str, max_bytes: int, what: str) -> tuple[bytes, str]:
         """The regular file ``bus/pci/devices/<address>/<name>`` (at most ``max_bytes``) and how it is shown in
