@@ -19,7 +19,10 @@ in its own process on a unix socket, as in a pod, and one client here calls them
 
 Each case (path, size) gets its own ``launcher-hook serve``; it is measured against a gRPC server that only
 parses and serialises the same domain with lxml (``bench/hook_floor_server.py``), interleaved in the same run;
-goal: median round trip at most 1.3x the floor's on every case; the marginal cost of a GPU, ((hook - floor) at
+goal: median round trip at most 1.3x the floor's on every case. A path that reads files (sysfs, DRA metadata) or
+asks the kubelet (PodResources) is also measured against a second floor that does the same reads the simplest
+way (``--reads``: the files the rule needs, unconfined and unbounded, nothing decided), to show what the reads
+themselves cost beside what the hook does with them; the goal stays the first floor. The marginal cost of a GPU, ((hook - floor) at
 32 - (hook - floor) at 16) / 16, at most 15 us. Memory: the largest RSS of the hook servers after their runs
 against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and ``os.getloadavg()``) and
 exits 0; a measurement, not a test.
@@ -28,6 +31,7 @@ exits 0; a measurement, not a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -47,6 +51,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import grpc
 
+from bench.hook_floor_server import Reads
 from bench.workloads import (
     CARD_COMPANIONS_VARIABLE,
     CARD_RESOURCE,
@@ -108,12 +113,8 @@ def floor_command(socket_path: Path, mode: str) -> list[str]:
 Call = Callable[[v1alpha3_pb2.OnDefineDomainParams], object]
 
 
-def measure(
-    hook: Call, floor: Call, params: v1alpha3_pb2.OnDefineDomainParams, rounds: int, other: Call | None = None
-) -> tuple[float, float, float | None]:
-    """Median round trips (hook, floor, other hook or None) in seconds, interleaved so machine noise hits them
-    alike."""
-    calls = [floor, hook] + ([other] if other is not None else [])
+def measure(calls: list[Call], params: v1alpha3_pb2.OnDefineDomainParams, rounds: int) -> list[float]:
+    """The median round trip of each of ``calls`` in seconds, interleaved so machine noise hits them alike."""
     for _ in range(100):  # warm up
         for call in calls:
             call(params)
@@ -121,8 +122,7 @@ def measure(
     for _ in range(5):
         for call, found in zip(calls, samples, strict=True):
             found.append(median_seconds(lambda call=call: call(params), max(rounds // 5, 1)))  # type: ignore[misc]
-    medians = [statistics.median(found) for found in samples]
-    return medians[1], medians[0], medians[2] if other is not None else None
+    return [statistics.median(found) for found in samples]
 
 
 # ---- the fixtures --------------------------------------------------------------------------------------
@@ -175,6 +175,23 @@ def dra_tree(directory: Path, count: int) -> Path:
     return root
 
 
+def companions_reads(sys_dir: Path, addresses: list[str]) -> Reads:
+    """What the companion rule must read for ``addresses``, at the least: ``bus/pci/devices`` listed, each GPU's
+    ``driver``, ``physfn`` and ``class``, and the ``iommu_group`` and ``driver`` links of every function of its
+    slot that is there."""
+    devices = f"{sys_dir}/bus/pci/devices"
+    present = set(os.listdir(devices))
+    reads = Reads(listdir=[devices])
+    for address in addresses:
+        reads.lstat.append(f"{devices}/{address}/physfn")
+        reads.read.append(f"{devices}/{address}/class")
+        for function in range(8):
+            name = f"{address[:-1]}{function}"
+            if name in present:
+                reads.readlink += [f"{devices}/{name}/iommu_group", f"{devices}/{name}/driver"]
+    return reads
+
+
 @dataclass
 class Case:
     """One path at one size: what the hook server gets, what the call sends, what the output must hold."""
@@ -188,6 +205,8 @@ class Case:
     kubelet: list[str] | None = None
     hostdevs: int = 0
     must_hold: bytes = b""
+    reads: Reads | None = None
+    """The file work the path must do on each call (for the second floor, ``floor + reads``); None: none."""
 
 
 def case(path: str, size: int, directory: Path) -> Case:
@@ -204,21 +223,32 @@ def case(path: str, size: int, directory: Path) -> Case:
     if path == "companions-env":
         env = {**allocation, CARD_COMPANIONS_VARIABLE: companions_value(addresses)}
         return Case(path, size, plain, vmi, env, hostdevs=with_companions, must_hold=b"pcie-root-port")
-    sysfs = ["--sysfs-root", str(sysfs_tree(directory, size))]
+    sys_dir = sysfs_tree(directory, size)
+    sysfs = ["--sysfs-root", str(sys_dir)]
+    companion_reads = companions_reads(sys_dir, addresses)
     if path == "companions-sysfs":
         socket_path = directory / f"kubelet{size}.sock"
         kubelet = [sys.executable, str(KUBELET_SERVER), "--socket", str(socket_path), "--pod", "/".join(POD)]
         kubelet += ["--resource", CARD_RESOURCE, "--devices", ",".join(reversed(addresses))]
         options = ["--pod-resources-socket", str(socket_path), *sysfs]
         env = {"POD_NAMESPACE": POD[0], "POD_NAME": POD[1]}
-        return Case(path, size, rendered, vmi, env, options, kubelet, with_companions, b"pcie-root-port")
+        companion_reads.pod_resources = [str(socket_path), *POD]
+        return Case(
+            path, size, rendered, vmi, env, options, kubelet, with_companions, b"pcie-root-port", companion_reads
+        )
     if path == "companions-domain":
-        return Case(path, size, rendered, vmi, {}, sysfs, hostdevs=with_companions, must_hold=b"pcie-root-port")
+        return Case(path, size, rendered, vmi, {}, sysfs, None, with_companions, b"pcie-root-port", companion_reads)
     if path == "efi-window":
-        return Case(path, size, efi_domain(), vmi, allocation, sysfs, hostdevs=size, must_hold=b"X-PciMmio64Mb")
+        reads = Reads(read=[f"{sys_dir}/bus/pci/devices/{address}/resource" for address in addresses])
+        return Case(path, size, efi_domain(), vmi, allocation, sysfs, None, size, b"X-PciMmio64Mb", reads)
     if path == "dra":
-        options = [*sysfs, "--dra-metadata-root", str(dra_tree(directory, size))]
-        return Case(path, size, plain, gpu_vmi(size, dra=True), {}, options, None, with_companions, b"ua-gpu0-fn1")
+        metadata = dra_tree(directory, size)
+        options = [*sysfs, "--dra-metadata-root", str(metadata)]
+        files = sorted(metadata.rglob("*.json"))
+        companion_reads.listdir += sorted({str(file.parent) for file in files})
+        companion_reads.json = [str(file) for file in files]
+        dra_vmi = gpu_vmi(size, dra=True)
+        return Case(path, size, plain, dra_vmi, {}, options, None, with_companions, b"ua-gpu0-fn1", companion_reads)
     raise ValueError(f"unknown path {path!r}")
 
 
@@ -234,6 +264,8 @@ class Figure:
     rss_kib: int
     other_s: float | None = None
     """The round trip of the hook of ``--compare``'s tree, measured interleaved with the others."""
+    reads_floor_s: float | None = None
+    """The round trip of the floor that also does the path's reads (:class:`Case` ``reads``)."""
 
     @property
     def ratio(self) -> float:
@@ -269,6 +301,15 @@ def run_case(
             stack.enter_context(server(command, other_socket, other_env, cwd=compare))
             other = _stub(stack, other_socket)
 
+        reads_floor = None
+        if current.reads is not None:
+            reads_file = directory / f"reads-{current.path}-{current.size}.json"
+            reads_file.write_text(json.dumps(dataclasses.asdict(current.reads)))
+            reads_socket = directory / f"floor-{current.path}-{current.size}.sock"
+            command = [*floor_command(reads_socket, "floor"), "--reads", str(reads_file)]
+            stack.enter_context(server(command, reads_socket, base_env))
+            reads_floor = _stub(stack, reads_socket)
+
         params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
         produced: bytes = stub.OnDefineDomain(params, timeout=60).domainXML
         label = f"{current.path} x{current.size}"
@@ -277,8 +318,11 @@ def run_case(
         assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
         again_params = v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi)
         assert stub.OnDefineDomain(again_params, timeout=60).domainXML == produced, f"{label}: not idempotent"
-        hook_s, floor_s, other_s = measure(hook, floor, params, rounds, other)
-        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s)
+        extra = [call for call in (other, reads_floor) if call is not None]
+        hook_s, floor_s, *more = measure([hook, floor, *extra], params, rounds)
+        other_s = more.pop(0) if other is not None else None
+        reads_s = more.pop(0) if reads_floor is not None else None
+        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s)
 
 
 def main() -> None:
@@ -336,7 +380,12 @@ def describe(figure: Figure) -> str:
     other = (
         f"; --compare {figure.other_s * 1e6:7.1f} us: {figure.other_s / figure.floor_s:.2f}x" if figure.other_s else ""
     )
-    return f"{head} {times}{other}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
+    reads = (
+        f"; floor + reads {figure.reads_floor_s * 1e6:7.1f} us: {figure.hook_s / figure.reads_floor_s:.2f}x"
+        if figure.reads_floor_s
+        else ""
+    )
+    return f"{head} {times}{other}{reads}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
 
 
 def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]) -> None:
@@ -345,6 +394,13 @@ def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]
     print(f"latency: {len(met)} of {len(figures)} cases within {LATENCY_GOAL}x the floor")
     worst = max(figures, key=lambda figure: figure.ratio)
     print(f"         worst {worst.case.path} x{worst.case.size}: {worst.ratio:.2f}x")
+    reading = [figure for figure in figures if figure.reads_floor_s]
+    if reading:
+        within = [f for f in reading if f.reads_floor_s and f.hook_s / f.reads_floor_s <= LATENCY_GOAL]
+        print(
+            f"the {len(reading)} cases that read files or ask the kubelet: {len(within)} within {LATENCY_GOAL}x a "
+            "floor that does the same reads (not the goal: the goal's floor reads nothing)"
+        )
     by_case = {(figure.case.path, figure.case.size): figure for figure in figures}
     for path in dict.fromkeys(figure.case.path for figure in figures):
         high, low = by_case.get((path, 32)), by_case.get((path, 16))
