@@ -139,6 +139,8 @@ def with_read_companions(
     ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
     DRA claim gave are read (no variable can name theirs).
     """
+    if dra_only and not any(spec.variable.startswith(DRA_VARIABLE_PREFIX) for spec in specs):
+        return allocation  # (the usual case: no GPU from a DRA claim)
     pci = [
         (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
     ]
@@ -635,13 +637,13 @@ def _slot_for(
             return None
         domain.next_index += 1
         layout = edits.layout(hostdev)
-        edits.add_before(
-            hostdev,
-            _empty("controller", f'type="pci" index="{index}" model="{ROOT_PORT}"', layout.expanded_empty),
-            layout.indent,
-        )
         slot = (0, index, 0)
         root_port: int | None = index
+        controller, address = _root_port_texts(edits.renderer(layout), index, layout.expanded_empty)
+        edits.add_before(hostdev, controller, layout.indent)
+        edits.add_guest_address(hostdev, address)
+        domain.used[(*slot, 0)] = hostdev
+        return slot, root_port
     elif domain.bus_kind == "pci":
         free = domain.free_legacy_slot()
         if free is None:
@@ -657,6 +659,22 @@ def _slot_for(
     edits.add_guest_address(hostdev, _guest_address(slot, 0, True, edits.layout(hostdev).expanded_empty))
     domain.used[(*slot, 0)] = hostdev
     return slot, root_port
+
+
+def _root_port_texts(render: HostdevRenderer, index: int, expanded: bool) -> tuple[str, str]:
+    """A new ``pcie-root-port`` of ``index`` and the guest address of function 0 (multifunction) in its slot,
+    as text (kept in ``render``, the renderer of the GPU's layout)."""
+    key = (_ROOT_PORT_KEY, index, expanded)
+    found = render.kept.get(key)
+    if found is None:
+        controller = _empty("controller", f'type="pci" index="{index}" model="{ROOT_PORT}"', expanded)
+        found = (controller, _guest_address((0, index, 0), 0, True, expanded))
+        render.keep(key, found)
+    return found  # type: ignore[return-value]
+
+
+_ROOT_PORT_KEY = "root port"
+"""The first part of the keys of :func:`_root_port_texts` in ``HostdevRenderer.kept``."""
 
 
 def _companion_problem(
