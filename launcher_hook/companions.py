@@ -491,7 +491,9 @@ def companions_pass(
             texts, specs_added = _companion_texts(edits.renderer(layout), layout, slot, index, spec, tuple(joining))
             added += specs_added
             edits.add_after(hostdev, texts, layout.indent)
-        placements.append(Placement(spec.alias, device_text(spec.source), slot, tuple(sorted(placed)), root_port))
+        # Placement(...) without its keyword handling (one per GPU)
+        where_placed = (spec.alias, device_text(spec.source), slot, tuple(sorted(placed)), root_port)
+        placements.append(tuple.__new__(Placement, where_placed))
     return Placed(added, placements, warnings)
 
 
