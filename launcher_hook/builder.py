@@ -35,11 +35,11 @@ from launcher_hook.companions import (
 from launcher_hook.document import CallInputs
 from launcher_hook.domain import devices_document, hostdevs_of, merge_pass
 from launcher_hook.hostdev import HostdevSpec
+from launcher_hook.hostdevs.base import device_text
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
 from launcher_hook.mmio_window import BarSource, WindowOutcome, window_pass
 from launcher_hook.writer import DomainWriter
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
-from schemas.pci import PciAddress
 from schemas.vmi import VirtualMachineInstance
 
 SUPPORTED_DRIVERS = ("vfio",)
@@ -84,7 +84,8 @@ class BuildResult:
     @property
     def aliases(self) -> dict[str, str]:
         """alias → source, for logs."""
-        return {spec.alias: spec.source_text for spec in self.hostdevs}
+        text = device_text
+        return {spec.alias: text(spec.source) for spec in self.hostdevs}
 
 
 def plan_hostdevs(
@@ -162,8 +163,6 @@ def build_domain(
         warnings += placed.warnings
     mmio = None
     if options.bars is not None:
-        # Every PCI function the hook passes counts: GPUs, SR-IOV VFs, companions.
-        pci = [spec.source for spec in hostdevs if isinstance(spec.source, PciAddress)]
-        mmio = window_pass(writer, pci, options.bars)
+        mmio = window_pass(writer, hostdevs, options.bars)
         warnings += mmio.warnings
     return BuildResult(writer.result(), hostdevs, warnings, vmi, placements, mmio)

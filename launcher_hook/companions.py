@@ -32,17 +32,17 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from lxml import etree
 
 from launcher_hook.allocation import EnvAllocation
 from launcher_hook.document import ParsedDomain, append_child, child_slots, indent_of, parse_domain
 from launcher_hook.domain import hostdev_source_key, hostdevs_from_tree
-from launcher_hook.hostdev import HostdevSpec, Layout, renderer_for
+from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, renderer_for
 from launcher_hook.hostdevs.base import c_number, device_text
 from launcher_hook.matching import DRA_VARIABLE_PREFIX, SourceKey
-from launcher_hook.writer import DomainWriter, Handle, NewHostdev, before_alias
+from launcher_hook.writer import DomainWriter, Handle, NewHostdev
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.companions import MAX_GPUS, companions_variable_for
 
@@ -71,9 +71,11 @@ _SOURCE_SPAN = re.compile(rb"<source[\s>].*?</source\s*>", re.DOTALL)
 _START_TAG_END = re.compile(rb"""(?:[^>"']|"[^"]*"|'[^']*')*?(/?>)""")
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one GPU and its companions went: the guest slot and the functions in it."""
+class Placement(NamedTuple):
+    """Where one GPU and its companions went: the guest slot and the functions in it.
+
+    A NamedTuple rather than a frozen dataclass: one is built per GPU on the OnDefineDomain path.
+    """
 
     gpu_alias: str
     gpu: str
@@ -137,6 +139,8 @@ def with_read_companions(
     ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
     DRA claim gave are read (no variable can name theirs).
     """
+    if dra_only and not any(spec.variable.startswith(DRA_VARIABLE_PREFIX) for spec in specs):
+        return allocation  # (the usual case: no GPU from a DRA claim)
     pci = [
         (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
     ]
@@ -285,13 +289,16 @@ def _empty(tag: str, attributes: str, expanded: bool) -> str:
     return f"<{tag} {attributes}></{tag}>" if expanded else f"<{tag} {attributes}/>"
 
 
-def _guest_address(slot: tuple[int, int, int], function: int, multifunction: bool, expanded: bool) -> str:
+def _guest_address_template(slot: tuple[int, int, int], multifunction: bool, expanded: bool) -> str:
+    """A guest ``<address>`` in ``slot``; its one printf field is the function."""
     domain, bus, number = slot
     extra = ' multifunction="on"' if multifunction else ""
-    attributes = (
-        f'type="pci" domain="0x{domain:04x}" bus="0x{bus:02x}" slot="0x{number:02x}" function="0x{function:x}"{extra}'
-    )
+    attributes = f'type="pci" domain="0x{domain:04x}" bus="0x{bus:02x}" slot="0x{number:02x}" function="0x%x"{extra}'
     return _empty("address", attributes, expanded)
+
+
+def _guest_address(slot: tuple[int, int, int], function: int, multifunction: bool, expanded: bool) -> str:
+    return _guest_address_template(slot, multifunction, expanded) % function
 
 
 class _Placer:
@@ -302,6 +309,14 @@ class _Placer:
         self.writer = writer
         self.parsed = writer.parsed
         self._layouts: dict[int, tuple[etree._Element, Layout]] = {}
+        self._renderer: tuple[Layout, HostdevRenderer] | None = None
+
+    def renderer(self, layout: Layout) -> HostdevRenderer:
+        """The hostdev renderer of ``layout`` (the last one asked for is kept: the GPUs share one layout)."""
+        kept = self._renderer
+        if kept is None or kept[0] is not layout:
+            kept = self._renderer = (layout, renderer_for(layout))
+        return kept[1]
 
     def layout(self, hostdev: Handle) -> Layout:
         """How what goes in and next to ``hostdev`` is laid out: like it (its indentation, the empty-element
@@ -457,13 +472,10 @@ def companions_pass(
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     for index, spec, functions in wanted:
-        hostdev = handles.get(("pci", spec.source_text))
+        hostdev = handles.get(("pci", device_text(spec.source)))
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        placeable = [
-            c for c in functions if c.function != 0 and ("pci", device_text(c)) not in by_source and c not in joined
-        ]
-        if not placeable and _guest_of(hostdev) is None:
+        if _guest_of(hostdev) is None and not any(_may_join(c, by_source, joined) for c in functions):
             # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
             for companion in functions:
                 problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
@@ -473,63 +485,101 @@ def companions_pass(
         if where is None:
             continue
         slot, root_port = where
-        layout = edits.layout(hostdev)
-        placed: list[int] = []
-        joining: list[PciAddress] = []
-        for companion in functions:
-            problem = _companion_problem(companion, slot, domain, by_source, joined)
-            if problem == "there":
-                placed.append(companion.function)
-                continue
-            if problem is not None:
-                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
-                continue
-            alias = COMPANION_ALIAS % (index, companion.function)
-            if alias in aliases:
-                raise InputError(
-                    f"alias {alias!r} is already used in the domain; it would collide with the companion "
-                    f"{companion} of {spec.label}"
-                )
-            domain.used[(*slot, companion.function)] = hostdev
-            joined[companion] = spec.label
-            placed.append(companion.function)
-            joining.append(companion)
+        placed, joining = _join(index, spec, functions, hostdev, slot, domain, by_source, joined, aliases, warnings)
         if joining:
-            texts, specs_added = _companion_texts(layout, slot, index, spec, tuple(joining))
+            layout = edits.layout(hostdev)
+            texts, specs_added = _companion_texts(edits.renderer(layout), layout, slot, index, spec, tuple(joining))
             added += specs_added
             edits.add_after(hostdev, texts, layout.indent)
-        placements.append(Placement(spec.alias, spec.source_text, slot, tuple(sorted(placed)), root_port))
+        # Placement(...) without its keyword handling (one per GPU)
+        where_placed = (spec.alias, device_text(spec.source), slot, tuple(sorted(placed)), root_port)
+        placements.append(tuple.__new__(Placement, where_placed))
     return Placed(added, placements, warnings)
 
 
-_TEXTS_KEPT = 256
-_texts: dict[tuple[object, ...], tuple[tuple[str, ...], tuple[HostdevSpec, ...]]] = {}
+def _join(
+    index: int,
+    spec: HostdevSpec,
+    functions: Sequence[PciAddress],
+    hostdev: Handle,
+    slot: tuple[int, int, int],
+    domain: _Domain,
+    by_source: Mapping[tuple[str, str], list[etree._Element]],
+    joined: dict[PciAddress, str],
+    aliases: Collection[str],
+    warnings: list[str],
+) -> tuple[list[int], list[PciAddress]]:
+    """The functions of ``slot`` that ``spec``'s companions hold (those already there too) and the companions
+    that join it now (recorded in ``domain.used`` and ``joined``); a companion that cannot is a warning."""
+    used = domain.used
+    placed: list[int] = []
+    joining: list[PciAddress] = []
+    for companion in functions:
+        function = companion.function
+        at = (*slot, function)
+        if function == 0 or companion in joined or at in used or (by_source and _passed(companion, by_source)):
+            problem = _companion_problem(companion, slot, domain, by_source, joined)
+            if problem == "there":
+                placed.append(function)
+            else:
+                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+            continue
+        alias = COMPANION_ALIAS % (index, function)
+        if alias in aliases:
+            raise InputError(
+                f"alias {alias!r} is already used in the domain; it would collide with the companion "
+                f"{companion} of {spec.label}"
+            )
+        used[at] = hostdev
+        joined[companion] = spec.label
+        placed.append(function)
+        joining.append(companion)
+    return placed, joining
+
+
+def _may_join(
+    companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]], joined: Mapping[PciAddress, str]
+) -> bool:
+    """Whether ``companion`` could join a GPU's slot at all: not function 0, not passed by a hostdev of the
+    domain, not placed by this run already."""
+    if companion.function == 0 or companion in joined:
+        return False
+    return not by_source or ("pci", device_text(companion)) not in by_source
+
+
+def _passed(companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]]) -> bool:
+    """Whether a hostdev of the domain passes ``companion``."""
+    return bool(by_source.get(("pci", device_text(companion))))
 
 
 def _companion_texts(
-    layout: Layout, slot: tuple[int, int, int], index: int, spec: HostdevSpec, companions: tuple[PciAddress, ...]
+    render: HostdevRenderer,
+    layout: Layout,
+    slot: tuple[int, int, int],
+    index: int,
+    spec: HostdevSpec,
+    companions: tuple[PciAddress, ...],
 ) -> tuple[tuple[str, ...], tuple[HostdevSpec, ...]]:
-    """The hostdevs of ``spec``'s ``companions`` in ``slot`` and their text, laid out for ``layout``: a pure
-    function of its arguments, whose last :data:`_TEXTS_KEPT` results are kept (the hook writes the same GPUs on
-    every call of a pod, as ``HostdevRenderer.run`` keeps its texts)."""
-    key = (layout, slot, index, spec, companions)
-    found = _texts.get(key)
+    """The hostdevs of ``spec``'s ``companions`` in ``slot`` and their text, rendered by ``render`` (the renderer
+    of ``layout``): a pure function of its arguments, kept in the renderer (``HostdevRenderer.kept``: the hook
+    writes the same GPUs on every call of a pod, as ``HostdevRenderer.run`` keeps its texts)."""
+    key = (_COMPANIONS, slot, index, spec, companions)
+    found = render.kept.get(key)
     if found is None:
-        render = renderer_for(layout)
         variable = companions_variable_for(spec.variable) or spec.variable
+        address = _guest_address_template(slot, False, layout.expanded_empty)
         specs = tuple(
             _companion_spec(spec, companion, COMPANION_ALIAS % (index, companion.function), variable)
             for companion in companions
         )
-        texts = tuple(
-            before_alias(render(added), _guest_address(slot, added.source.function, False, layout.expanded_empty))
-            for added in specs
-            if isinstance(added.source, PciAddress)
-        )
-        if len(_texts) >= _TEXTS_KEPT:
-            _texts.clear()
-        found = _texts[key] = (texts, specs)
-    return found
+        texts = tuple(render.addressed(added, address % added.source[3]) for added in specs)
+        found = (texts, specs)
+        render.keep(key, found)
+    return found  # type: ignore[return-value]
+
+
+_COMPANIONS = "companions"
+"""The first part of the keys this pass keeps in ``HostdevRenderer.kept``."""
 
 
 def _companion_spec(spec: HostdevSpec, companion: PciAddress, alias: str, variable: str) -> HostdevSpec:
@@ -589,13 +639,13 @@ def _slot_for(
             return None
         domain.next_index += 1
         layout = edits.layout(hostdev)
-        edits.add_before(
-            hostdev,
-            _empty("controller", f'type="pci" index="{index}" model="{ROOT_PORT}"', layout.expanded_empty),
-            layout.indent,
-        )
         slot = (0, index, 0)
         root_port: int | None = index
+        controller, address = _root_port_texts(edits.renderer(layout), index, layout.expanded_empty)
+        edits.add_before(hostdev, controller, layout.indent)
+        edits.add_guest_address(hostdev, address)
+        domain.used[(*slot, 0)] = hostdev
+        return slot, root_port
     elif domain.bus_kind == "pci":
         free = domain.free_legacy_slot()
         if free is None:
@@ -611,6 +661,22 @@ def _slot_for(
     edits.add_guest_address(hostdev, _guest_address(slot, 0, True, edits.layout(hostdev).expanded_empty))
     domain.used[(*slot, 0)] = hostdev
     return slot, root_port
+
+
+def _root_port_texts(render: HostdevRenderer, index: int, expanded: bool) -> tuple[str, str]:
+    """A new ``pcie-root-port`` of ``index`` and the guest address of function 0 (multifunction) in its slot,
+    as text (kept in ``render``, the renderer of the GPU's layout)."""
+    key = (_ROOT_PORT_KEY, index, expanded)
+    found = render.kept.get(key)
+    if found is None:
+        controller = _empty("controller", f'type="pci" index="{index}" model="{ROOT_PORT}"', expanded)
+        found = (controller, _guest_address((0, index, 0), 0, True, expanded))
+        render.keep(key, found)
+    return found  # type: ignore[return-value]
+
+
+_ROOT_PORT_KEY = "root port"
+"""The first part of the keys of :func:`_root_port_texts` in ``HostdevRenderer.kept``."""
 
 
 def _companion_problem(

@@ -15,7 +15,6 @@ the empty-element style), and where hostdev elements are in the bytes.
 from __future__ import annotations
 
 import copy
-import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -61,15 +60,27 @@ class ParsedDomain:
     def root(self) -> etree._Element:
         return self.tree.getroot()
 
-    @functools.cached_property
+    def __post_init__(self) -> None:
+        # What the properties below read of the bytes, once (plain attributes: ``cached_property`` takes a lock).
+        self._self_closing: bool | None = None
+        self._expanded_empty: bool | None = None
+        self._elements_and_text: bool | None = None
+
+    @property
     def has_self_closing(self) -> bool:
         """Whether ``/>`` is anywhere in the bytes."""
-        return b"/>" in self.source
+        found = self._self_closing
+        if found is None:
+            found = self._self_closing = b"/>" in self.source
+        return found
 
-    @functools.cached_property
+    @property
     def expanded_empty(self) -> bool:
         """True for documents that write every empty element as ``<x></x>`` (Go's encoding/xml, KubeVirt)."""
-        return not self.has_self_closing and b"></" in self.source
+        found = self._expanded_empty
+        if found is None:
+            found = self._expanded_empty = not self.has_self_closing and b"></" in self.source
+        return found
 
     def writes_empty_expanded_near(self, offset: int) -> bool:
         """The empty-element style of the elements just before ``offset``, for new elements written there.
@@ -82,9 +93,16 @@ class ParsedDomain:
         window = self.source[max(0, offset - 4096) : offset]
         return b"/>" not in window and (b"></" in window or self.expanded_empty)
 
-    @functools.cached_property
+    @property
     def has_only_elements_and_text(self) -> bool:
-        """No comment, CDATA section or processing instruction (but the XML declaration) anywhere.
+        """No comment, CDATA section or processing instruction (but the XML declaration) anywhere."""
+        found = self._elements_and_text
+        if found is None:
+            found = self._elements_and_text = self._only_elements_and_text()
+        return found
+
+    def _only_elements_and_text(self) -> bool:
+        """:attr:`has_only_elements_and_text`, read from the bytes.
 
         Single-byte probes first: ``!`` and ``?`` are rare in domains, and searching for ``<!`` is slow
         because ``<`` is everywhere.

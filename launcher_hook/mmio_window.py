@@ -36,6 +36,7 @@ from launcher_hook.document import (
     root_start,
     tag_close,
 )
+from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.writer import DomainWriter, Splice
 from schemas.errors import InputError
 from schemas.pci import PciAddress
@@ -274,12 +275,16 @@ class WindowOutcome:
         return f"{head}: within OVMF's default {format_size(OVMF_DEFAULT_WINDOW)}, nothing written"
 
 
-def window_pass(writer: DomainWriter, addresses: Sequence[PciAddress], source: BarSource) -> WindowOutcome:
-    """The window the devices at ``addresses`` need, given to ``writer`` when the guest boots OVMF, needs more
-    than the default and does not set the item itself."""
+def window_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], source: BarSource) -> WindowOutcome:
+    """The window the PCI functions among ``hostdevs`` need (every one the hook passes counts: GPUs, SR-IOV VFs,
+    companions), given to ``writer`` when the guest boots OVMF, needs more than the default and does not set the
+    item itself."""
     root = writer.parsed.root
     outcome = WindowOutcome(guest_firmware(root))
-    if outcome.firmware is None or not addresses:
+    if outcome.firmware is None:
+        return outcome
+    addresses = [spec.source for spec in hostdevs if isinstance(spec.source, PciAddress)]
+    if not addresses:
         return outcome
     try:
         bars = source.read_all(addresses)

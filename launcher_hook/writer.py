@@ -20,7 +20,6 @@ writer returns the input bytes.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,17 +34,10 @@ from launcher_hook.document import (
     hostdev_spans,
     indent_unit,
 )
-from launcher_hook.hostdev import HostdevSpec, Layout, render_hostdev, renderer_for
+from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, renderer_for
 
 Splice = tuple[int, int, bytes]
 """Bytes ``[start, end)`` of the original replaced by the text (``start == end``: an insertion)."""
-
-
-def before_alias(text: str, address: str) -> str:
-    """``text`` (a rendered hostdev) with ``address`` before its ``<alias>``, laid out like the alias."""
-    at = text.rindex("<alias")
-    whitespace = text[len(text[:at].rstrip()) : at]
-    return text[:at] + address + whitespace + text[at:]
 
 
 class NewHostdev:
@@ -67,22 +59,14 @@ class NewHostdev:
     def add_after(self, texts: Sequence[str]) -> None:
         self.after = [*self.after, *texts]
 
-    def texts(self, layout: Layout) -> list[str]:
-        """Its elements in document order, each laid out for ``layout``."""
-        text = _hostdev_text(self.spec, layout, self.address)
+    def texts(self, render: HostdevRenderer) -> list[str]:
+        """Its elements in document order, each laid out by ``render`` (the renderer of the run's layout)."""
+        text = render(self.spec) if self.address is None else render.addressed(self.spec, self.address)
         return [*self.before, text, *self.after] if self.before or self.after else [text]
 
 
 _NONE: list[str] = []
 """The shared empty list of a :class:`NewHostdev` nothing was added around (never appended to)."""
-
-
-@functools.lru_cache(maxsize=256)
-def _hostdev_text(spec: HostdevSpec, layout: Layout, address: str | None) -> str:
-    """``spec``'s hostdev laid out for ``layout``, with the guest ``address`` before its alias (kept: the hook
-    writes the same GPUs on every call of a pod)."""
-    text = render_hostdev(spec, layout)
-    return before_alias(text, address) if address is not None else text
 
 
 @dataclass
@@ -259,10 +243,19 @@ class DomainWriter:
         return self._serialised()
 
     def _run_text(self, run: _NewRun) -> str:
+        render = renderer_for(run.layout)
         if not self.new_decorated:
-            return renderer_for(run.layout).run([item.spec for item in run.items])
-        indent = run.layout.indent
-        return "".join(indent + text for item in run.items for text in item.texts(run.layout))
+            return render.run([item.spec for item in run.items])
+        texts: list[str] = []
+        for item in run.items:
+            spec, address = item.spec, item.address
+            if item.before:
+                texts += item.before
+            texts.append(render(spec) if address is None else render.addressed(spec, address, keep=True))
+            if item.after:
+                texts += item.after
+        indent = run.layout.indent  # before each element
+        return indent + indent.join(texts)
 
     def _spliced(self) -> bytes | None:
         source = self.parsed.source
@@ -297,8 +290,9 @@ class DomainWriter:
         self._tree_fixes.clear()
         run = self._run
         if run is not None:
+            render = renderer_for(run.layout)
             for item in run.items:
-                for text in item.texts(run.layout):
+                for text in item.texts(render):
                     before, closing = child_slots(run.devices, self.unit)
                     append_child(run.devices, etree.fromstring(text), before, closing)
             self._run = None

@@ -170,8 +170,10 @@ class HostdevModel(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def render(self, template: str, driver_template: str, spec: HostdevSpec) -> str:
-        """Fill ``template`` for ``spec`` (values are validated parts: nothing needs escaping)."""
+    def render(self, template: str, driver_template: str, spec: HostdevSpec, *guest: str) -> str:
+        """Fill ``template`` for ``spec`` (values are validated parts: nothing needs escaping); ``guest``: the text
+        of a guest ``<address>`` for a template with a field before the alias (``HostdevRenderer.addressed``),
+        filled just before the alias, which is always the last field."""
         ...
 
     @abc.abstractmethod

@@ -30,9 +30,9 @@ class MdevHostdev(HostdevModel):
     def template(self, layout: Layout) -> str:
         return '<hostdev mode="subsystem" type="mdev" model="vfio-pci"%s>' + layout.tail('uuid="%s"')
 
-    def render(self, template: str, driver_template: str, spec: HostdevSpec) -> str:
+    def render(self, template: str, driver_template: str, spec: HostdevSpec, *guest: str) -> str:
         flags = (' display="on"' + (' ramfb="on"' if spec.ramfb else "")) if spec.display else ""
-        return template % (flags, spec.source, spec.alias)
+        return template % (flags, spec.source, *guest, spec.alias)
 
     def read_source(self, address: etree._Element) -> str | None:
         uuid = address.get("uuid")

@@ -57,9 +57,9 @@ class PciHostdev(HostdevModel):
         address = 'domain="0x%04x" bus="0x%02x" slot="0x%02x" function="0x%x"'
         return '<hostdev mode="subsystem" type="pci" managed="%s">%s' + layout.tail(address)
 
-    def render(self, template: str, driver_template: str, spec: HostdevSpec) -> str:
+    def render(self, template: str, driver_template: str, spec: HostdevSpec, *guest: str) -> str:
         driver = driver_template % spec.driver if spec.driver else ""
-        return template % ("yes" if spec.managed else "no", driver, *spec.source, spec.alias)
+        return template % ("yes" if spec.managed else "no", driver, *spec.source, *guest, spec.alias)
 
     def read_source(self, address: etree._Element) -> str | None:
         get = address.get
