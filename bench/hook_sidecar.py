@@ -23,9 +23,9 @@ goal: median round trip at most 1.3x the floor's on every case. A path that read
 asks the kubelet (PodResources) is also measured against a second floor that does the same reads the simplest
 way (``--reads``: the files the rule needs, unconfined and unbounded, nothing decided), to show what the reads
 themselves cost beside what the hook does with them; the goal stays the first floor. The marginal cost of a
-GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us. Memory: the largest RSS of the hook servers after their runs
-against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and ``os.getloadavg()``) and
-exits 0; a measurement, not a test.
+GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us. Memory: the largest RSS of the hook
+servers after their runs against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and
+``os.getloadavg()``) and exits 0; a measurement, not a test.
 """
 
 from __future__ import annotations
