@@ -28,6 +28,7 @@ from launcher_hook.server import (
     HOOK_APIS,
     HookApi,
     HookServer,
+    limit_malloc_arenas,
 )
 from launcher_hook.service import COMPONENT, HookService, log_call
 from launcher_hook.sources import (
@@ -280,6 +281,7 @@ def _serve(
     options: BuildOptions,
 ) -> None:
     mode = socket_mode
+    limit_malloc_arenas()
     source = make_source(pod_resources_socket, environ_file, container, os.environ)
     server = HookServer(
         socket_paths[0], HookService(source, options), api=api, also_listen=socket_paths[1:], socket_mode=mode

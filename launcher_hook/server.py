@@ -98,6 +98,22 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 
 
 _MALLOC_TRIM = _load_malloc_trim()
+M_ARENA_MAX = -8
+"""glibc's ``mallopt`` parameter: the most malloc arenas the process makes."""
+MALLOC_ARENAS = 2
+"""Arenas the hook's process keeps at most: glibc would give each of the :data:`MAX_WORKERS` threads its own
+(up to 8 per core), each keeping what it once freed; Python runs one thread at a time, so more arenas only hold
+more memory (a few MiB after a run of 32-GPU calls), never speed a call up."""
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Ask glibc to make at most ``arenas`` malloc arenas from now on (before the worker threads start); False
+    where that cannot be asked (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, arenas))
 
 
 def _release_free_memory() -> None:

@@ -289,3 +289,22 @@ def test_a_huge_error_is_cut_in_the_log_line(caplog: pytest.LogCaptureFixture) -
     logged = json.loads(caplog.records[-1].getMessage())
     assert logged["error"].endswith(f"... ({len(fault.value.message)} characters)")
     assert len(logged["error"]) < MAX_LOGGED_ERROR + 40
+
+
+def test_serve_asks_glibc_for_at_most_two_malloc_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve`` asks glibc (``mallopt(M_ARENA_MAX, 2)``) before its worker threads start: eight threads would
+    each get an arena keeping what it freed."""
+    import ctypes
+
+    from launcher_hook import server
+
+    asked: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            asked.append((parameter, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    assert server.limit_malloc_arenas() is True
+    assert asked == [(-8, 2)]  # glibc's M_ARENA_MAX
