@@ -33,7 +33,9 @@ MAX_COMMAND_CHARS = 4096
 MEMORY_SLICES = 8
 """A100 and H100 have 8 memory slices; a placement is a run of slices (MIG user guide, "Supported MIG Profiles")."""
 
-_MIG_BACKED = re.compile(r"^(?P<gpu>[A-Z0-9]+)-(?P<g>[1-9])-(?P<gb>0|[1-9][0-9]*)(?P<series>[ABCQ])(?P<attr>MEALL|NOME|ME|GFX)?$")
+_MIG_BACKED = re.compile(
+    r"^(?P<gpu>[A-Z0-9]+)-(?P<g>[1-9])-(?P<gb>0|[1-9][0-9]*)(?P<series>[ABCQ])(?P<attr>MEALL|NOME|ME|GFX)?$"
+)
 _ATTRIBUTE = {"ME": "+me", "NOME": "-me", "MEALL": "+me.all", "GFX": "+gfx"}
 
 
@@ -124,9 +126,7 @@ class MigState:
     """Compute processes on the GPU (``pid (name)``): a mode change waits for none."""
 
 
-def place(
-    gpu: MigGpu, kept: Iterable[GpuInstance], wanted: list[GiProfile]
-) -> list[tuple[GiProfile, int]] | None:
+def place(gpu: MigGpu, kept: Iterable[GpuInstance], wanted: list[GiProfile]) -> list[tuple[GiProfile, int]] | None:
     """Where the GPU instances ``wanted`` go beside ``kept`` (each at one of its profile's starts, no two sharing a
     memory slice, no profile above its count); None when they do not fit."""
     used = [False] * MEMORY_SLICES
@@ -210,7 +210,7 @@ class NvidiaSmi:
     def __init__(self, runner: Runner, command: str = NVIDIA_SMI) -> None:
         self.runner = runner
         self.prefix = command_prefix(command)
-        self.commands = []
+        self.commands: list[str] = []
 
     def _run(self, args: list[str], *, change: bool, allow: tuple[str, ...] = ()) -> str:
         argv = [*self.prefix, *args]
@@ -237,9 +237,7 @@ class NvidiaSmi:
             for line in listing.splitlines():
                 found = _GI_LINE.match(line.strip())
                 if found:
-                    instances.append(
-                        GpuInstance(int(found[4]), int(found[3]), int(found[5]), int(found[6]))
-                    )
+                    instances.append(GpuInstance(int(found[4]), int(found[3]), int(found[5]), int(found[6])))
         apps = self._run(
             ["--query-compute-apps=pid,process_name", "--format=csv,noheader", "-i", address], change=False
         )

@@ -30,6 +30,7 @@ A VM holding a group is :meth:`SimKernel.hold`: ``/dev/vfio/<N>`` then answers `
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -199,6 +200,10 @@ class SimKernel:
             return CommandResult(0, self._nvidia_smi(argv[1:]), "")
         except _SmiError as exc:
             return CommandResult(exc.code, "", str(exc) + "\n")
+        finally:  # the VFs' creatable lists follow the GPU instances (a failed -cgi may have made some)
+            for gpu in self._sriov.values():
+                if gpu.mig is not None and gpu.vfs:
+                    self._refresh_creatable(gpu)
 
     # -- test controls ------------------------------------------------------------------------------------
 
@@ -274,7 +279,7 @@ class SimKernel:
         """The nvidia-smi commands the agent uses, with their effect on the simulated GPU: mode changes wait for
         no VFs and no processes and (as on A100/H100 in a hypervisor) take effect on a GPU reset; GPU instances
         go only where their profile may start, free, and never under a vGPU."""
-        flags = dict(zip(args, args[1:], strict=False))
+        flags = dict(itertools.pairwise(args))
         address = flags.get("-i", "")
         if args and args[0].startswith("--query-gpu="):
             gpu, mig = self._mig_gpu(address)
@@ -345,7 +350,9 @@ class SimKernel:
             number, _, start_text = item.partition(":")
             profile = next((p for p in mig.profiles if str(p.profile_id) == number), None)
             if profile is None:
-                raise _SmiError(f"Unable to create a GPU instance on GPU {address} using profile {number}: Not Found", 6)
+                raise _SmiError(
+                    f"Unable to create a GPU instance on GPU {address} using profile {number}: Not Found", 6
+                )
             starts = [int(start_text)] if start_text else list(profile.starts)
             taken = {index for gi in mig.instances for index in range(gi.start, gi.start + gi.profile.size)}
             if sum(1 for gi in mig.instances if gi.profile is profile) >= profile.most:
@@ -359,8 +366,10 @@ class SimKernel:
                 )
             gi_id = min(set(range(1, 15)) - {gi.gi_id for gi in mig.instances})
             mig.instances.append(_GpuInstance(gi_id, profile, start))
-            out.append(f"Successfully created GPU instance ID {gi_id:>2} on GPU {address} using profile "
-                       f"MIG {profile.name} (ID {profile.profile_id})")
+            out.append(
+                f"Successfully created GPU instance ID {gi_id:>2} on GPU {address} using profile "
+                f"MIG {profile.name} (ID {profile.profile_id})"
+            )
             out.append(f"Successfully created compute instance ID  0 on GPU {address} GPU instance ID {gi_id:>2}")
         return "\n".join(out) + "\n"
 
