@@ -22,6 +22,11 @@ check that every attribute about to be written opens inside the host root; then 
 needs, remove surplus vGPUs (freeing room) and create the missing ones, re-reading the room before each
 creation. vGPUs already as asked are left alone, so a re-apply of the same config writes nothing.
 
+MIG-backed types (``A100-1-5C``) on a MIG-capable SR-IOV GPU (:mod:`node_agent.mig`): the GPU's MIG step is
+planned first (:func:`plan_mig`: mode, surplus vGPUs, GPU instances to destroy and where the missing ones go),
+refused before any change like the rest, carried out through nvidia-smi, and the GPU's vGPUs are planned again
+from what its VFs then offer.
+
 An SR-IOV GPU whose VFs are off shows its types nowhere but in its own ``nvidia/creatable_vgpu_types``
 (where the driver writes one) and in the state file (the names earlier runs saw). With neither, its type
 names can only be checked once its VFs exist: then, and only then, the VFs are enabled first (after every
@@ -631,6 +636,7 @@ def plan_all(
                 f"{name!r}"
                 for name, _ in asked
                 if mig_backed(name) is not None
+                and resolve_type(parent, name, known_sriov_types(parent, memory)) is None
             ]
             if refused:
                 plans.append(ParentPlan(parent, errors=refused, asked=asked))

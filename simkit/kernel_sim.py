@@ -21,6 +21,12 @@ files and links the agent then reads back:
   recomputed from the types' capacities, and the VF's ``/dev/vfio/<N>`` comes and goes with its type
   (docs/node-agent.md has the shape and its sources).
 
+- ``run`` (``nvidia-smi``) on GPUs made MIG-capable by :meth:`SimKernel.add_mig`: MIG mode set pending (refused
+  while VFs are on, or, to turn off, while GPU instances exist) and made current by a GPU reset (``-r``: no
+  VFs, no processes); GPU instances created at a profile's placements within its count, listed as ``mig -lgi``
+  prints them, never destroyed under a vGPU; in MIG mode the VFs list only the MIG-backed types with a free
+  instance, and a vGPU takes the lowest free instance of its profile (docs/node-agent.md, "MIG-backed vGPU").
+
 A VM holding a group is :meth:`SimKernel.hold`: ``/dev/vfio/<N>`` then answers ``EBUSY`` and a fake
 ``/proc/<pid>/fd`` link names the holder. Writes that would make the real kernel wait for that holder
 (unbinding or removing a held device) fail with ``EBUSY`` instead. The real kernel is
