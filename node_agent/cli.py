@@ -22,6 +22,7 @@ from node_agent.bind import driver_chooser, missing_bindings, select
 from node_agent.bind import unbind as unbind_groups
 from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, parse_vfio_aliases
 from node_agent.kernel import AgentError, Kernel, RealKernel
+from node_agent.mig import NVIDIA_SMI, NvidiaSmi
 from node_agent.state import DEFAULT_STATE_DIR, read_state, set_ready, write_section
 from node_agent.sysfs import Sysfs
 from node_agent.vgpu import apply as apply_vgpus
@@ -228,6 +229,17 @@ workload_options = [
     ),
 ]
 
+nvidia_smi_option = click.option(
+    "--nvidia-smi",
+    "nvidia_smi",
+    default=NVIDIA_SMI,
+    show_default=True,
+    envvar=env("nvidia_smi"),
+    show_envvar=True,
+    help="The nvidia-smi command for MIG-backed vGPU types (a path, or words such as 'chroot /host nvidia-smi').",
+)
+workload_options.append(nvidia_smi_option)
+
 
 def with_workload(function: Any) -> Any:
     for option in reversed(workload_options):
@@ -242,6 +254,7 @@ def _missing(
     workload: str,
     selection: tuple[tuple[str, ...], bool, tuple[str, ...], tuple[int, ...]],
     vgpu: tuple[Path | None, str | None, tuple[str, ...]],
+    nvidia_smi: str = NVIDIA_SMI,
 ) -> list[str]:
     """What keeps the node from serving ``workload`` (empty: ready)."""
     if workload == "container":
@@ -252,7 +265,8 @@ def _missing(
     config_file, config_name, parents = vgpu
     # Read only (the readiness probe runs this every 30 s): who holds a vGPU is asked of /proc, never by
     # opening its group node, which a VM's QEMU opening it at that instant would find busy.
-    return pending(plan_all(fs, None, _specs(config_file, config_name), parents, _remembered(state_dir)))
+    specs = _specs(config_file, config_name)
+    return pending(plan_all(fs, None, specs, parents, _remembered(state_dir), NvidiaSmi(kernel, nvidia_smi)))
 
 
 def _judge(state_dir: Path, workload: str, missing: list[str], done: dict[str, Any] | None = None) -> None:
@@ -278,13 +292,16 @@ def validate(
     config_file: Path | None,
     config_name: str | None,
     parents: tuple[str, ...],
+    nvidia_smi: str,
 ) -> None:
     """Exit 0 when the node is ready for its workload (and write the readiness file), else 1 naming what is missing."""
     fs = Sysfs(host_root)
     kernel = _kernel(click.get_current_context(), fs)
     selection = (addresses, all_gpus, selectors, allowed_groups)
     _judge(
-        state_dir, workload, _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+        state_dir,
+        workload,
+        _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents), nvidia_smi),
     )
 
 
@@ -305,6 +322,7 @@ def prepare(
     config_file: Path | None,
     config_name: str | None,
     parents: tuple[str, ...],
+    nvidia_smi: str,
     stay: bool,
 ) -> None:
     """What the workload needs: vm-passthrough binds, vm-vgpu applies the vGPU config, container does nothing;
@@ -322,8 +340,8 @@ def prepare(
             set_ready(state_dir, False, {})
             raise AgentError("; ".join(report.refused))
     elif workload == "vm-vgpu":
-        done = _apply(fs, kernel, state_dir, config_file, config_name, parents)
-    missing = _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents))
+        done = _apply(fs, kernel, state_dir, config_file, config_name, parents, nvidia_smi)
+    missing = _missing(fs, kernel, state_dir, workload, selection, (config_file, config_name, parents), nvidia_smi)
     _judge(state_dir, workload, missing, done)
     if stay:
         _stay()
@@ -351,11 +369,13 @@ def _apply(
     config_file: Path | None,
     config_name: str | None,
     parents: tuple[str, ...],
+    nvidia_smi: str = NVIDIA_SMI,
 ) -> dict[str, Any]:
     """Apply the named config; the state file's ``vgpu`` section says success (with the vGPUs) or the error."""
     specs = _specs(config_file, config_name)
     try:
-        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir))
+        tool = NvidiaSmi(kernel, nvidia_smi)
+        report = apply_vgpus(fs, kernel, specs, parents, _remembered(state_dir), mig=tool)
     except AgentError as exc:
         earlier = state_schema.section(read_state(state_dir), state_schema.SECTION_VGPU)
         failed = {**earlier, "config": config_name, "status": "failed", "error": str(exc)}
@@ -400,6 +420,7 @@ def vgpu() -> None:
     help="Manage these vGPU parents only (mdev_bus names or PF addresses; e.g. mtty in tests). "
     "[default: every NVIDIA one]",
 )
+@nvidia_smi_option
 @click.option("--stay", is_flag=True, help="After applying, wait for SIGTERM/SIGINT (then exit, changing nothing).")
 def vgpu_apply(
     host_root: Path,
@@ -407,11 +428,13 @@ def vgpu_apply(
     config_file: Path | None,
     config_name: str | None,
     parents: tuple[str, ...],
+    nvidia_smi: str,
     stay: bool,
 ) -> None:
-    """Create and remove vGPUs so the node holds exactly what the selected config asks for."""
+    """Create and remove vGPUs (MIG-backed ones after MIG mode and GPU instances) as the selected config asks."""
     fs = Sysfs(host_root)
-    done = _apply(fs, _kernel(click.get_current_context(), fs), state_dir, config_file, config_name, parents)
+    kernel = _kernel(click.get_current_context(), fs)
+    done = _apply(fs, kernel, state_dir, config_file, config_name, parents, nvidia_smi)
     _emit({"config": config_name, **done})
     if stay:
         _stay()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +22,17 @@ MODPROBE_TIMEOUT = 60.0
 
 class AgentError(InputError):
     """Something the agent refuses or cannot do; the message names the device, file or holder."""
+
+
+MAX_OUTPUT_CHARS = 1024 * 1024
+"""What the agent keeps of a command's stdout or stderr (nvidia-smi's answers are a few kilobytes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
 class Kernel(Protocol):
@@ -37,6 +49,10 @@ class Kernel(Protocol):
 
     def load_module(self, module: str, root: Path) -> None:
         """Load the kernel module ``module`` of the node whose ``/`` is ``root``."""
+
+    def run(self, argv: list[str], timeout: float) -> CommandResult:
+        """Run the driver's tool ``argv`` (``nvidia-smi``, for MIG); :class:`AgentError` when it cannot start or
+        does not finish in ``timeout`` seconds."""
 
 
 class Opener(Protocol):
@@ -95,3 +111,12 @@ class RealKernel:
             raise AgentError(f"cannot run {' '.join(argv)}: {exc.strerror or exc}") from None
         if done.returncode != 0:
             raise AgentError(f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+
+    def run(self, argv: list[str], timeout: float) -> CommandResult:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise AgentError(f"{' '.join(argv)} did not finish in {timeout:.0f} s") from None
+        except OSError as exc:
+            raise AgentError(f"cannot run {' '.join(argv)}: {exc.strerror or exc}") from None
+        return CommandResult(done.returncode, done.stdout[:MAX_OUTPUT_CHARS], done.stderr[-MAX_OUTPUT_CHARS:])

@@ -22,6 +22,11 @@ check that every attribute about to be written opens inside the host root; then 
 needs, remove surplus vGPUs (freeing room) and create the missing ones, re-reading the room before each
 creation. vGPUs already as asked are left alone, so a re-apply of the same config writes nothing.
 
+MIG-backed types (``A100-1-5C``) on a MIG-capable SR-IOV GPU (:mod:`node_agent.mig`): the GPU's MIG step is
+planned first (:func:`plan_mig`: mode, surplus vGPUs, GPU instances to destroy and where the missing ones go),
+refused before any change like the rest, carried out through nvidia-smi, and the GPU's vGPUs are planned again
+from what its VFs then offer.
+
 An SR-IOV GPU whose VFs are off shows its types nowhere but in its own ``nvidia/creatable_vgpu_types``
 (where the driver writes one) and in the state file (the names earlier runs saw). With neither, its type
 names can only be checked once its VFs exist: then, and only then, the VFs are enabled first (after every
@@ -31,12 +36,24 @@ other check passed) and, should a name prove unknown, turned off again, so the n
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from node_agent.bind import group_holders
 from node_agent.kernel import AgentError, Kernel
+from node_agent.mig import (
+    MIG_GPUS,
+    GiProfile,
+    GpuInstance,
+    MigBacked,
+    MigGpu,
+    MigState,
+    MigTool,
+    NvidiaSmi,
+    mig_backed,
+    place,
+)
 from node_agent.sysfs import NVIDIA_VENDOR, Sysfs, all_addresses, read_function
 from node_agent.vgpu_config import VgpuSpec
 from schemas.node_agent_state import TYPE_NAMES, encode_type_names
@@ -246,6 +263,9 @@ class ParentPlan:
     """SR-IOV type ID → name as seen when planning (the state file keeps them for later runs)."""
     unchecked: list[tuple[str, int]] = field(default_factory=list)
     """(type name, count) asked of an SR-IOV GPU whose VFs are off and whose types nothing names yet."""
+    mig: MigPlan | None = None
+    """The MIG step of a MIG-capable GPU; while it has steps, the vGPUs are planned again after it."""
+    asked: tuple[tuple[str, int], ...] = ()
 
     @property
     def enables_vfs(self) -> bool:
@@ -343,6 +363,183 @@ def plan_parent(
     return plan
 
 
+# -- MIG (planning is pure) ---------------------------------------------------------------------------------
+
+
+@dataclass
+class MigPlan:
+    """What must change in a MIG-capable GPU's MIG state before its MIG-backed vGPUs can be created."""
+
+    parent: Parent
+    gpu: MigGpu
+    state: MigState
+    enable: bool
+    """The MIG mode the config needs (on for MIG-backed types, off for time-sliced ones)."""
+    clear: list[str] = field(default_factory=list)
+    """VFs whose vGPU goes first (all of them when the mode changes)."""
+    destroy: list[int] = field(default_factory=list)
+    """GPU instance IDs to destroy (only instances no remaining vGPU can run on)."""
+    create: list[tuple[GiProfile, int]] = field(default_factory=list)
+    """(profile, first memory slice) of each GPU instance to create."""
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def mode_change(self) -> bool:
+        return self.state.current != self.enable or self.state.pending != self.enable
+
+    @property
+    def steps(self) -> bool:
+        return bool(self.clear or self.destroy or self.create or self.mode_change)
+
+
+def _pci_id(parent: Parent) -> str:
+    device = parent.device_id or 0
+    return f"{device & 0xFFFF:04x}:{device >> 16:04x}"
+
+
+def mig_gpu(parent: Parent) -> MigGpu | None:
+    """The MIG profiles of an SR-IOV vGPU GPU the agent knows as MIG-capable; None for any other parent."""
+    if parent.kind != "sriov" or parent.device_id is None:
+        return None
+    return MIG_GPUS.get(parent.device_id >> 16)
+
+
+def wants_mig_state(parent: Parent, asked: tuple[tuple[str, int], ...], remembered: dict[int, str]) -> bool:
+    """Whether planning ``parent`` needs its MIG state: it is MIG-capable and the config asks for MIG-backed
+    types, or a type it offers or holds is MIG-backed (its MIG mode is on). Other GPUs never run nvidia-smi."""
+    if mig_gpu(parent) is None:
+        return False
+    names = [name for name, _ in asked]
+    names.extend(known_sriov_types(parent, remembered).values())
+    return any(mig_backed(name) is not None for name in names)
+
+
+def plan_mig(
+    parent: Parent,
+    gpu: MigGpu,
+    state: MigState,
+    asked: tuple[tuple[str, int], ...],
+    remembered: dict[int, str],
+    held: dict[str, list[str]],
+) -> MigPlan | None:
+    """The MIG step ``parent`` needs for ``asked`` (None: none, MIG stays off and the config is time-sliced).
+
+    With the mode changing, every vGPU goes first (VFs off, mode, GPU reset, VFs on); otherwise only the
+    surplus vGPUs of MIG-backed types go, GPU instances of a profile are destroyed only when no vGPU stays on
+    that profile (nvidia-smi cannot tell which instance runs which vGPU), and the missing instances are placed
+    beside the kept ones. Every error is found here, before anything changes."""
+    backed = [(name, count, mig_backed(name)) for name, count in asked]
+    wanted_types = [(name, count, found) for name, count, found in backed if found is not None]
+    if not wanted_types and not state.current and not state.pending:
+        return None
+    plan = MigPlan(parent, gpu, state, enable=bool(wanted_types))
+    where = f"{parent.name} ({gpu.model})"
+    wanted: dict[str, int] = {}
+    profiles: dict[str, GiProfile] = {}
+    for name, count, found in wanted_types:
+        assert found is not None
+        profile = gpu.profile(found.profile)
+        if profile is None:
+            offered = ", ".join(p.name for p in gpu.profiles)
+            plan.errors.append(f"{where} has no GPU instance profile {found.profile} for {name!r} (it has {offered})")
+            continue
+        wanted[profile.name] = wanted.get(profile.name, 0) + count
+        profiles[profile.name] = profile
+    if plan.errors:
+        return plan
+    existing = parent.vgpus()
+    if plan.mode_change:
+        everything = sorted(vf for vfs in existing.values() for vf in vfs)
+        busy = [f"{vf} ({'; '.join(held[vf])})" for vf in everything if vf in held]
+        if busy:
+            plan.errors.append(
+                f"{parent.name}: turning MIG mode {'on' if plan.enable else 'off'} removes every vGPU of the GPU "
+                f"and VMs hold {', '.join(busy)}: not removing vGPUs in use"
+            )
+        if state.processes:
+            plan.errors.append(
+                f"{parent.name}: MIG mode cannot change while processes use the GPU: {', '.join(state.processes)}"
+            )
+        plan.clear = everything
+        plan.destroy = sorted((gi.gi_id for gi in state.instances), reverse=True) if state.current else []
+        kept: list[GpuInstance] = []
+    else:
+        kept = _mig_surplus(plan, existing, wanted_types, wanted, remembered, held)
+    if plan.enable:
+        have: dict[str, int] = {}
+        for instance in kept:
+            profile = gpu.by_id(instance.profile_id)
+            if profile is not None:
+                have[profile.name] = have.get(profile.name, 0) + 1
+        new = [profiles[name] for name, count in wanted.items() for _ in range(max(count - have.get(name, 0), 0))]
+        placed = place(gpu, kept, new) if new else []
+        if placed is None:
+            layout = ", ".join(f"{name} x{count}" for name, count in wanted.items())
+            plan.errors.append(
+                f"{where}: GPU instances {layout} do not fit beside the {len(kept)} kept on its memory slices "
+                "(the profiles' placements in NVIDIA's MIG user guide)"
+            )
+        else:
+            plan.create = placed
+    return plan
+
+
+def _mig_surplus(
+    plan: MigPlan,
+    existing: dict[str, list[str]],
+    wanted_types: Sequence[tuple[str, int, MigBacked | None]],
+    wanted: dict[str, int],
+    remembered: dict[int, str],
+    held: dict[str, list[str]],
+) -> list[GpuInstance]:
+    """With MIG mode staying on: the surplus vGPUs (into ``plan.clear``), the GPU instances no remaining vGPU can
+    run on (into ``plan.destroy``); returns the instances kept."""
+    parent, gpu, state = plan.parent, plan.gpu, plan.state
+    known = known_sriov_types(parent, remembered)
+    remaining: dict[str, int] = {}
+    for key in sorted(existing):
+        name = known.get(int(key), "")
+        backing = mig_backed(name) if name else None
+        keep = sum(count for asked_name, count, _ in wanted_types if name and asked_name in display_names(name))
+        vfs = existing[key]
+        surplus = len(vfs) - keep
+        free = [vf for vf in vfs if vf not in held]
+        if surplus > len(free):
+            busy = [f"{vf} ({'; '.join(held[vf])})" for vf in vfs if vf in held]
+            plan.errors.append(
+                f"{parent.name}: the config keeps {keep} vGPU(s) of type {key} ({name or 'unknown'}), "
+                f"{len(vfs)} exist and VMs hold {', '.join(busy)}: not removing vGPUs in use"
+            )
+            continue
+        plan.clear.extend(free[: max(surplus, 0)])
+        if backing is not None:
+            remaining[backing.profile] = remaining.get(backing.profile, 0) + min(len(vfs), keep)
+    by_profile: dict[str, list[int]] = {}
+    for instance in state.instances:
+        profile = gpu.by_id(instance.profile_id)
+        by_profile.setdefault(profile.name if profile else str(instance.profile_id), []).append(instance.gi_id)
+    for name, ids in sorted(by_profile.items()):
+        extra = len(ids) - wanted.get(name, 0)
+        if extra > 0 and not remaining.get(name):
+            plan.destroy.extend(sorted(ids, reverse=True)[:extra])
+    kept = [instance for instance in state.instances if instance.gi_id not in plan.destroy]
+    return kept
+
+
+def mig_pending(plan: MigPlan) -> list[str]:
+    name = plan.parent.name
+    missing = []
+    if plan.mode_change:
+        missing.append(
+            f"{name}: MIG mode is {'on' if plan.state.current else 'off'}, the config needs it "
+            f"{'on' if plan.enable else 'off'}"
+        )
+    missing.extend(f"{name}: the vGPU on {vf} is not in the config's MIG layout" for vf in plan.clear)
+    missing.extend(f"{name}: GPU instance {gi} is not in the config" for gi in plan.destroy)
+    missing.extend(f"{name}: GPU instance {profile.name} at slice {start} missing" for profile, start in plan.create)
+    return missing
+
+
 def asked_for(parent: Parent, specs: tuple[VgpuSpec, ...]) -> tuple[tuple[str, int], ...] | None:
     """What the config asks of ``parent``: as NVIDIA's manager applies specs in order, each matching spec
     replacing the GPU's config, the last spec matching its index and device-filter wins; None when no spec
@@ -363,9 +560,17 @@ class ApplyReport:
     vgpus: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     type_names: dict[str, dict[str, str]] = field(default_factory=dict)
     writes: int = 0
+    mig_commands: list[str] = field(default_factory=list)
+    """The changing nvidia-smi commands run (none when the MIG layout was already right)."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"changes": self.changes, "vgpus": self.vgpus, TYPE_NAMES: self.type_names, "writes": self.writes}
+        return {
+            "changes": self.changes,
+            "vgpus": self.vgpus,
+            TYPE_NAMES: self.type_names,
+            "writes": self.writes,
+            "mig_commands": self.mig_commands,
+        }
 
 
 def _held(fs: Sysfs, kernel: Kernel | None, parent: Parent) -> dict[str, list[str]]:
@@ -391,7 +596,10 @@ def _enable_vfs(fs: Sysfs, kernel: Kernel, parent: Parent, report: ApplyReport) 
 def _targets(fs: Sysfs, plans: list[ParentPlan]) -> list[Path]:
     """The attributes a run of ``plans`` writes that are known before the first write (a VF to give a type
     is chosen at the time; its attribute is opened inside the root then, before that write)."""
-    paths = [_numvfs(fs, plan.parent) for plan in plans if plan.enables_vfs]
+    paths = [_numvfs(fs, plan.parent) for plan in plans if plan.enables_vfs or (plan.mig and plan.mig.mode_change)]
+    for plan in plans:
+        if plan.mig is not None:
+            paths.extend(fs.pci_devices / vf / "nvidia" / "current_vgpu_type" for vf in plan.mig.clear)
     for plan in plans:
         for _, vgpu in plan.remove:
             if plan.parent.kind == "mdev":
@@ -409,15 +617,39 @@ def plan_all(
     specs: tuple[VgpuSpec, ...],
     parent_names: Iterable[str],
     remembered: dict[str, dict[int, str]],
+    mig: MigTool | None = None,
 ) -> list[ParentPlan]:
     """Every managed parent's plan (reading the node and who holds its vGPUs: without a ``kernel``, from /proc
-    only, never opening a group node, as a read-only probe must)."""
+    only, never opening a group node, as a read-only probe must). ``mig`` reads the MIG state of MIG-capable
+    GPUs (queries only); a parent whose MIG step has changes gets only that step now, its vGPUs planned after."""
     plans = []
     for parent in read_parents(fs, parent_names):
         asked = asked_for(parent, specs)
         if asked is None:
             continue
-        plans.append(plan_parent(parent, asked, remembered.get(parent.name, {}), _held(fs, kernel, parent)))
+        memory = remembered.get(parent.name, {})
+        held = _held(fs, kernel, parent)
+        gpu = mig_gpu(parent)
+        if gpu is None:
+            refused = [
+                f"{parent.name} ({_pci_id(parent)}) does not support MIG: cannot create the MIG-backed vGPU type "
+                f"{name!r}"
+                for name, _ in asked
+                if mig_backed(name) is not None
+                and resolve_type(parent, name, known_sriov_types(parent, memory)) is None
+            ]
+            if refused:
+                plans.append(ParentPlan(parent, errors=refused, asked=asked))
+                continue
+        step = None
+        if gpu is not None and mig is not None and wants_mig_state(parent, asked, memory):
+            step = plan_mig(parent, gpu, mig.state(parent.name), asked, memory, held)
+        if step is not None and (step.steps or step.errors):
+            plans.append(ParentPlan(parent, errors=list(step.errors), mig=step, asked=asked))
+            continue
+        plan = plan_parent(parent, asked, memory, held)
+        plan.mig, plan.asked = step, asked
+        plans.append(plan)
     return plans
 
 
@@ -425,6 +657,8 @@ def pending(plans: list[ParentPlan]) -> list[str]:
     """What differs from the config (empty: the node holds exactly the configured vGPUs)."""
     missing = [error for plan in plans for error in plan.errors]
     for plan in plans:
+        if plan.mig is not None and not plan.errors:
+            missing.extend(mig_pending(plan.mig))
         missing.extend(f"{plan.parent.name}: {count} {plan.labels[key]} vGPU(s) missing" for key, count in plan.create)
         missing.extend(
             f"{plan.parent.name}: {count} {name} vGPU(s) missing (its VFs are off)" for name, count in plan.unchecked
@@ -440,13 +674,15 @@ def apply(
     parent_names: Iterable[str] = (),
     remembered: dict[str, dict[int, str]] | None = None,
     new_uuid: Callable[[], str] = lambda: str(uuid.uuid4()),
+    mig: MigTool | None = None,
 ) -> ApplyReport:
     """Make the managed parents' vGPUs what ``specs`` asks (see the module doc); returns what changed."""
     names = list(parent_names)
     memory = remembered or {}
     report = ApplyReport()
     start = kernel.writes
-    plans = plan_all(fs, kernel, specs, names, memory)
+    tool = mig if mig is not None else NvidiaSmi(kernel)
+    plans = plan_all(fs, kernel, specs, names, memory, tool)
     errors = [error for plan in plans for error in plan.errors]
     if errors:
         raise AgentError("; ".join(errors))
@@ -469,6 +705,12 @@ def apply(
                 "; ".join(errors) + f" (the VFs of {turned} were enabled to read the types they offer, and turned "
                 "off again: the node is as it was)"
             )
+    stepped = [plan for plan in plans if plan.mig is not None and plan.mig.steps]
+    for plan in stepped:
+        assert plan.mig is not None
+        _mig_step(fs, kernel, tool, plan.mig, report)
+    if stepped:
+        plans = [plan for plan in plans if plan not in stepped] + _replan(fs, kernel, stepped, memory)
     for plan in plans:
         _remove(fs, kernel, plan, report)
     for plan in plans:
@@ -480,6 +722,7 @@ def apply(
             known = {**planned.get(parent.name, {}), **known_sriov_types(parent, memory.get(parent.name, {}))}
             report.type_names.update(encode_type_names({parent.name: known}))
     report.writes = kernel.writes - start
+    report.mig_commands = list(tool.commands)
     return report
 
 
@@ -525,3 +768,53 @@ def _create(fs: Sysfs, kernel: Kernel, plan: ParentPlan, report: ApplyReport, ne
                 )
             kernel.write(fs.pci_devices / chosen.address / "nvidia" / "current_vgpu_type", key)
             report.changes.append({"parent": parent.name, "action": "create", "type": key, "id": chosen.address})
+
+
+def _mig_step(fs: Sysfs, kernel: Kernel, tool: MigTool, plan: MigPlan, report: ApplyReport) -> None:
+    """Carry out ``plan``'s MIG step: the vGPUs that go, the GPU instances that go, the mode (VFs off, mode,
+    GPU reset when the change is pending, VFs on), the new GPU instances. A failure stops here with the
+    error; whatever was done is what the next apply starts from (it plans from what is there)."""
+    parent, name = plan.parent, plan.parent.name
+    for vf in plan.clear:
+        kernel.write(fs.pci_devices / vf / "nvidia" / "current_vgpu_type", "0")
+        report.changes.append({"parent": name, "action": "remove", "id": vf})
+    for gi_id in plan.destroy:
+        tool.destroy(name, gi_id)
+        report.changes.append({"parent": name, "action": "destroy-gpu-instance", "id": str(gi_id)})
+    if plan.mode_change:
+        numvfs = _int(fs.read(_numvfs(fs, parent)), _numvfs(fs, parent))
+        if numvfs:
+            kernel.write(_numvfs(fs, parent), "0")
+            report.changes.append({"parent": name, "action": "disable-vfs", "count": str(numvfs)})
+        wanted = "on" if plan.enable else "off"
+        if plan.state.pending != plan.enable:
+            tool.set_mode(name, plan.enable)
+            report.changes.append({"parent": name, "action": "mig-mode", "mode": wanted})
+        if tool.state(name).current != plan.enable:
+            tool.reset(name)
+            report.changes.append({"parent": name, "action": "gpu-reset"})
+            if tool.state(name).current != plan.enable:
+                raise AgentError(f"{name}: MIG mode is still not {wanted} after a GPU reset")
+        kernel.write(_numvfs(fs, parent), str(parent.total_vfs))
+        report.changes.append({"parent": name, "action": "enable-vfs", "count": str(parent.total_vfs)})
+    if plan.create:
+        tool.create(name, [(profile.profile_id, start) for profile, start in plan.create])
+        layout = ",".join(f"{profile.name}@{start}" for profile, start in plan.create)
+        report.changes.append({"parent": name, "action": "create-gpu-instances", "instances": layout})
+
+
+def _replan(
+    fs: Sysfs, kernel: Kernel, stepped: list[ParentPlan], memory: dict[str, dict[int, str]]
+) -> list[ParentPlan]:
+    """The vGPU plans of the GPUs whose MIG step just ran, read afresh (their VFs now list the MIG-backed types
+    their new GPU instances can take)."""
+    plans = []
+    for old in stepped:
+        parent = replace(_sriov_parent(fs, old.parent.name, old.parent.device_id or 0), index=old.parent.index)
+        plan = plan_parent(parent, old.asked, memory.get(parent.name, {}), _held(fs, kernel, parent))
+        if plan.errors:
+            raise AgentError(
+                "; ".join(plan.errors) + f" (the MIG step of {parent.name} is done: its GPU instances are in place)"
+            )
+        plans.append(plan)
+    return plans

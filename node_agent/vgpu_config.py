@@ -15,6 +15,7 @@ every count is a positive integer. Parsing is pure (text in, :class:`VgpuSpec` l
 
 from __future__ import annotations
 
+import re
 import reprlib
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +23,14 @@ from typing import Any
 import yaml
 
 from node_agent.kernel import AgentError
+from node_agent.mig import mig_backed
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_COUNT = 4096
 """More vGPUs of one type on one GPU than any GPU supports (a bound against typos such as 40000)."""
+
+_TIME_SLICED = re.compile(r"^[A-Z0-9]+(-[a-zA-Z]+)*-(0|[1-9][0-9]*)[ABCQ]$")
+"""A time-sliced vGPU type name (``A100-40C``, ``T4-1Q``), as NVIDIA's vgpu-device-manager reads one."""
 
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
@@ -106,6 +111,13 @@ def _spec(raw: Any, where: str) -> VgpuSpec:
         if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_COUNT:
             raise AgentError(f"{where}: count {shown(count)} for {name} is not a whole number from 1 to {MAX_COUNT}")
         vgpus.append((name, count))
+    backed = [name for name, _ in vgpus if mig_backed(name) is not None]
+    sliced = [name for name, _ in vgpus if _TIME_SLICED.match(name.removeprefix("NVIDIA ").removeprefix("GRID "))]
+    if backed and sliced:
+        raise AgentError(
+            f"{where}: {backed[0]} is MIG-backed and {sliced[0]} is time-sliced: one GPU cannot hold both "
+            "(in MIG mode a GPU offers only MIG-backed vGPU types)"
+        )
     return VgpuSpec(devices, device_filter, tuple(vgpus))
 
 

@@ -19,7 +19,13 @@ from simkit.fixture_nodes import (
     NVIDIA,
     root_port,
 )
-from simkit.kernel_sim import SimKernel
+from simkit.kernel_sim import (
+    A100_40GB_PROFILES,
+    GPU_80GB_PROFILES,
+    MigVgpuType,
+    SimKernel,
+    VgpuType,
+)
 from simkit.sysfs_fixture import Function, MdevType, Node, build
 
 GH100 = 0x2342
@@ -178,3 +184,68 @@ def mount(root: Path, number: str, point: str, pid: str = "1") -> None:
     count = len(path.read_text().splitlines()) if path.exists() else 0
     with path.open("a") as table:
         table.write(f"{30 + count} 1 {number} / {point} rw,relatime shared:1 - ext4 /dev/x rw\n")
+
+
+A100_PCIE_40GB = 0x20F1
+H100_PCIE = 0x2331
+L40S = 0x26B9
+MIG_GPU_VFS = 16
+"""VFs per MIG-capable GPU in these trees (``sriov_totalvfs``)."""
+
+
+def _named(prefix: str, entries: tuple[tuple[int, str, str], ...]) -> tuple[MigVgpuType, ...]:
+    return tuple(MigVgpuType(type_id, f"NVIDIA {prefix}-{name}", profile) for type_id, name, profile in entries)
+
+
+A100_MIG_TYPES = _named(
+    "A100",
+    (
+        (700, "1-5C", "1g.5gb"),
+        (701, "1-5CME", "1g.5gb+me"),
+        (702, "1-10C", "1g.10gb"),
+        (703, "2-10C", "2g.10gb"),
+        (704, "3-20C", "3g.20gb"),
+        (705, "4-20C", "4g.20gb"),
+        (706, "7-40C", "7g.40gb"),
+    ),
+)
+"""MIG-backed vGPU types of an A100 40GB, named as NVIDIA's vGPU docs name them; the IDs are fixture values."""
+A100_TIME_SLICED = (VgpuType(690, "NVIDIA A100-10C", 4), VgpuType(691, "NVIDIA A100-40C", 1))
+H100_MIG_TYPES = _named(
+    "H100",
+    (
+        (800, "1-10C", "1g.10gb"),
+        (801, "1-10CME", "1g.10gb+me"),
+        (802, "1-20C", "1g.20gb"),
+        (803, "2-20C", "2g.20gb"),
+        (804, "3-40C", "3g.40gb"),
+        (805, "4-40C", "4g.40gb"),
+        (806, "7-80C", "7g.80gb"),
+    ),
+)
+H100_TIME_SLICED = (VgpuType(790, "NVIDIA H100-20C", 4), VgpuType(791, "NVIDIA H100-80C", 1))
+
+
+def mig_node() -> Node:
+    """An A100 PCIe 40GB (``0000:3b:00.0``, GPU 0) and an H100 PCIe 80GB (``0000:86:00.0``, GPU 1) on ``nvidia``
+    with the vGPU manager (SR-IOV, VFs off, MIG mode off), and an L40S (``0000:d8:00.0``, GPU 2, no MIG)."""
+    return Node(
+        name="mig-node",
+        functions=(
+            Function("0000:3b:00.0", NVIDIA, A100_PCIE_40GB, CLASS_3D, "nvidia", 30, 0),
+            Function("0000:86:00.0", NVIDIA, H100_PCIE, CLASS_3D, "nvidia", 31, 1),
+            Function("0000:d8:00.0", NVIDIA, L40S, CLASS_3D, "nvidia", 32, 1),
+        ),
+    )
+
+
+def build_mig_node(root: Path) -> SimKernel:
+    """:func:`mig_node` through the simulator: the A100 and H100 MIG-capable, each with its MIG-backed and
+    time-sliced vGPU types; the L40S with time-sliced types only."""
+    sim = build_node(mig_node(), root)
+    sim.add_sriov_gpu("0000:3b:00.0", MIG_GPU_VFS, A100_PCIE_40GB, A100_TIME_SLICED)
+    sim.add_mig("0000:3b:00.0", A100_40GB_PROFILES, A100_MIG_TYPES)
+    sim.add_sriov_gpu("0000:86:00.0", MIG_GPU_VFS, H100_PCIE, H100_TIME_SLICED)
+    sim.add_mig("0000:86:00.0", GPU_80GB_PROFILES, H100_MIG_TYPES)
+    sim.add_sriov_gpu("0000:d8:00.0", 4, 0x26BA, (VgpuType(557, "NVIDIA L40S-1B", 32),))
+    return sim

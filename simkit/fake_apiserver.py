@@ -116,6 +116,7 @@ def taint_problems(spec: JSON) -> list[str]:
         problems.append(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
     return problems
 
+
 JSON = dict[str, Any]
 
 

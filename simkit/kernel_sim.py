@@ -21,6 +21,12 @@ files and links the agent then reads back:
   recomputed from the types' capacities, and the VF's ``/dev/vfio/<N>`` comes and goes with its type
   (docs/node-agent.md has the shape and its sources).
 
+- ``run`` (``nvidia-smi``) on GPUs made MIG-capable by :meth:`SimKernel.add_mig`: MIG mode set pending (refused
+  while VFs are on, or, to turn off, while GPU instances exist) and made current by a GPU reset (``-r``: no
+  VFs, no processes); GPU instances created at a profile's placements within its count, listed as ``mig -lgi``
+  prints them, never destroyed under a vGPU; in MIG mode the VFs list only the MIG-backed types with a free
+  instance, and a vGPU takes the lowest free instance of its profile (docs/node-agent.md, "MIG-backed vGPU").
+
 A VM holding a group is :meth:`SimKernel.hold`: ``/dev/vfio/<N>`` then answers ``EBUSY`` and a fake
 ``/proc/<pid>/fd`` link names the holder. Writes that would make the real kernel wait for that holder
 (unbinding or removing a held device) fail with ``EBUSY`` instead. The real kernel is
@@ -30,15 +36,24 @@ A VM holding a group is :meth:`SimKernel.hold`: ``/dev/vfio/<N>`` then answers `
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node_agent.kernel import AgentError
+from node_agent.kernel import AgentError, CommandResult
 from runtime.node import VFIO_DRIVERS
 
 CREATABLE_HEADER = "ID    : vGPU Name"
+
+
+class _SmiError(Exception):
+    """A simulated nvidia-smi failure: its message (stderr) and exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +65,63 @@ class VgpuType:
     max_instances: int
 
 
+@dataclass(frozen=True, slots=True)
+class MigVgpuType:
+    """A MIG-backed vGPU type: its ID, name (``NVIDIA A100-1-5C``) and the GPU instance profile it runs on."""
+
+    type_id: int
+    name: str
+    profile: str
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    """A GPU instance profile as the simulated driver knows it (MIG user guide, "Supported MIG Profiles")."""
+
+    profile_id: int
+    name: str
+    size: int
+    starts: tuple[int, ...]
+    most: int
+
+
+def mig_profiles(one: int, two: int) -> tuple[SimProfile, ...]:
+    """The A100/H100 GPU instance profiles, named by the memory of one and of two memory slices (GB)."""
+    return (
+        SimProfile(19, f"1g.{one}gb", 1, (0, 1, 2, 3, 4, 5, 6), 7),
+        SimProfile(20, f"1g.{one}gb+me", 1, (0, 1, 2, 3, 4, 5, 6), 1),
+        SimProfile(15, f"1g.{two}gb", 2, (0, 2, 4, 6), 4),
+        SimProfile(14, f"2g.{two}gb", 2, (0, 2, 4), 3),
+        SimProfile(9, f"3g.{2 * two}gb", 4, (0, 4), 2),
+        SimProfile(5, f"4g.{2 * two}gb", 4, (0,), 1),
+        SimProfile(0, f"7g.{4 * two}gb", 8, (0,), 1),
+    )
+
+
+A100_40GB_PROFILES = mig_profiles(5, 10)
+GPU_80GB_PROFILES = mig_profiles(10, 20)
+
+
+@dataclass
+class _GpuInstance:
+    gi_id: int
+    profile: SimProfile
+    start: int
+    compute: bool = True
+
+
+@dataclass
+class _Mig:
+    profiles: tuple[SimProfile, ...]
+    types: tuple[MigVgpuType, ...]
+    current: bool = False
+    pending: bool = False
+    instances: list[_GpuInstance] = field(default_factory=list)
+    backing: dict[str, int] = field(default_factory=dict)
+    """VF address → the GPU instance its MIG-backed vGPU runs on."""
+    processes: list[tuple[int, str]] = field(default_factory=list)
+
+
 @dataclass
 class _SriovGpu:
     address: str
@@ -59,6 +131,7 @@ class _SriovGpu:
     first_vf_offset: int
     homogeneous: bool
     vfs: list[str] = field(default_factory=list)
+    mig: _Mig | None = None
 
 
 def _link(link: Path, target: Path) -> None:
@@ -86,6 +159,10 @@ class SimKernel:
         self.native: dict[str, str] = {}
         """The host driver each function had in the fixture (where ``drivers_probe`` puts it back)."""
         self._sriov: dict[str, _SriovGpu] = {}
+        self.commands: list[list[str]] = []
+        """Every command run (``nvidia-smi`` …), in order."""
+        self.smi_failures: list[str] = []
+        """Words of nvidia-smi commands that fail once (``-cgi``: the next GPU instance creation), as a driver may."""
         for address in sorted(os.listdir(self.sys / "bus" / "pci" / "devices")):
             driver = self._driver(address)
             if driver is not None and driver not in VFIO_DRIVERS:
@@ -115,6 +192,24 @@ class SimKernel:
         driver = "vfio-pci" if module == "vfio_pci" else module
         self.loaded.append(module)
         self._driver_files(self.sys / "bus" / "pci" / "drivers" / driver)
+
+    def run(self, argv: list[str], timeout: float) -> CommandResult:
+        """``nvidia-smi`` over the simulated GPUs (see :meth:`_nvidia_smi`); any other program is not found."""
+        self.commands.append(list(argv))
+        if not argv or os.path.basename(argv[0]) != "nvidia-smi":
+            raise AgentError(f"cannot run {' '.join(argv)}: No such file or directory")
+        failing = next((word for word in self.smi_failures if word in argv), None)
+        if failing is not None:
+            self.smi_failures.remove(failing)
+            return CommandResult(255, "", f"Failed to run {' '.join(argv[1:])}: Unknown Error\n")
+        try:
+            return CommandResult(0, self._nvidia_smi(argv[1:]), "")
+        except _SmiError as exc:
+            return CommandResult(exc.code, "", str(exc) + "\n")
+        finally:  # the VFs' creatable lists follow the GPU instances (a failed -cgi may have made some)
+            for gpu in self._sriov.values():
+                if gpu.mig is not None and gpu.vfs:
+                    self._refresh_creatable(gpu)
 
     # -- test controls ------------------------------------------------------------------------------------
 
@@ -158,6 +253,131 @@ class SimKernel:
         (directory / "sriov_totalvfs").write_text(f"{total_vfs}\n")
         (directory / "sriov_numvfs").write_text("0\n")
         (directory / "sriov_vf_device").write_text(f"{vf_device:x}\n")
+
+    def add_mig(
+        self, address: str, profiles: tuple[SimProfile, ...], types: tuple[MigVgpuType, ...], *, enabled: bool = False
+    ) -> None:
+        """Make the SR-IOV GPU ``address`` (:meth:`add_sriov_gpu`) MIG-capable: its GPU instance ``profiles`` and the
+        MIG-backed vGPU ``types`` its VFs offer while MIG mode is on (then its time-sliced types are not offered)."""
+        self._sriov[address].mig = _Mig(profiles, types, current=enabled, pending=enabled)
+
+    def gpu_process(self, address: str, pid: int, name: str) -> None:
+        """A compute process on the GPU (nvidia-smi lists it; MIG mode then cannot change)."""
+        mig = self._sriov[address].mig
+        assert mig is not None
+        mig.processes.append((pid, name))
+
+    def mig_layout(self, address: str) -> tuple[bool, list[tuple[str, int]]]:
+        """MIG mode now and the GPU instances as (profile name, start), by start."""
+        mig = self._sriov[address].mig
+        assert mig is not None
+        return mig.current, sorted(((gi.profile.name, gi.start) for gi in mig.instances), key=lambda item: item[1])
+
+    # -- nvidia-smi -----------------------------------------------------------------------------------------
+
+    def _mig_gpu(self, address: str) -> tuple[_SriovGpu, _Mig]:
+        gpu = self._sriov.get(address)
+        if gpu is None or gpu.mig is None:
+            raise _SmiError(f"No MIG-capable GPU with PCI bus id {address}: Not Supported", 3)
+        return gpu, gpu.mig
+
+    def _nvidia_smi(self, args: list[str]) -> str:
+        """The nvidia-smi commands the agent uses, with their effect on the simulated GPU: mode changes wait for
+        no VFs and no processes and (as on A100/H100 in a hypervisor) take effect on a GPU reset; GPU instances
+        go only where their profile may start, free, and never under a vGPU."""
+        flags = dict(itertools.pairwise(args))
+        address = flags.get("-i", "")
+        if args and args[0].startswith("--query-gpu="):
+            gpu, mig = self._mig_gpu(address)
+            return f"{'Enabled' if mig.current else 'Disabled'}, {'Enabled' if mig.pending else 'Disabled'}\n"
+        if args and args[0].startswith("--query-compute-apps="):
+            gpu, mig = self._mig_gpu(address)
+            return "".join(f"{pid}, {name}\n" for pid, name in mig.processes)
+        if "-mig" in flags:
+            gpu, mig = self._mig_gpu(address)
+            wanted = flags["-mig"] == "1"
+            if gpu.vfs or (not wanted and mig.instances):
+                raise _SmiError(f"Unable to set MIG Mode for GPU {address}: In use by another client", 14)
+            mig.pending = wanted
+            return f"{'Enabled' if wanted else 'Disabled'} MIG Mode for GPU {address}.\nAll done.\n"
+        if args[:1] == ["-r"]:
+            gpu, mig = self._mig_gpu(address)
+            if gpu.vfs or mig.processes:
+                raise _SmiError(f"Unable to reset GPU {address}: In use by another client", 14)
+            mig.current = mig.pending
+            if not mig.current:
+                mig.instances.clear()
+            return f"GPU {address} was successfully reset.\nAll done.\n"
+        if args[:1] == ["mig"]:
+            gpu, mig = self._mig_gpu(address)
+            if not mig.current:
+                raise _SmiError(f"MIG mode is not enabled on GPU {address}: Not Supported", 3)
+            if "-lgi" in args:
+                return self._list_instances(mig)
+            if "-cgi" in flags:
+                return self._create_instances(mig, flags["-cgi"], address)
+            if "-dci" in args or "-dgi" in args:
+                gi_id = int(flags.get("-gi", "-1"))
+                found = next((gi for gi in mig.instances if gi.gi_id == gi_id), None)
+                if found is None:
+                    raise _SmiError(f"Unable to find GPU instance ID {gi_id} on GPU {address}: Not Found", 6)
+                if gi_id in mig.backing.values() or ("-dgi" in args and found.compute):
+                    raise _SmiError(f"Unable to destroy GPU instance ID {gi_id}: In use by another client", 14)
+                if "-dci" in args:
+                    found.compute = False
+                    return f"Successfully destroyed compute instances in GPU instance ID {gi_id}\n"
+                mig.instances.remove(found)
+                return f"Successfully destroyed GPU instance ID {gi_id} from GPU {address}\n"
+        raise _SmiError(f"simulated nvidia-smi does not know {' '.join(args)!r}", 2)
+
+    @staticmethod
+    def _list_instances(mig: _Mig) -> str:
+        if not mig.instances:
+            raise _SmiError("No GPU instances found: Not Found", 6)
+        lines = [
+            "+-------------------------------------------------------+",
+            "| GPU instances:                                        |",
+            "| GPU   Name             Profile  Instance   Placement  |",
+            "|                          ID       ID       Start:Size |",
+            "|=======================================================|",
+        ]
+        for gi in sorted(mig.instances, key=lambda gi: gi.gi_id):
+            lines.append(
+                f"|   0  MIG {gi.profile.name:<13} {gi.profile.profile_id:>4} {gi.gi_id:>9} "
+                f"{f'{gi.start}:{gi.profile.size}':>11}     |"
+            )
+        lines.append("+-------------------------------------------------------+")
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _create_instances(mig: _Mig, tuples: str, address: str) -> str:
+        out = []
+        for item in tuples.split(","):  # one after the other, as nvidia-smi does: a failure keeps the earlier ones
+            number, _, start_text = item.partition(":")
+            profile = next((p for p in mig.profiles if str(p.profile_id) == number), None)
+            if profile is None:
+                raise _SmiError(
+                    f"Unable to create a GPU instance on GPU {address} using profile {number}: Not Found", 6
+                )
+            starts = [int(start_text)] if start_text else list(profile.starts)
+            taken = {index for gi in mig.instances for index in range(gi.start, gi.start + gi.profile.size)}
+            if sum(1 for gi in mig.instances if gi.profile is profile) >= profile.most:
+                starts = []
+            start = next(
+                (s for s in starts if s in profile.starts and not taken & set(range(s, s + profile.size))), None
+            )
+            if start is None:
+                raise _SmiError(
+                    f"Unable to create a GPU instance on GPU {address} using profile {item}: Insufficient Resources", 9
+                )
+            gi_id = min(set(range(1, 15)) - {gi.gi_id for gi in mig.instances})
+            mig.instances.append(_GpuInstance(gi_id, profile, start))
+            out.append(
+                f"Successfully created GPU instance ID {gi_id:>2} on GPU {address} using profile "
+                f"MIG {profile.name} (ID {profile.profile_id})"
+            )
+            out.append(f"Successfully created compute instance ID  0 on GPU {address} GPU instance ID {gi_id:>2}")
+        return "\n".join(out) + "\n"
 
     # -- effects ------------------------------------------------------------------------------------------
 
@@ -412,6 +632,8 @@ class SimKernel:
         return address
 
     def _remove_vf(self, gpu: _SriovGpu, address: str) -> None:
+        if gpu.mig is not None:
+            gpu.mig.backing.pop(address, None)
         vf_dir = self._device_dir(address)
         group = self._group(vf_dir)
         driver = self._driver(address)
@@ -433,18 +655,32 @@ class SimKernel:
     def _current(self, address: str) -> int:
         return int((self._device_dir(address) / "nvidia" / "current_vgpu_type").read_text())
 
+    def _free_instance(self, mig: _Mig, profile: str) -> int | None:
+        """The lowest GPU instance of ``profile`` (with its compute instance) no vGPU runs on."""
+        free = sorted(
+            gi.gi_id
+            for gi in mig.instances
+            if gi.profile.name == profile and gi.compute and gi.gi_id not in mig.backing.values()
+        )
+        return free[0] if free else None
+
     def _refresh_creatable(self, gpu: _SriovGpu) -> None:
         used: dict[int, int] = {}
         for vf in gpu.vfs:
             current = self._current(vf)
             if current:
                 used[current] = used.get(current, 0) + 1
-        offered = [
-            vgpu_type
-            for vgpu_type in gpu.types
-            if used.get(vgpu_type.type_id, 0) < vgpu_type.max_instances
-            and not (gpu.homogeneous and used and vgpu_type.type_id not in used)
-        ]
+        offered: list[VgpuType | MigVgpuType]
+        if gpu.mig is not None and gpu.mig.current:  # a GPU in MIG mode offers only MIG-backed types
+            mig = gpu.mig
+            offered = [t for t in mig.types if self._free_instance(mig, t.profile) is not None]
+        else:
+            offered = [
+                vgpu_type
+                for vgpu_type in gpu.types
+                if used.get(vgpu_type.type_id, 0) < vgpu_type.max_instances
+                and not (gpu.homogeneous and used and vgpu_type.type_id not in used)
+            ]
         for vf in gpu.vfs:
             lines = [CREATABLE_HEADER]
             if not self._current(vf):
@@ -472,6 +708,15 @@ class SimKernel:
             listed = (vf_dir / "nvidia" / "creatable_vgpu_types").read_text().splitlines()[1:]
             if str(wanted) not in {line.partition(":")[0].strip() for line in listed}:
                 raise OSError(errno.EINVAL, "not a creatable type")
+        if gpu.mig is not None:  # a MIG-backed vGPU runs on a free GPU instance of its profile
+            if wanted:
+                backed = next((t for t in gpu.mig.types if t.type_id == wanted), None)
+                if backed is not None:
+                    gi_id = self._free_instance(gpu.mig, backed.profile)
+                    assert gi_id is not None  # listed as creatable, so one is free
+                    gpu.mig.backing[address] = gi_id
+            else:
+                gpu.mig.backing.pop(address, None)
         (vf_dir / "nvidia" / "current_vgpu_type").write_text(f"{wanted}\n")
         group = self._group(vf_dir)
         if group is not None:  # the vGPU's VFIO group node comes and goes with its type
