@@ -293,13 +293,16 @@ def test_one_image_setting_moves_every_image_and_each_component_may_have_its_own
         ({"gpuOperator.deployLabels": True, "sandboxWorkloads.defaultWorkload": "vm-passthrough"},
          "the GPU Operator applies its own default"),
         ({**NO_AGENTS}, "sandboxDevicePlugin.waitForNodeAgent.enabled without vfioManager or vgpuDeviceManager"),
-        ({"sandboxWorkloads.defaultWorkload": "vm"}, "defaultWorkload"),
-        ({"sandboxDevicePlugin.enable": False}, "sandboxDevicePlugin"),  # a misspelt key
-        ({"sandboxDevicePlugin.version": '0.1.0", "privileged": true, "x": "'}, "version"),
-        ({"sandboxDevicePlugin.repository": "reg\n  evil: true"}, "repository"),
-        ({"namespace.name": "Kube System"}, "namespace"),
-        ({"vgpuDeviceManager.config.default": "a b"}, "default"),
-        ({"sandboxDevicePlugin.waitForNodeAgent.timeoutSeconds": "600; reboot"}, "timeoutSeconds"),
+        ({"sandboxWorkloads.defaultWorkload": "vm"}, "at '/sandboxWorkloads/defaultWorkload'"),
+        ({"sandboxDevicePlugin.enable": False},
+         "at '/sandboxDevicePlugin': additional properties 'enable' not allowed"),
+        ({"sandboxDevicePlugin.version": '0.1.0", "privileged": true, "x": "'}, "at '/sandboxDevicePlugin/version'"),
+        ({"sandboxDevicePlugin.repository": "reg\n  evil: true"}, "at '/sandboxDevicePlugin/repository'"),
+        ({"daemonsets.priorityClassName": "x\n      hostNetwork: true"}, "at '/daemonsets/priorityClassName'"),
+        ({"namespace.name": "Kube System"}, "at '/namespace/name'"),
+        ({"vgpuDeviceManager.config.default": "a b"}, "at '/vgpuDeviceManager/config/default'"),
+        ({"sandboxDevicePlugin.waitForNodeAgent.timeoutSeconds": "600; reboot"},
+         "at '/sandboxDevicePlugin/waitForNodeAgent/timeoutSeconds'"),
     ],
 )  # fmt: skip
 def test_values_without_meaning_are_refused_naming_the_value(values: dict[str, Any], message: str) -> None:

@@ -95,7 +95,7 @@ updateStrategy:
 {{- end -}}
 {{- define "kgp.scheduling" -}}
 {{- with .Values.daemonsets.priorityClassName }}
-priorityClassName: {{ . }}
+priorityClassName: {{ . | quote }}
 {{- end }}
 {{- with .Values.daemonsets.tolerations }}
 tolerations:
