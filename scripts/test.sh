@@ -12,6 +12,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 # cold build takes minutes); without Go the tests skip, and under CI=true this step fails instead.
 if command -v go >/dev/null || [ "${CI:-}" = true ]; then
     echo "== kubevirt peer"; bash tests/cluster/build-peers.sh kubevirt
+    # Helm for the chart's tests (tests/test_helm_chart.py; a cold build takes about 6 min on 2 cores).
+    echo "== helm peer";     bash tests/cluster/build-peers.sh helm
 fi
 echo "== ruff";          ruff check .
 echo "== mypy --strict"; mypy

@@ -12,7 +12,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KGP_PEERS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kubevirt-gpu-passthrough/peers}"
 mkdir -p "$cache"
 peers=("$@")
-[ ${#peers[@]} -gt 0 ] || peers=(kube etcd containerd buildkit kubevirt kube134)
+[ ${#peers[@]} -gt 0 ] || peers=(kube etcd containerd buildkit kubevirt kube134 helm)
 
 build_flags() {  # sets cgo and the array extra for peer $1
     # Static binaries, as the projects' own releases ship them; containerd without the btrfs snapshotter
@@ -35,6 +35,21 @@ build_flags() {  # sets cgo and the array extra for peer $1
                 X+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
             done
             extra+=("-ldflags=${X# }") ;;
+        helm)
+            # Helm's own release stamp (its Makefile): its version, and the Kubernetes version `helm template`
+            # and `helm lint` assume without a cluster, from the client-go it links (v0.N.x is Kubernetes 1.N).
+            local v kv
+            v="$(awk '$1 == "helm.sh/helm/v3" {print $2; exit}' "$here/peers/$1/go.mod")"
+            kv="$(awk '$1 == "k8s.io/client-go" {print $2; exit}' "$here/peers/$1/go.mod")"
+            [[ "$v" =~ ^v3\.[0-9]+\.[0-9]+$ && "$kv" =~ ^v0\.[0-9]+\.[0-9]+$ ]] \
+                || { echo "build-peers: no helm.sh/helm/v3 or k8s.io/client-go version in peers/$1/go.mod" >&2; exit 2; }
+            local minor="${kv#v0.}"; minor="${minor%%.*}"
+            local X="-X helm.sh/helm/v3/internal/version.version=$v -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+            local pkg
+            for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+                X+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
+            done
+            extra+=("-ldflags=$X") ;;
     esac
 }
 
@@ -51,7 +66,7 @@ for peer in "${peers[@]}"; do
     exec {lock}>"$cache/.$peer.lock"
     flock "$lock"
     if [ ! -f "$dest/.built" ]; then
-        echo "build-peers: building $peer ($key) into $dest; cold builds on 2 cores: kube ~30 min, the others a few minutes each" >&2
+        echo "build-peers: building $peer ($key) into $dest; cold builds on 2 cores: kube ~30 min, helm ~6 min, the others a few minutes each" >&2
         start=$(date +%s)
         tmp="$(mktemp -d "$cache/.$peer-XXXXXX")"
         (cd "$mod" && env "$cgo" GOBIN="$tmp/bin" GOFLAGS=-mod=readonly go install "${extra[@]}" tool)
