@@ -126,10 +126,14 @@ class ClaimedDevice:
 def request_dir(root: str | PurePath, source: SourceKind, claim_dir_name: str, request: str) -> PurePosixPath:
     """The directory of one request's metadata files: ``claim_dir_name`` is the ResourceClaim's name for a
     ``"claim"`` source, the pod claim name for a ``"template"`` one. Names are checked to be one path component."""
+    return PurePosixPath(root) / request_subpath(source, claim_dir_name, request)
+
+
+def request_subpath(source: SourceKind, claim_dir_name: str, request: str) -> str:
+    """:func:`request_dir` below the root, as text (``resourceclaims/<claim>/<request>``): three components."""
     for what, name in (("claim directory name", claim_dir_name), ("request name", request)):
         _check_component(name, what)
-    sub = CLAIMS_DIR if source == "claim" else TEMPLATES_DIR
-    return PurePosixPath(root) / sub / claim_dir_name / request
+    return f"{CLAIMS_DIR if source == 'claim' else TEMPLATES_DIR}/{claim_dir_name}/{request}"
 
 
 def metadata_path(
