@@ -31,7 +31,7 @@ from schemas.dra_metadata import (
     parse_metadata,
     request_subpath,
 )
-from schemas.vmi import VirtualMachineInstance
+from schemas.vmi import ResourceClaim, VirtualMachineInstance
 
 MAX_DIRECTORY_ENTRIES = 64
 """Most names a request's directory may hold (one file per driver; KubeVirt takes one)."""
@@ -57,9 +57,15 @@ class MetadataFiles:
         read: dict[str, DeviceMetadata | None] = {}
         tree: OpenRoot | None = None
         root_missing = False
+        entries = dra_entries(vmi)
+        if not entries:
+            return outcomes
+        claims: dict[str, ResourceClaim] = {}
+        for each in vmi.spec.resource_claims:
+            claims.setdefault(each.name, each)  # the first of a name, as vmi.spec.resource_claim (virt-launcher)
         try:
-            for key, name, claim_name, request in dra_entries(vmi):
-                claim = vmi.spec.resource_claim(claim_name)
+            for key, name, claim_name, request in entries:
+                claim = claims.get(claim_name)
                 if claim is None:
                     continue  # the matcher names the entry and the missing resourceClaims[] entry
                 try:
@@ -112,7 +118,7 @@ class MetadataFiles:
             shown = f"{shown_dir}/{names[0]}"
             if relative not in read:
                 try:
-                    data = listing.read(names[0], MAX_FILE_BYTES, "DRA metadata file")
+                    data = listing.read(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
                 except NotInRoot:
                     read[relative] = None
                 else:

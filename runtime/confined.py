@@ -273,16 +273,18 @@ class Listing:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def read(self, name: str, max_bytes: int, what: str) -> bytes:
-        """The file ``name`` of this directory, as :meth:`OpenRoot.read_file` reads ``<relative>/<name>``.
+    def read(self, name: str, max_bytes: int, what: str, shown: str | None = None) -> bytes:
+        """The file ``name`` of this directory, as :meth:`OpenRoot.read_file` reads ``<relative>/<name>``
+        (``shown``, default its path quoted, names it in messages).
 
         One component opened ``O_NOFOLLOW`` relative to the directory's descriptor: it cannot lead out of the
         root (no ``/``, no ``..``, a link is not followed). A name that is a link, or any other refusal, is read
         the careful way, resolved inside the root from its start."""
         relative = name if self.relative in ("", ".") else f"{self.relative}/{name}"
+        if shown is None:
+            shown = repr(self._root.confined.path_text(relative))
         if not name or "/" in name or "\0" in name or name in (".", "..") or self._fd < 0:
-            return self._root.read_file(relative, max_bytes, what)
-        shown = repr(self._root.confined.path_text(relative))
+            return self._root.read_file(relative, max_bytes, what, shown)
         try:
             descriptor = os.open(name, _FILE_FLAGS, dir_fd=self._fd)
         except FileNotFoundError:
