@@ -283,3 +283,26 @@ def test_each_read_opens_the_root_once_and_lets_the_kernel_resolve(
                 assert listing.read("f.json", 100, "file") == b"inside"
     assert len(opened) == 1
     assert asked == [b"lnk/f.json", b"lnk"] * 3
+
+
+def test_a_listed_name_swapped_for_a_link_is_read_inside_the_root(
+    tree: tuple[ConfinedRoot, Path], resolver: str
+) -> None:
+    """Between the listing and the read, a name the listing gave becomes a link: it is not followed from the
+    listed directory but resolved again inside the root (an absolute target from the root, never the host's)."""
+    confined, base = tree
+    (confined.root / "a" / "b" / "g.json").write_bytes(b"second")
+    with confined.open() as opened, opened.directory("a/b", 10) as listing:
+        assert listing.names == ["f.json", "g.json"]
+        (confined.root / "a" / "b" / "f.json").unlink()
+        os.symlink(str(base / "secret"), confined.root / "a" / "b" / "f.json")
+        with pytest.raises(NotInRoot, match=r"file '.*/root/a/b/f\.json' does not exist"):
+            listing.read("f.json", 100, "file")
+        (confined.root / "a" / "b" / "g.json").unlink()
+        os.symlink("/a/b/h.json", confined.root / "a" / "b" / "g.json")
+        (confined.root / "a" / "b" / "h.json").write_bytes(b"inside")
+        assert listing.read("g.json", 100, "file") == b"inside"
+        (confined.root / "a" / "b" / "h.json").unlink()
+        os.mkfifo(confined.root / "a" / "b" / "h.json")
+        with pytest.raises(InputError, match="is a FIFO, not a regular file"):
+            listing.read("h.json", 100, "file")
