@@ -17,10 +17,10 @@ is fine when virt-launcher has rendered the entry itself and an error otherwise.
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from launcher_hook.claims import ClaimOutcome, EntryKey, dra_entries
-from runtime.confined import ConfinedRoot, NotInRoot
+from runtime.confined import ConfinedRoot, NotInRoot, OpenRoot
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.dra_metadata import (
     DEFAULT_ROOT,
@@ -29,9 +29,9 @@ from schemas.dra_metadata import (
     DeviceMetadata,
     claimed_device,
     parse_metadata,
-    request_dir,
+    request_subpath,
 )
-from schemas.vmi import VirtualMachineInstance
+from schemas.vmi import ResourceClaim, VirtualMachineInstance
 
 MAX_DIRECTORY_ENTRIES = 64
 """Most names a request's directory may hold (one file per driver; KubeVirt takes one)."""
@@ -39,7 +39,11 @@ MAX_DIRECTORY_ENTRIES = 64
 
 class MetadataFiles:
     """The metadata files below ``root`` (virt-launcher's :data:`DEFAULT_ROOT` in its container; in a sidecar,
-    wherever the files are visible, e.g. ``/proc/<pid>/root`` + that path)."""
+    wherever the files are visible, e.g. ``/proc/<pid>/root`` + that path).
+
+    One :meth:`resolve` opens the root once, the first time an entry needs it, and reads every claim through
+    that descriptor (:class:`runtime.confined.OpenRoot`): per claim, its request directory resolved inside the
+    root and listed, and the one file read relative to it. Nothing is kept from one call to the next."""
 
     def __init__(self, root: Path | str = DEFAULT_ROOT) -> None:
         self.root = Path(root)
@@ -50,51 +54,75 @@ class MetadataFiles:
 
     def resolve(self, vmi: VirtualMachineInstance) -> dict[EntryKey, ClaimOutcome]:
         outcomes: dict[EntryKey, ClaimOutcome] = {}
-        read: dict[PurePosixPath, DeviceMetadata | None] = {}
-        for key, name, claim_name, request in dra_entries(vmi):
-            claim = vmi.spec.resource_claim(claim_name)
-            if claim is None:
-                continue  # the matcher names the entry and the missing resourceClaims[] entry
-            label = f"{key[0]}[{key[1]}] {name!r} (claimName {claim_name}, requestName {request})"
-            try:
-                outcomes[key] = self._outcome(claim_name, claim.resource_claim_name, request, read)
-            except InputError as exc:
-                raise InputError(f"{label}: {exc}") from None
+        read: dict[str, DeviceMetadata | None] = {}
+        tree: OpenRoot | None = None
+        root_missing = False
+        entries = dra_entries(vmi)
+        if not entries:
+            return outcomes
+        claims: dict[str, ResourceClaim] = {}
+        for each in vmi.spec.resource_claims:
+            claims.setdefault(each.name, each)  # the first of a name, as vmi.spec.resource_claim (virt-launcher)
+        try:
+            for key, name, claim_name, request in entries:
+                claim = claims.get(claim_name)
+                if claim is None:
+                    continue  # the matcher names the entry and the missing resourceClaims[] entry
+                try:
+                    if tree is None and not root_missing:
+                        try:
+                            tree = self._confined.open()
+                        except NotInRoot:
+                            root_missing = True  # every entry: no file matches its pattern
+                    outcomes[key] = self._outcome(tree, claim_name, claim.resource_claim_name, request, read)
+                except InputError as exc:
+                    label = f"{key[0]}[{key[1]}] {name!r} (claimName {claim_name}, requestName {request})"
+                    raise InputError(f"{label}: {exc}") from None
+        finally:
+            if tree is not None:
+                tree.close()
         return outcomes
 
     def _outcome(
         self,
+        tree: OpenRoot | None,
         claim_name: str,
         resource_claim_name: str | None,
         request: str,
-        read: dict[PurePosixPath, DeviceMetadata | None],
+        read: dict[str, DeviceMetadata | None],
     ) -> ClaimOutcome:
         if resource_claim_name:
-            directory = request_dir(PurePosixPath("."), "claim", resource_claim_name, request)
+            directory = request_subpath("claim", resource_claim_name, request)
         else:
-            directory = request_dir(PurePosixPath("."), "template", claim_name, request)
-        shown_dir = str(self.root / directory)
-        pattern = f"{shown_dir}/*{FILE_SUFFIX}"
+            directory = request_subpath("template", claim_name, request)
+        shown_dir = self._confined.path_text(directory)
+        if tree is None:
+            pattern = f"{shown_dir}/*{FILE_SUFFIX}"
+            return ClaimOutcome(None, None, pattern, f"no file matches {pattern}")
         try:
-            names = [n for n in self._confined.list_dir(directory, MAX_DIRECTORY_ENTRIES) if n.endswith(FILE_SUFFIX)]
+            listing = tree.directory(directory, MAX_DIRECTORY_ENTRIES, repr(shown_dir))
         except NotInRoot:
+            pattern = f"{shown_dir}/*{FILE_SUFFIX}"
             return ClaimOutcome(None, None, pattern, f"no file matches {pattern}")
-        if not names:
-            return ClaimOutcome(None, None, pattern, f"no file matches {pattern}")
-        if len(names) > 1:
-            raise InputError(
-                f"{len(names)} metadata files in {shown_dir} ({', '.join(names)}); KubeVirt takes exactly one "
-                "driver per request"
-            )
-        relative = directory / names[0]
-        shown = str(self.root / relative)
-        if relative not in read:
-            try:
-                data = self._confined.read_file(relative, MAX_FILE_BYTES, "DRA metadata file")
-            except NotInRoot:
-                read[relative] = None
-            else:
-                read[relative] = parse_metadata(data, shown)
+        with listing:
+            names = [n for n in listing.names if n.endswith(FILE_SUFFIX)]
+            if not names:
+                pattern = f"{shown_dir}/*{FILE_SUFFIX}"
+                return ClaimOutcome(None, None, pattern, f"no file matches {pattern}")
+            if len(names) > 1:
+                raise InputError(
+                    f"{len(names)} metadata files in {shown_dir} ({', '.join(names)}); KubeVirt takes exactly one "
+                    "driver per request"
+                )
+            relative = f"{directory}/{names[0]}"
+            shown = f"{shown_dir}/{names[0]}"
+            if relative not in read:
+                try:
+                    data = listing.read(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
+                except NotInRoot:
+                    read[relative] = None
+                else:
+                    read[relative] = parse_metadata(data, shown)
         metadata = read[relative]
         if metadata is None:
             return ClaimOutcome(None, None, shown, f"{shown} disappeared while it was read")

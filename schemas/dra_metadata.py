@@ -126,10 +126,14 @@ class ClaimedDevice:
 def request_dir(root: str | PurePath, source: SourceKind, claim_dir_name: str, request: str) -> PurePosixPath:
     """The directory of one request's metadata files: ``claim_dir_name`` is the ResourceClaim's name for a
     ``"claim"`` source, the pod claim name for a ``"template"`` one. Names are checked to be one path component."""
+    return PurePosixPath(root) / request_subpath(source, claim_dir_name, request)
+
+
+def request_subpath(source: SourceKind, claim_dir_name: str, request: str) -> str:
+    """:func:`request_dir` below the root, as text (``resourceclaims/<claim>/<request>``): three components."""
     for what, name in (("claim directory name", claim_dir_name), ("request name", request)):
         _check_component(name, what)
-    sub = CLAIMS_DIR if source == "claim" else TEMPLATES_DIR
-    return PurePosixPath(root) / sub / claim_dir_name / request
+    return f"{CLAIMS_DIR if source == 'claim' else TEMPLATES_DIR}/{claim_dir_name}/{request}"
 
 
 def metadata_path(
@@ -214,7 +218,7 @@ def parse_metadata(data: bytes, shown: str) -> DeviceMetadata:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"DRA metadata file {shown} is not valid UTF-8 (byte {exc.start})") from None
-    decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+    decoder = _DECODER
     position = _skip_space(text, 0)
     unknown: list[str] = []
     count = 0
@@ -252,12 +256,18 @@ def _skip_space(text: str, position: int) -> int:
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key[:80]!r}")
-        result[key] = value
+    result = dict(pairs)
+    if len(result) != len(pairs):  # the first key seen twice, named
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key[:80]!r}")
+            seen.add(key)
     return result
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+"""One decoder for every file, as :func:`json.loads` keeps one: it holds no state from one decode to the next."""
 
 
 def _type_name(value: object) -> str:
@@ -266,94 +276,106 @@ def _type_name(value: object) -> str:
     )
 
 
+# Each check below returns the value when it is right, in a few operations, and only builds the message naming
+# the field (``where`` + ``field``) when it is not: a file that is right costs no message text.
+
+
 def _device_metadata(obj: Mapping[str, Any], where: str) -> DeviceMetadata:
     kind = obj.get("kind")
     if kind is not None and kind != KIND:
         raise InputError(f"{where}: kind is {str(kind)[:80]!r}, expected {KIND!r}")
-    meta = _mapping(obj.get("metadata", {}), f"{where}: metadata")
+    meta = _mapping(obj.get("metadata", {}), where, ": metadata")
     pod_claim = obj.get("podClaimName")
-    requests = _sequence(obj.get("requests", []), f"{where}: requests", MAX_REQUESTS)
-    parsed = tuple(_request(item, f"{where}: requests[{i}]") for i, item in enumerate(requests))
-    names = [r.name for r in parsed]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InputError(f"{where}: request {duplicate!r} appears more than once")
+    requests = _sequence(obj.get("requests", []), where, ": requests", MAX_REQUESTS)
+    parsed = tuple([_request(item, f"{where}: requests[{i}]") for i, item in enumerate(requests)])
+    if len(parsed) > 1:
+        names = [r.name for r in parsed]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise InputError(f"{where}: request {duplicate!r} appears more than once")
     return DeviceMetadata(
-        claim_name=_string(meta.get("name", ""), f"{where}: metadata.name"),
-        namespace=_string(meta.get("namespace", ""), f"{where}: metadata.namespace"),
-        uid=_string(meta.get("uid", ""), f"{where}: metadata.uid"),
-        pod_claim_name=None if pod_claim is None else _string(pod_claim, f"{where}: podClaimName"),
+        claim_name=_string(meta.get("name", ""), where, ": metadata.name"),
+        namespace=_string(meta.get("namespace", ""), where, ": metadata.namespace"),
+        uid=_string(meta.get("uid", ""), where, ": metadata.uid"),
+        pod_claim_name=None if pod_claim is None else _string(pod_claim, where, ": podClaimName"),
         requests=parsed,
     )
 
 
 def _request(obj: object, where: str) -> MetadataRequest:
-    item = _mapping(obj, where)
-    name = _string(item.get("name"), f"{where}.name", required=True)
-    devices = _sequence(item.get("devices", []), f"{where}.devices", MAX_DEVICES)
-    return MetadataRequest(name, tuple(_device(dev, f"{where}.devices[{i}]") for i, dev in enumerate(devices)))
+    item = _mapping(obj, where, "")
+    name = _string(item.get("name"), where, ".name", required=True)
+    devices = _sequence(item.get("devices", []), where, ".devices", MAX_DEVICES)
+    return MetadataRequest(name, tuple([_device(dev, f"{where}.devices[{i}]") for i, dev in enumerate(devices)]))
 
 
 def _device(obj: object, where: str) -> MetadataDevice:
-    item = _mapping(obj, where)
-    attrs = _mapping(item.get("attributes", {}), f"{where}.attributes")
+    item = _mapping(obj, where, "")
+    attrs = _mapping(item.get("attributes", {}), where, ".attributes")
     if len(attrs) > MAX_ATTRIBUTES:
         raise InputError(f"{where}.attributes has {len(attrs)} entries, over the limit of {MAX_ATTRIBUTES}")
     parsed: dict[str, Attribute] = {}
     for key, value in attrs.items():
         if not key or len(key) > MAX_NAME:
             raise InputError(f"{where}.attributes: attribute name {key[:80]!r} is empty or too long")
-        parsed[key] = _attribute(value, f"{where}.attributes[{key!r}]")
+        parsed[key] = _attribute(value, where, key)
     return MetadataDevice(
-        driver=_string(item.get("driver", ""), f"{where}.driver"),
-        pool=_string(item.get("pool", ""), f"{where}.pool"),
-        name=_string(item.get("name", ""), f"{where}.name"),
+        driver=_string(item.get("driver", ""), where, ".driver"),
+        pool=_string(item.get("pool", ""), where, ".pool"),
+        name=_string(item.get("name", ""), where, ".name"),
         attributes=parsed,
     )
 
 
-def _attribute(obj: object, where: str) -> Attribute:
-    item = _mapping(obj, where)
-    present = [t for t in _ATTRIBUTE_TYPES if t in item]
+def _attribute(obj: object, device: str, key: str) -> Attribute:
+    item = _mapping(obj, device, f".attributes[{key!r}]") if not isinstance(obj, dict) else obj
+    if len(item) == 1:  # the usual shape: the one typed value alone
+        kind = next(iter(item))
+        present = [kind] if kind in _ATTRIBUTE_TYPES else []
+    else:
+        present = [t for t in _ATTRIBUTE_TYPES if t in item]
     if len(present) != 1:
+        where = f"{device}.attributes[{key!r}]"
         raise InputError(f"{where} must have exactly one of {', '.join(_ATTRIBUTE_TYPES)}; it has {len(present)}")
     kind = present[0]
     value = item[kind]
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**63:
-            raise InputError(f"{where}.int is {_type_name(value)}, not a 64-bit integer")
+            raise InputError(f"{device}.attributes[{key!r}].int is {_type_name(value)}, not a 64-bit integer")
     elif kind == "bool":
         if not isinstance(value, bool):
-            raise InputError(f"{where}.bool is {_type_name(value)}, not a boolean")
+            raise InputError(f"{device}.attributes[{key!r}].bool is {_type_name(value)}, not a boolean")
     elif not isinstance(value, str) or len(value) > MAX_STRING_VALUE:
-        raise InputError(f"{where}.{kind} must be a string of at most {MAX_STRING_VALUE} characters")
+        raise InputError(
+            f"{device}.attributes[{key!r}].{kind} must be a string of at most {MAX_STRING_VALUE} characters"
+        )
     return Attribute(kind, value)
 
 
-def _mapping(value: object, where: str) -> Mapping[str, Any]:
+def _mapping(value: object, where: str, field: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
-        raise InputError(f"{where} is {_type_name(value)}, not an object")
+        raise InputError(f"{where}{field} is {_type_name(value)}, not an object")
     return value
 
 
-def _sequence(value: object, where: str, limit: int) -> Sequence[Any]:
+def _sequence(value: object, where: str, field: str, limit: int) -> Sequence[Any]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise InputError(f"{where} is {_type_name(value)}, not a list")
+        raise InputError(f"{where}{field} is {_type_name(value)}, not a list")
     if len(value) > limit:
-        raise InputError(f"{where} has {len(value)} entries, over the limit of {limit}")
+        raise InputError(f"{where}{field} has {len(value)} entries, over the limit of {limit}")
     return value
 
 
-def _string(value: object, where: str, *, required: bool = False) -> str:
+def _string(value: object, where: str, field: str, *, required: bool = False) -> str:
+    if isinstance(value, str) and len(value) <= MAX_NAME and (value or not required):
+        return value
     if not isinstance(value, str):
-        raise InputError(f"{where} is {_type_name(value)}, not a string")
-    if required and not value:
-        raise InputError(f"{where} is empty")
-    if len(value) > MAX_NAME:
-        raise InputError(f"{where} is {len(value)} characters, over the limit of {MAX_NAME}")
-    return value
+        raise InputError(f"{where}{field} is {_type_name(value)}, not a string")
+    if not value:
+        raise InputError(f"{where}{field} is empty")
+    raise InputError(f"{where}{field} is {len(value)} characters, over the limit of {MAX_NAME}")
 
 
 # ---------------------------------------------------------------------------------------------------- lookup

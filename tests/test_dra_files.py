@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,77 @@ def test_the_tree_names_claims_as_kubernetes_does_and_the_hook_reads_it_back(tmp
 def test_a_claim_not_in_the_vmi_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"claim 'zz' is not in the VMI's spec\.resourceClaims"):
         write_vmi_tree(tmp_path, VMI, {("zz", "r"): UUID})
+
+
+MANY = parse_vmi(
+    json.dumps(
+        {
+            "metadata": {"name": "vm", "namespace": "ns"},
+            "spec": {
+                "resourceClaims": [{"name": f"c{i}", "resourceClaimName": f"rc{i}"} for i in range(4)],
+                "domain": {
+                    "devices": {"gpus": [{"name": f"g{i}", "claimName": f"c{i}", "requestName": "r"} for i in range(4)]}
+                },
+            },
+        }
+    ).encode()
+)
+ADDRESSES = [f"0000:{0x10 + i:02x}:00.0" for i in range(4)]
+
+
+def test_one_call_opens_the_root_once_and_the_kernel_resolves_every_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims of one VMI are read through one descriptor of the root, each directory and file resolved
+    inside it by ``openat2`` (no component walked in Python), where the kernel has it."""
+    from runtime.hostroot import HostRoot
+    from tests.libvirt_support import missing
+
+    kernel = HostRoot.openat2
+    if kernel is None:
+        missing("openat2 is not available here (Linux >= 5.6 has it)", "openat2")
+    write_vmi_tree(tmp_path, MANY, {(f"c{i}", "r"): address for i, address in enumerate(ADDRESSES)})
+    asked: list[bytes] = []
+
+    def recording(dirfd: int, path: bytes, flags: int) -> int:
+        asked.append(path)
+        assert kernel is not None
+        return kernel(dirfd, path, flags)
+
+    def no_walk(*args: object, **kwargs: object) -> object:
+        raise AssertionError(f"walked in Python: {args}")
+
+    root_opens: list[object] = []
+    real_open = os.open
+
+    def counting_open(path: object, *args: object, **kwargs: object) -> int:
+        if path == tmp_path or path == str(tmp_path):
+            root_opens.append(path)
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HostRoot, "openat2", recording)
+    monkeypatch.setattr(os, "lstat", no_walk)
+    monkeypatch.setattr(os, "readlink", no_walk)
+    monkeypatch.setattr(os, "open", counting_open)
+    outcomes = MetadataFiles(tmp_path).resolve(MANY)
+    assert [str(outcomes[("gpus", i)].source) for i in range(4)] == ADDRESSES
+    assert len(root_opens) == 1
+    assert asked == [f"resourceclaims/rc{i}/r".encode() for i in range(4)]
+
+
+def test_nothing_read_is_kept_from_one_call_to_the_next(tmp_path: Path, resolver: str) -> None:
+    """Each call reads the tree anew: a file rewritten, a claim removed, the whole root replaced."""
+    root = tmp_path / "root"
+    write_vmi_tree(root, MANY, {(f"c{i}", "r"): address for i, address in enumerate(ADDRESSES)})
+    files = MetadataFiles(root)
+    assert str(files.resolve(MANY)[("gpus", 0)].source) == ADDRESSES[0]
+    write_vmi_tree(root, MANY, {("c0", "r"): ADDRESSES[3]})
+    (root / "resourceclaims" / "rc1" / "r" / "gpu-passthrough.kubevirt.io-metadata.json").unlink()
+    again = files.resolve(MANY)
+    assert str(again[("gpus", 0)].source) == ADDRESSES[3]
+    assert again[("gpus", 1)].source is None and again[("gpus", 1)].missing is not None
+    root.rename(tmp_path / "old")
+    write_vmi_tree(root, MANY, {("c2", "r"): ADDRESSES[0]})
+    third = files.resolve(MANY)
+    assert str(third[("gpus", 2)].source) == ADDRESSES[0]
+    assert third[("gpus", 0)].source is None
