@@ -11,7 +11,6 @@ Without Go, root or libvirtd the tests skip, and fail under CI=true (:func:`test
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -31,9 +30,9 @@ from schemas.vmi import parse_vmi
 from simkit.dra_files import write_vmi_tree
 from tests.hook_support import short_dir, wait_for_socket
 from tests.libvirt_support import missing
+from tests.peer_support import peer_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_PEERS = ROOT / "tests" / "cluster" / "build-peers.sh"
 HOOK_CONTAINER = "hook-sidecar-0"
 """The sidecar's container name: KubeVirt mounts its socket directory at /var/run/kubevirt-hooks/<container>."""
 PLUGIN = "gpu-hostdev"
@@ -42,33 +41,13 @@ BUILD_TIMEOUT = 3600.0  # a cold build of KubeVirt's launcher packages on a busy
 RUN_TIMEOUT = 300.0
 
 
-@functools.cache
-def _peer_bin() -> Path | str:
-    """The built kubevirt peer's bin directory, or why there is none."""
-    if shutil.which("go") is None:
-        return "the Go toolchain is not on PATH (the launcher harness is built from tests/cluster/peers/kubevirt)"
-    if shutil.which("unshare") is None:
-        return "unshare(1) is missing (util-linux)"
-    done = subprocess.run(
-        ["bash", str(BUILD_PEERS), "kubevirt"], capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"build-peers.sh kubevirt failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    for line in done.stdout.splitlines():
-        if line.startswith("kubevirt="):
-            return Path(line.partition("=")[2])
-    raise AssertionError(f"build-peers.sh kubevirt printed no kubevirt=<dir>: {done.stdout!r}")
-
-
 def harness_binary(name: str = "launcher-harness") -> Path:
     """The built tool, or a skip (a failure under CI=true) saying what is missing."""
     if os.geteuid() != 0:
         missing("the launcher harness needs root (a mount namespace for KubeVirt's fixed socket paths)", "root")
-    found = _peer_bin()
-    if isinstance(found, str):
-        missing(found, "Go toolchain")
-        raise AssertionError(found)  # unreachable
-    return found / name
+    if shutil.which("unshare") is None:
+        missing("unshare(1) is missing (util-linux)", "unshare")
+    return peer_binary("kubevirt", name, BUILD_TIMEOUT)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 
 from runtime.confined import MAX_LINKS, ConfinedRoot, NotInRoot
 from schemas.errors import InputError
+from tests.kernel_paths_support import watch_kernel_paths
 
 
 @pytest.fixture
@@ -245,44 +246,17 @@ def test_each_read_opens_the_root_once_and_lets_the_kernel_resolve(
 ) -> None:
     """Where ``openat2`` is there, a read is one in-root open of the whole path (no walk in Python: no lstat, no
     readlink of each component), and a call of several reads opens the root once."""
-    from runtime.hostroot import HostRoot
-    from tests.libvirt_support import missing
-
-    kernel = HostRoot.openat2
-    if kernel is None:
-        missing("openat2 is not available here (Linux >= 5.6 has it)", "openat2")
     confined, _ = tree
     os.symlink("/a/b", confined.root / "lnk")
-    asked: list[bytes] = []
-
-    def recording(dirfd: int, path: bytes, flags: int) -> int:
-        asked.append(path)
-        assert kernel is not None
-        return kernel(dirfd, path, flags)
-
-    def no_walk(*args: object, **kwargs: object) -> object:
-        raise AssertionError(f"walked in Python: {args}")
-
-    opened: list[object] = []
-    real_open = os.open
-
-    def counting_open(path: object, *args: object, **kwargs: object) -> int:
-        if path == confined.root or path == str(confined.root):
-            opened.append(path)
-        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(HostRoot, "openat2", recording)
-    monkeypatch.setattr(os, "lstat", no_walk)
-    monkeypatch.setattr(os, "readlink", no_walk)
-    monkeypatch.setattr(os, "open", counting_open)
+    seen = watch_kernel_paths(monkeypatch, confined.root)
     with confined.open() as opened_root:
         for _ in range(3):
             assert opened_root.read_file("lnk/f.json", 100, "file") == b"inside"
             with opened_root.directory("lnk", 10) as listing:
                 assert listing.names == ["f.json"]
                 assert listing.read("f.json", 100, "file") == b"inside"
-    assert len(opened) == 1
-    assert asked == [b"lnk/f.json", b"lnk"] * 3
+    assert seen.root_opens == 1
+    assert seen.asked == [b"lnk/f.json", b"lnk"] * 3
 
 
 def test_a_listed_name_swapped_for_a_link_is_read_inside_the_root(

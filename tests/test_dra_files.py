@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from schemas import InputError, PciAddress, ResourceKind
 from schemas.dra_metadata import parse_metadata
 from schemas.vmi import parse_vmi
 from simkit.dra_files import GENERATED_SUFFIX, write_vmi_tree
+from tests.kernel_paths_support import watch_kernel_paths
 
 UUID = "4b20d080-1b54-4048-85b3-a6a62d165c01"
 VMI = parse_vmi(
@@ -77,39 +77,12 @@ def test_one_call_opens_the_root_once_and_the_kernel_resolves_every_path(
 ) -> None:
     """The claims of one VMI are read through one descriptor of the root, each directory and file resolved
     inside it by ``openat2`` (no component walked in Python), where the kernel has it."""
-    from runtime.hostroot import HostRoot
-    from tests.libvirt_support import missing
-
-    kernel = HostRoot.openat2
-    if kernel is None:
-        missing("openat2 is not available here (Linux >= 5.6 has it)", "openat2")
     write_vmi_tree(tmp_path, MANY, {(f"c{i}", "r"): address for i, address in enumerate(ADDRESSES)})
-    asked: list[bytes] = []
-
-    def recording(dirfd: int, path: bytes, flags: int) -> int:
-        asked.append(path)
-        assert kernel is not None
-        return kernel(dirfd, path, flags)
-
-    def no_walk(*args: object, **kwargs: object) -> object:
-        raise AssertionError(f"walked in Python: {args}")
-
-    root_opens: list[object] = []
-    real_open = os.open
-
-    def counting_open(path: object, *args: object, **kwargs: object) -> int:
-        if path == tmp_path or path == str(tmp_path):
-            root_opens.append(path)
-        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(HostRoot, "openat2", recording)
-    monkeypatch.setattr(os, "lstat", no_walk)
-    monkeypatch.setattr(os, "readlink", no_walk)
-    monkeypatch.setattr(os, "open", counting_open)
+    seen = watch_kernel_paths(monkeypatch, tmp_path)
     outcomes = MetadataFiles(tmp_path).resolve(MANY)
     assert [str(outcomes[("gpus", i)].source) for i in range(4)] == ADDRESSES
-    assert len(root_opens) == 1
-    assert asked == [f"resourceclaims/rc{i}/r".encode() for i in range(4)]
+    assert seen.root_opens == 1
+    assert seen.asked == [f"resourceclaims/rc{i}/r".encode() for i in range(4)]
 
 
 def test_nothing_read_is_kept_from_one_call_to_the_next(tmp_path: Path, resolver: str) -> None:
