@@ -103,12 +103,7 @@ class RealKernel:
         # <root>/lib/modules/<release>/, which is all of the host the agent's pod mounts there (no host
         # /sbin to chroot into).
         argv = ["modprobe", module] if str(root) == "/" else ["modprobe", "-d", str(root), module]
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=MODPROBE_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired:
-            raise AgentError(f"{' '.join(argv)} did not finish in {MODPROBE_TIMEOUT:.0f} s") from None
-        except OSError as exc:
-            raise AgentError(f"cannot run {' '.join(argv)}: {exc.strerror or exc}") from None
+        done = self.run(argv, MODPROBE_TIMEOUT)
         if done.returncode != 0:
             raise AgentError(f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
 
