@@ -246,7 +246,7 @@ class SysfsView:
         if directory is None:
             return None
         try:
-            return FunctionLinks(_link_name(directory, "iommu_group"), _link_name(directory, "driver"))
+            return self.links(directory)
         finally:
             os.close(directory)
 
