@@ -52,10 +52,11 @@ def error_exit(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def run_cli(command: click.Command, prog_name: str, args: list[str] | None = None) -> NoReturn:
-    """Run ``command`` (a click group or command) as the program ``prog_name`` and exit."""
+def run_cli(command: click.Command, prog_name: str, args: list[str] | None = None, obj: object = None) -> NoReturn:
+    """Run ``command`` (a click group or command) as the program ``prog_name`` and exit; ``obj`` is click's
+    context object (the node agent's tests pass their simulated kernel through it)."""
     try:
-        result = command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        result = command.main(args=args, prog_name=prog_name, standalone_mode=False, obj=obj)
     except click.UsageError as exc:
         if exc.ctx is not None:
             sys.stderr.write(f"{exc.ctx.get_usage()}\nTry '{exc.ctx.command_path} --help' for help.\n")
