@@ -10,7 +10,6 @@ Stopping the agent changes nothing: ``--stay`` only waits for SIGTERM/SIGINT and
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ import click
 
 from node_agent.bind import bind as bind_groups
 from node_agent.bind import driver_chooser, missing_bindings, select
+from node_agent.bind import load_aliases as read_aliases
 from node_agent.bind import unbind as unbind_groups
-from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, parse_vfio_aliases
+from node_agent.drivers import VfioAlias
 from node_agent.kernel import AgentError, Kernel, RealKernel
 from node_agent.mig import NVIDIA_SMI, NvidiaSmi
 from node_agent.state import DEFAULT_STATE_DIR, read_state, set_ready, write_section
@@ -54,12 +54,11 @@ def _kernel(context: click.Context, fs: Sysfs) -> Kernel:
 def load_aliases(fs: Sysfs, release: str | None = None) -> list[VfioAlias]:
     """The ``vfio_pci:`` aliases of the running kernel's modules.alias under the host root (none when absent:
     every device then takes vfio-pci), read through the host root's resolver."""
-    path = fs.root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
-    text = fs.read(path, MAX_MODULES_ALIAS)
-    if text is None:
-        log.info("no %s: every device takes vfio-pci", path)
+    aliases = read_aliases(fs, release)
+    if aliases is None:
+        log.info("no modules.alias under %s: every device takes vfio-pci", fs.root / "lib" / "modules")
         return []
-    return parse_vfio_aliases(text)
+    return aliases
 
 
 def _emit(report: dict[str, Any]) -> None:
