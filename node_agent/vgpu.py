@@ -705,7 +705,7 @@ def apply(
         _enable_vfs(fs, kernel, parent, report)
     if enabled:
         try:
-            plans = plan_all(fs, kernel, specs, names, memory, None, claimed)  # with the VFs and the types they offer
+            plans = plan_all(fs, kernel, specs, names, memory, tool, claimed)  # with the VFs and the types they offer
             errors = [error for plan in plans for error in plan.errors]
         except AgentError as exc:  # the node could not be read again: as a refusal, the VFs go off again
             errors = [str(exc)]
