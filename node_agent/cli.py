@@ -519,13 +519,23 @@ def workload_apply(
         fs, kernel, desired, allowed_groups=allowed_groups, remembered=_remembered(state_dir), nvidia_smi=nvidia_smi
     )
     outcome = apply_transition(fs, kernel, transition, state_dir=state_dir)
+    problem = None
     if validations_dir:
-        write_validations(Path(validations_dir), outcome, outcome.workloads, default)
-    _emit({"plan": transition.as_dict(), "outcome": outcome.as_dict()})
+        try:
+            written: dict[str, bool] | None = write_validations(
+                Path(validations_dir), outcome, outcome.workloads, default
+            )
+        except AgentError as exc:  # the outcome is still reported: the node may have changed
+            written, problem = None, f"validator readiness files: {exc}"
+    else:
+        written = None
+    _emit({"plan": transition.as_dict(), "outcome": outcome.as_dict(), "validations": written})
     for step in outcome.done:
         log.info("%s", step)
     if outcome.state != "success":
-        raise AgentError(f"workload {default}: {outcome.message}")
+        raise AgentError(f"workload {default}: {outcome.message}" + (f"; {problem}" if problem else ""))
+    if problem is not None:
+        raise AgentError(problem)
     if stay:
         _stay()
 

@@ -77,6 +77,11 @@ class GpuOverride:
             raise AgentError(f"{self.source}: workload {self.workload!r} is none of {', '.join(WORKLOADS)}")
         if (self.address is None) == (self.device is None):
             raise AgentError(f"{self.source}: name the GPU by address or by device, one of them")
+        if self.address is not None:  # one spelling (lower case, with its domain), as sysfs names it
+            try:
+                object.__setattr__(self, "address", str(PciAddress.parse(self.address.strip().lower())))
+            except InputError as exc:
+                raise AgentError(f"{self.source}: {exc}") from None
 
     def matches(self, function: PciFunction) -> bool:
         if self.address is not None:

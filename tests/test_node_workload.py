@@ -23,7 +23,9 @@ from node_agent.workload import (
     plan_transition,
 )
 from simkit.agent_nodes import build_mig_node
+from simkit.fixture_nodes import CLASS_3D, NVIDIA
 from simkit.kernel_sim import SimKernel
+from simkit.sysfs_fixture import Function, Node
 from tests.node_agent_support import build_node, mdev_node, passthrough_node
 
 T4S = ("0000:3b:00.0", "0000:af:00.0")
@@ -293,7 +295,7 @@ def test_overrides_keep_some_gpus_for_containers_and_send_the_rest_to_vms(card_s
         "vm-passthrough",
         overrides=(
             GpuOverride("container", device=(0x10DE, 0x1F08)),  # both RTX 2060s by selector ...
-            GpuOverride("vm-passthrough", address=OTHER),  # ... but an address wins
+            GpuOverride("vm-passthrough", address=OTHER.upper()),  # ... but an address wins (in any case)
         ),
     )
     transition, outcome = move(card_sim, desired)
@@ -319,3 +321,23 @@ def test_unknown_workloads_are_refused_by_name() -> None:
         Desired("vm")
     with pytest.raises(AgentError, match="by address or by device"):
         GpuOverride("container")
+
+
+def test_gpus_sharing_a_group_cannot_be_split_across_vfio(tmp_path: Path) -> None:
+    node = Node(
+        name="shared",
+        functions=(
+            Function("0000:01:00.0", NVIDIA, 0x1EB8, CLASS_3D, "nvidia", 9, 0),
+            Function("0000:02:00.0", NVIDIA, 0x1EB8, CLASS_3D, "nvidia", 9, 0),
+        ),
+    )
+    sim = build_node(node, tmp_path / "root")
+    desired = Desired("vm-passthrough", overrides=(GpuOverride("container", address="0000:02:00.0"),))
+    transition, outcome = move(sim, desired)
+    assert outcome.state == "refused" and sim.writes == 0
+    assert any(
+        refusal.startswith("IOMMU group 9 holds GPUs 0000:01:00.0 (vm-passthrough), 0000:02:00.0 (container)")
+        for refusal in transition.refusals
+    )
+    _, outcome = move(sim, Desired("vm-passthrough"))  # one workload for both: fine
+    assert outcome.state == "success" and drivers(sim, "0000:01:00.0", "0000:02:00.0") == ["vfio-pci"] * 2

@@ -134,6 +134,8 @@ def test_workload_apply_keeps_the_configured_gpu_for_containers_and_writes_the_r
     assert (validations / "workload-type").read_text() == "vm-passthrough\n"
     assert (validations / "vfio-pci-ready").read_text() == ""
     assert sorted(os.listdir(validations)) == ["vfio-pci-ready", "workload-type"]
+    assert done["validations"] == {"workload-type": True, "vfio-pci-ready": True, "host-vgpu-manager-ready": False,
+                                   "vgpu-devices-ready": False}  # fmt: skip
     state = json.loads((card_sim.root.parent / "state/state.json").read_text())
     assert state["workload"]["state"] == "success" and state["workload"]["workload"] == "vm-passthrough"
 
@@ -148,6 +150,17 @@ def test_workload_apply_keeps_the_configured_gpu_for_containers_and_writes_the_r
     assert report(refused)["outcome"]["state"] == "refused" and card_sim.log == log
     assert (validations / "workload-type").read_text() == "container\n"
     assert not (validations / "vfio-pci-ready").exists()  # not ready for what the node is asked to be
+
+
+def test_an_unwritable_validations_directory_still_reports_the_outcome(card_sim: SimKernel, tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    result = agent(
+        card_sim, "workload", "apply", "--workload", "vm-passthrough", "--validations-dir", str(blocked / "v")
+    )
+    assert result.exit_code == 1 and "validator readiness files: cannot write" in str(result.exception)
+    done = report(result)
+    assert done["outcome"]["state"] == "success" and done["validations"] is None
 
 
 def test_workload_apply_names_an_override_for_a_gpu_the_node_lacks(card_sim: SimKernel, tmp_path: Path) -> None:
