@@ -26,12 +26,13 @@ to the :class:`~node_agent.kernel.Kernel`. Rules (docs/node-agent.md):
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node_agent.drivers import VfioAlias, choose_module, driver_of_module
+from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, choose_module, driver_of_module, parse_vfio_aliases
 from node_agent.kernel import AgentError, Kernel
 from node_agent.sysfs import NVIDIA_VENDOR, PciFunction, Sysfs, all_addresses, holders, read_function
 from node_agent.usage import HostUse, walk
@@ -129,7 +130,7 @@ def unbind_steps(fs: Sysfs, function: PciFunction) -> list[Step]:
     return steps
 
 
-def _groups(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
+def groups_of(fs: Sysfs, selected: list[str], report: Report) -> dict[int, list[PciFunction]]:
     """Selected functions grouped by IOMMU group, with every other (non-PCI-bridge) function of each group. A
     function or group that cannot be read is a refusal naming it (the other groups are still done)."""
     groups: dict[int, list[PciFunction]] = {}
@@ -228,9 +229,15 @@ def group_holders(fs: Sysfs, kernel: Kernel | None, group: int) -> list[str] | N
 
 
 def _refusal(
-    fs: Sysfs, kernel: Kernel, group: int, members: list[PciFunction], leaving: list[PciFunction]
+    fs: Sysfs,
+    kernel: Kernel,
+    group: int,
+    members: list[PciFunction],
+    leaving: list[PciFunction],
+    vfs_going: frozenset[str] = frozenset(),
 ) -> str | None:
-    """Why the functions in ``leaving`` (about to be unbound from their driver) must stay; None when they may go."""
+    """Why the functions in ``leaving`` (about to be unbound from their driver) must stay; None when they may go.
+    ``vfs_going``: PFs whose SR-IOV VFs the caller turns off before the unbind (their VFs are no reason)."""
     if any(member.driver in VFIO_DRIVERS for member in members):
         held = group_holders(fs, kernel, group)
         if held is not None:
@@ -251,7 +258,8 @@ def _refusal(
         owners.update(dict.fromkeys(nodes, member))
         reasons = host.reasons(usage)
         numvfs = fs.read(fs.pci_devices / member.address / "sriov_numvfs")
-        if numvfs and numvfs != "0":  # unbinding a PF's driver disables SR-IOV: every VF goes, whoever has it
+        # Unbinding a PF's driver disables SR-IOV: every VF goes, whoever has it.
+        if numvfs and numvfs != "0" and member.address not in vfs_going:
             reasons.append(f"{numvfs} SR-IOV VFs are enabled (its virtfn* links); unbinding its driver removes them")
         if member.pci_class >> 16 == NETWORK_CLASS and not usage.interfaces:
             reasons.append(
@@ -282,7 +290,7 @@ def _apply(kernel: Kernel, steps: list[Step]) -> None:
         kernel.write(step.path, step.value)
 
 
-def _unwritable(fs: Sysfs, group: int, steps: Iterable[Step]) -> str | None:
+def unwritable(fs: Sysfs, group: int, steps: Iterable[Step]) -> str | None:
     """Why one of ``steps`` could not be written inside the host root (checked before the group's first write)."""
     for step in steps:
         try:
@@ -290,6 +298,14 @@ def _unwritable(fs: Sysfs, group: int, steps: Iterable[Step]) -> str | None:
         except AgentError as exc:
             return f"IOMMU group {group}: {exc}; nothing written to the group"
     return None
+
+
+def load_aliases(fs: Sysfs, release: str | None = None) -> list[VfioAlias] | None:
+    """The ``vfio_pci:`` aliases of the running kernel's modules.alias under the host root, read through the
+    host root's resolver; None when the file is absent (every device then takes vfio-pci)."""
+    path = fs.root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
+    text = fs.read(path, MAX_MODULES_ALIAS)
+    return None if text is None else parse_vfio_aliases(text)
 
 
 def driver_chooser(fs: Sysfs, aliases: list[VfioAlias]) -> Callable[[PciFunction], str]:
@@ -309,7 +325,7 @@ def ensure_driver(fs: Sysfs, kernel: Kernel, driver: str) -> None:
         raise AgentError(f"loaded {module}, yet {fs.pci_drivers / driver} does not exist")
 
 
-def _bind_plan(
+def bind_checks(
     fs: Sysfs,
     kernel: Kernel,
     group: int,
@@ -318,9 +334,10 @@ def _bind_plan(
     choose: Callable[[PciFunction], str],
     allow: set[int],
     report: Report,
-) -> list[tuple[PciFunction, list[Step]]] | None:
-    """The writes that bind ``group``, every check made (None: nothing to write, or refused into ``report``);
-    :class:`AgentError` when the node cannot be read or checked. Nothing is written here."""
+    vfs_going: frozenset[str] = frozenset(),
+) -> list[PciFunction] | None:
+    """Every check binding ``group`` needs, writing and loading nothing: the functions that move (None: nothing
+    to move, or refused into ``report``); :class:`AgentError` when the node cannot be read or checked."""
     others = foreign(members, selected)
     if others and group not in allow:
         report.refused.append(foreign_refusal(group, others))
@@ -332,14 +349,34 @@ def _bind_plan(
         report.unchanged.extend(member.address for member in members)
         return None
     leaving = [member for member in moving if member.driver is not None]
-    refusal = _refusal(fs, kernel, group, members, leaving) if leaving else None
+    refusal = _refusal(fs, kernel, group, members, leaving, vfs_going) if leaving else None
     if refusal is not None:
         report.refused.append(refusal)
         return None
+    return moving
+
+
+def _bind_plan(
+    fs: Sysfs,
+    kernel: Kernel,
+    group: int,
+    members: list[PciFunction],
+    selected: list[str],
+    choose: Callable[[PciFunction], str],
+    allow: set[int],
+    report: Report,
+) -> list[tuple[PciFunction, list[Step]]] | None:
+    """The writes that bind ``group``, every check made (None: nothing to write, or refused into ``report``);
+    :class:`AgentError` when the node cannot be read or checked. Nothing is written here (a missing VFIO
+    driver's module is loaded)."""
+    moving = bind_checks(fs, kernel, group, members, selected, choose, allow, report)
+    if moving is None:
+        return None
+    targets = report.drivers
     for driver in sorted({targets[member.address] for member in moving}):
         ensure_driver(fs, kernel, driver)
     plans = [(member, bind_steps(fs, member, targets[member.address])) for member in members]
-    refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+    refusal = unwritable(fs, group, (step for _, steps in plans for step in steps))
     if refusal is not None:
         report.refused.append(refusal)
         return None
@@ -358,7 +395,7 @@ def bind(
     report = Report()
     start = kernel.writes
     allow = set(allowed)
-    for group, members in _groups(fs, selected, report).items():
+    for group, members in groups_of(fs, selected, report).items():
         try:
             plans = _bind_plan(fs, kernel, group, members, selected, choose, allow, report)
         except AgentError as exc:  # the node could not be read or checked: this group is refused, whole
@@ -388,7 +425,7 @@ def unbind(fs: Sysfs, kernel: Kernel, selected: list[str]) -> Report:
     (or pinned to) a VFIO driver; a group a VM holds is refused."""
     report = Report()
     start = kernel.writes
-    for group, members in _groups(fs, selected, report).items():
+    for group, members in groups_of(fs, selected, report).items():
         plans = [(member, unbind_steps(fs, member)) for member in members]
         moving = [member for member, steps in plans if steps]
         if not moving:
@@ -399,7 +436,7 @@ def unbind(fs: Sysfs, kernel: Kernel, selected: list[str]) -> Report:
             names = ", ".join(f"{m.address} ({m.vendor_device}, on {m.driver or 'no driver'})" for m in moving)
             report.refused.append(f"IOMMU group {group} is in use by a VM: {'; '.join(held)}; not unbinding {names}")
             continue
-        refusal = _unwritable(fs, group, (step for _, steps in plans for step in steps))
+        refusal = unwritable(fs, group, (step for _, steps in plans for step in steps))
         if refusal is not None:
             report.refused.append(refusal)
             continue
@@ -426,7 +463,7 @@ def missing_bindings(
     report = Report()
     missing: list[str] = []
     allow = set(allowed)
-    for group, members in _groups(fs, selected, report).items():
+    for group, members in groups_of(fs, selected, report).items():
         others = foreign(members, selected)
         if others and group not in allow:
             missing.append(foreign_refusal(group, others))

@@ -10,7 +10,6 @@ Stopping the agent changes nothing: ``--stay`` only waits for SIGTERM/SIGINT and
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,20 @@ import click
 
 from node_agent.bind import bind as bind_groups
 from node_agent.bind import driver_chooser, missing_bindings, select
+from node_agent.bind import load_aliases as read_aliases
 from node_agent.bind import unbind as unbind_groups
-from node_agent.drivers import MAX_MODULES_ALIAS, VfioAlias, parse_vfio_aliases
+from node_agent.drivers import VfioAlias
 from node_agent.kernel import AgentError, Kernel, RealKernel
 from node_agent.mig import NVIDIA_SMI, NvidiaSmi
 from node_agent.state import DEFAULT_STATE_DIR, read_state, set_ready, write_section
 from node_agent.sysfs import Sysfs
+from node_agent.validations import DEFAULT_DIR as VALIDATIONS_DIR
+from node_agent.validations import write_validations
 from node_agent.vgpu import apply as apply_vgpus
 from node_agent.vgpu import pending, plan_all
 from node_agent.vgpu_config import MAX_CONFIG_BYTES, VgpuSpec, parse_config, select_config
+from node_agent.workload import WORKLOADS, Desired, apply_transition, plan_transition
+from node_agent.workload_config import load_workload_config
 from runtime.cli_options import log_format_option
 from runtime.files import read_regular_file
 from runtime.logs import component_logger, configure_logging
@@ -38,7 +42,6 @@ from schemas.logformat import LogFormat
 
 COMPONENT = "node_agent"
 ENV_PREFIX = "GPU_NODE_AGENT"
-WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 log = component_logger(COMPONENT)
 
 
@@ -54,12 +57,11 @@ def _kernel(context: click.Context, fs: Sysfs) -> Kernel:
 def load_aliases(fs: Sysfs, release: str | None = None) -> list[VfioAlias]:
     """The ``vfio_pci:`` aliases of the running kernel's modules.alias under the host root (none when absent:
     every device then takes vfio-pci), read through the host root's resolver."""
-    path = fs.root / "lib" / "modules" / (release or os.uname().release) / "modules.alias"
-    text = fs.read(path, MAX_MODULES_ALIAS)
-    if text is None:
-        log.info("no %s: every device takes vfio-pci", path)
+    aliases = read_aliases(fs, release)
+    if aliases is None:
+        log.info("no modules.alias under %s: every device takes vfio-pci", fs.root / "lib" / "modules")
         return []
-    return parse_vfio_aliases(text)
+    return aliases
 
 
 def _emit(report: dict[str, Any]) -> None:
@@ -436,6 +438,104 @@ def vgpu_apply(
     kernel = _kernel(click.get_current_context(), fs)
     done = _apply(fs, kernel, state_dir, config_file, config_name, parents, nvidia_smi)
     _emit({"config": config_name, **done})
+    if stay:
+        _stay()
+
+
+@cli.group()
+def workload() -> None:
+    """Move the node's GPUs between workloads (container, vm-passthrough, vm-vgpu), per GPU if configured."""
+
+
+@workload.command("apply")
+@host_root_option
+@state_dir_option
+@click.option(
+    "--workload",
+    "default",
+    type=click.Choice(WORKLOADS),
+    required=True,
+    envvar=env("workload"),
+    show_envvar=True,
+    help="The node's workload (the nvidia.com/gpu.workload.config label's value): every GPU the config names not.",
+)
+@click.option(
+    "--config",
+    "workload_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("workload_config"),
+    show_envvar=True,
+    help="Per-GPU workloads (version: v1, gpus: [{address|device, workload}]); docs/node-agent.md.",
+)
+@click.option(
+    "--vgpu-config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("vgpu_config"),
+    show_envvar=True,
+    help="The vGPU config file, for the vm-vgpu GPUs.",
+)
+@click.option("--vgpu-select", "config_name", envvar=env("vgpu_select"), show_envvar=True, help="The config's name.")
+@click.option(
+    "--allow-group",
+    "allowed_groups",
+    multiple=True,
+    type=click.IntRange(min=0),
+    envvar=env("allow_groups"),
+    show_envvar=True,
+    metavar="N",
+    help="As bind --allow-group: IOMMU group N may move with functions that are not the GPU's own.",
+)
+@click.option(
+    "--validations-dir",
+    "validations_dir",
+    default=str(VALIDATIONS_DIR),
+    show_default=True,
+    envvar=env("validations_dir"),
+    show_envvar=True,
+    help="Where the GPU Operator's validator readiness files go (empty: none written).",
+)
+@nvidia_smi_option
+@click.option("--stay", is_flag=True, help="After applying, wait for SIGTERM/SIGINT (then exit, changing nothing).")
+def workload_apply(
+    host_root: Path,
+    state_dir: Path,
+    default: str,
+    workload_config: Path | None,
+    config_file: Path | None,
+    config_name: str | None,
+    allowed_groups: tuple[int, ...],
+    validations_dir: str,
+    nvidia_smi: str,
+    stay: bool,
+) -> None:
+    """Plan the move of every NVIDIA GPU to its workload and, unless it is refused, carry it out."""
+    fs = Sysfs(host_root)
+    kernel = _kernel(click.get_current_context(), fs)
+    overrides = load_workload_config(workload_config) if workload_config is not None else ()
+    specs = _specs(config_file, config_name) if config_file is not None or config_name else ()
+    desired = Desired(default, overrides, specs)
+    transition = plan_transition(
+        fs, kernel, desired, allowed_groups=allowed_groups, remembered=_remembered(state_dir), nvidia_smi=nvidia_smi
+    )
+    outcome = apply_transition(fs, kernel, transition, state_dir=state_dir)
+    problem = None
+    if validations_dir:
+        try:
+            written: dict[str, bool] | None = write_validations(
+                Path(validations_dir), outcome, outcome.workloads, default
+            )
+        except AgentError as exc:  # the outcome is still reported: the node may have changed
+            written, problem = None, f"validator readiness files: {exc}"
+    else:
+        written = None
+    _emit({"plan": transition.as_dict(), "outcome": outcome.as_dict(), "validations": written})
+    for step in outcome.done:
+        log.info("%s", step)
+    if outcome.state != "success":
+        raise AgentError(f"workload {default}: {outcome.message}" + (f"; {problem}" if problem else ""))
+    if problem is not None:
+        raise AgentError(problem)
     if stay:
         _stay()
 

@@ -24,7 +24,8 @@ from schemas.node_agent_state import MAX_STATE_BYTES, READY_FILE, STATE_FILE
 DEFAULT_STATE_DIR = Path(schema.DEFAULT_STATE_DIR)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory, flushed and renamed over it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -55,14 +56,14 @@ def write_section(directory: Path, section: str, content: dict[str, Any]) -> Non
     """Replace ``section`` of the state file with ``content`` (stamped with the time), atomically."""
     state = read_state(directory) or schema.new_state()
     state[section] = {**content, schema.UPDATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _atomic_write(directory / STATE_FILE, schema.encode_state(state))
+    atomic_write(directory / STATE_FILE, schema.encode_state(state))
 
 
 def set_ready(directory: Path, ready: bool, detail: dict[str, Any]) -> None:
     """Create (ready) or remove (not ready) the readiness file a DaemonSet's probe checks."""
     path = directory / READY_FILE
     if ready:
-        _atomic_write(path, json.dumps(detail, sort_keys=True) + "\n")
+        atomic_write(path, json.dumps(detail, sort_keys=True) + "\n")
         return
     try:
         path.unlink(missing_ok=True)

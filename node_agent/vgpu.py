@@ -36,7 +36,7 @@ other check passed) and, should a name prove unknown, turned off again, so the n
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -208,10 +208,11 @@ def gpu_indexes(fs: Sysfs) -> dict[str, int]:
     return {address: index for index, address in enumerate(sorted(gpus))}
 
 
-def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
+def read_parents(fs: Sysfs, names: Iterable[str] = (), required: bool = True) -> list[Parent]:
     """The managed vGPU parents, GPUs in index order then other parents by name: the ``names`` given, else
     every NVIDIA one. A GPU's index is :func:`gpu_indexes`'s; a parent that is no NVIDIA GPU (the kernel's
-    sample drivers) is numbered after the GPUs, in name order."""
+    sample drivers) is numbered after the GPUs, in name order. ``required=False``: a node without any is an
+    empty list, not an error."""
     wanted = set(names)
     indexes = gpu_indexes(fs)
     parents: dict[str, Parent] = {}
@@ -229,7 +230,7 @@ def read_parents(fs: Sysfs, names: Iterable[str] = ()) -> list[Parent]:
     missing = wanted - set(parents)
     if missing:
         raise AgentError(f"no vGPU parent named {', '.join(sorted(missing))} (no mdev_bus entry or SR-IOV GPU)")
-    if not parents:
+    if not parents and required:
         raise AgentError(
             f"no vGPU parent on this node: no NVIDIA GPU in {fs.sys / 'class' / 'mdev_bus'} and no NVIDIA GPU with "
             "sriov_totalvfs (is the NVIDIA vGPU manager driver loaded?)"
@@ -573,14 +574,21 @@ class ApplyReport:
         }
 
 
-def _held(fs: Sysfs, kernel: Kernel | None, parent: Parent) -> dict[str, list[str]]:
+def _held(
+    fs: Sysfs, kernel: Kernel | None, parent: Parent, claimed: Mapping[str, list[str]] | None = None
+) -> dict[str, list[str]]:
+    """Who holds each of ``parent``'s vGPUs: a VM (its group node), or what ``claimed`` says (a pod the kubelet
+    allocated it to, a VM not started yet)."""
     held: dict[str, list[str]] = {}
+    for vgpu, _ in parent.groups:
+        if claimed and vgpu in claimed:
+            held[vgpu] = list(claimed[vgpu])
     for vgpu, group in parent.groups:
         if group is None:
             continue
         holders = group_holders(fs, kernel, group)
         if holders is not None:
-            held[vgpu] = holders
+            held[vgpu] = [*holders, *held.get(vgpu, [])]
     return held
 
 
@@ -618,17 +626,19 @@ def plan_all(
     parent_names: Iterable[str],
     remembered: dict[str, dict[int, str]],
     mig: MigTool | None = None,
+    claimed: Mapping[str, list[str]] | None = None,
 ) -> list[ParentPlan]:
     """Every managed parent's plan (reading the node and who holds its vGPUs: without a ``kernel``, from /proc
     only, never opening a group node, as a read-only probe must). ``mig`` reads the MIG state of MIG-capable
-    GPUs (queries only); a parent whose MIG step has changes gets only that step now, its vGPUs planned after."""
+    GPUs (queries only); a parent whose MIG step has changes gets only that step now, its vGPUs planned after.
+    ``claimed``: vGPU ID → who else holds it (a pod's allocation), never removed like a VM's."""
     plans = []
     for parent in read_parents(fs, parent_names):
         asked = asked_for(parent, specs)
         if asked is None:
             continue
         memory = remembered.get(parent.name, {})
-        held = _held(fs, kernel, parent)
+        held = _held(fs, kernel, parent, claimed)
         gpu = mig_gpu(parent)
         if gpu is None:
             refused = [
@@ -675,14 +685,16 @@ def apply(
     remembered: dict[str, dict[int, str]] | None = None,
     new_uuid: Callable[[], str] = lambda: str(uuid.uuid4()),
     mig: MigTool | None = None,
+    claimed: Mapping[str, list[str]] | None = None,
 ) -> ApplyReport:
-    """Make the managed parents' vGPUs what ``specs`` asks (see the module doc); returns what changed."""
+    """Make the managed parents' vGPUs what ``specs`` asks (see the module doc); returns what changed.
+    ``claimed``: as :func:`plan_all`'s."""
     names = list(parent_names)
     memory = remembered or {}
     report = ApplyReport()
     start = kernel.writes
     tool = mig if mig is not None else NvidiaSmi(kernel)
-    plans = plan_all(fs, kernel, specs, names, memory, tool)
+    plans = plan_all(fs, kernel, specs, names, memory, tool, claimed)
     errors = [error for plan in plans for error in plan.errors]
     if errors:
         raise AgentError("; ".join(errors))
@@ -693,7 +705,7 @@ def apply(
         _enable_vfs(fs, kernel, parent, report)
     if enabled:
         try:
-            plans = plan_all(fs, kernel, specs, names, memory)  # with the VFs and the types they offer
+            plans = plan_all(fs, kernel, specs, names, memory, tool, claimed)  # with the VFs and the types they offer
             errors = [error for plan in plans for error in plan.errors]
         except AgentError as exc:  # the node could not be read again: as a refusal, the VFs go off again
             errors = [str(exc)]
@@ -710,19 +722,56 @@ def apply(
         assert plan.mig is not None
         _mig_step(fs, kernel, tool, plan.mig, report)
     if stepped:
-        plans = [plan for plan in plans if plan not in stepped] + _replan(fs, kernel, stepped, memory)
+        plans = [plan for plan in plans if plan not in stepped] + _replan(fs, kernel, stepped, memory, claimed)
     for plan in plans:
         _remove(fs, kernel, plan, report)
     for plan in plans:
         _create(fs, kernel, plan, report, new_uuid)
+    _finish(fs, names, memory, plans, report)
+    report.writes = kernel.writes - start
+    report.mig_commands = list(tool.commands)
+    return report
+
+
+def _finish(
+    fs: Sysfs, names: list[str], memory: dict[str, dict[int, str]], plans: list[ParentPlan], report: ApplyReport
+) -> None:
+    """The report's vGPUs and SR-IOV type names as the node now has them."""
     planned = {plan.parent.name: plan.known for plan in plans}
     for parent in read_parents(fs, names):
         report.vgpus[parent.name] = parent.vgpus()
         if parent.kind == "sriov":
             known = {**planned.get(parent.name, {}), **known_sriov_types(parent, memory.get(parent.name, {}))}
             report.type_names.update(encode_type_names({parent.name: known}))
+
+
+NO_VGPUS = (VgpuSpec(None, (), ()),)
+"""A config asking every GPU for no vGPU (what a GPU leaving ``vm-vgpu`` gets)."""
+
+
+def remove_all(
+    fs: Sysfs,
+    kernel: Kernel,
+    parent_names: Iterable[str],
+    remembered: dict[str, dict[int, str]] | None = None,
+    claimed: Mapping[str, list[str]] | None = None,
+) -> ApplyReport:
+    """Remove every vGPU of the named parents, refusing (before any write) when a VM or ``claimed`` holds one;
+    MIG mode and GPU instances are left as they are (no nvidia-smi runs)."""
+    names = list(parent_names)
+    memory = remembered or {}
+    report = ApplyReport()
+    start = kernel.writes
+    plans = plan_all(fs, kernel, NO_VGPUS, names, memory, None, claimed)
+    errors = [error for plan in plans for error in plan.errors]
+    if errors:
+        raise AgentError("; ".join(errors))
+    for path in _targets(fs, plans):
+        fs.check_writable(path)
+    for plan in plans:
+        _remove(fs, kernel, plan, report)
+    _finish(fs, names, memory, plans, report)
     report.writes = kernel.writes - start
-    report.mig_commands = list(tool.commands)
     return report
 
 
@@ -804,14 +853,18 @@ def _mig_step(fs: Sysfs, kernel: Kernel, tool: MigTool, plan: MigPlan, report: A
 
 
 def _replan(
-    fs: Sysfs, kernel: Kernel, stepped: list[ParentPlan], memory: dict[str, dict[int, str]]
+    fs: Sysfs,
+    kernel: Kernel,
+    stepped: list[ParentPlan],
+    memory: dict[str, dict[int, str]],
+    claimed: Mapping[str, list[str]] | None = None,
 ) -> list[ParentPlan]:
     """The vGPU plans of the GPUs whose MIG step just ran, read afresh (their VFs now list the MIG-backed types
     their new GPU instances can take)."""
     plans = []
     for old in stepped:
         parent = replace(_sriov_parent(fs, old.parent.name, old.parent.device_id or 0), index=old.parent.index)
-        plan = plan_parent(parent, old.asked, memory.get(parent.name, {}), _held(fs, kernel, parent))
+        plan = plan_parent(parent, old.asked, memory.get(parent.name, {}), _held(fs, kernel, parent, claimed))
         if plan.errors:
             raise AgentError(
                 "; ".join(plan.errors) + f" (the MIG step of {parent.name} is done: its GPU instances are in place)"

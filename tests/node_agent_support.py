@@ -23,7 +23,7 @@ __all__ = [
     "report",
 ]
 
-_COMMANDS = {"bind", "unbind", "validate", "prepare", "vgpu", "apply"}
+_COMMANDS = {"bind", "unbind", "validate", "prepare", "vgpu", "workload", "apply"}
 
 
 def agent(kernel: SimKernel, *args: str, state_dir: Path | None = None, env: dict[str, str] | None = None) -> Result:

@@ -48,6 +48,11 @@ vgpu-configs:
   time-sliced:
     - devices: [0]
       vgpu-devices: {A100-10C: 2}
+  mig-and-l40s:
+    - devices: [0]
+      vgpu-devices: {A100-1-5C: 2}
+    - devices: [2]
+      vgpu-devices: {L40S-1B: 1}
 """
 CHANGING = ("-mig", "-r", "-cgi", "-dci", "-dgi")
 
@@ -113,6 +118,16 @@ def test_a_mig_backed_config_creates_gpu_instances_then_vgpus_on_an_a100_and_an_
     state = json.loads((sim.root.parent / "state/state.json").read_text())
     assert state["vgpu"]["status"] == "success"
     assert state["vgpu"]["type_names"][A100]["704"] == "NVIDIA A100-3-20C"
+
+
+def test_a_mig_gpu_beside_a_gpu_whose_vfs_are_turned_on_still_gets_its_mig_step(sim: SimKernel) -> None:
+    """Enabling the L40S's VFs re-plans every GPU: the A100's MIG step must survive that (was: planned again
+    without nvidia-smi, its vGPUs silently missing and the apply reported as done)."""
+    code, _, error = apply(sim, "mig-and-l40s")
+    assert code == 0, error
+    assert sim.mig_layout(A100) == (True, [("1g.5gb", 0), ("1g.5gb", 1)])
+    assert counts(sim, A100) == {700: 2}
+    assert counts(sim, L40S) == {557: 1}
 
 
 def test_a_reapply_changes_nothing(sim: SimKernel) -> None:
