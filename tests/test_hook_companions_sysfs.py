@@ -7,8 +7,8 @@ a hook sidecar that reads it. The hook then reads each passthrough GPU's compani
 ``Allocate`` on every tree; ``launcher-hook serve --pod-resources-socket … --sysfs-root <tree>/sys`` gives the
 same domain, byte for byte, as the env path with the plugin's variable, and real libvirt puts the card in one
 guest slot; a function on a host driver or in another IOMMU group is no companion; the annotation turns it
-off; a read failure is a warning and the GPU goes alone; the variable, when a source carries it, wins; nothing
-read is kept between calls.
+off; a read failure is a warning and the GPU goes alone; the variable, when a source carries it, wins; what a
+service read is kept for its life, and a new service reads again.
 """
 
 from __future__ import annotations
