@@ -47,10 +47,15 @@ DISPLAY_CLASS = 0x03
 
 class SlotFacts(NamedTuple):
     """What sysfs says of one GPU for the companion rule: ``members``, the other functions of its slot in its
-    IOMMU group with their drivers' names (function order); None when it is no passthrough GPU (not on a VFIO
-    driver, a virtual function, or not display-class)."""
+    IOMMU group with their drivers' names (function order), and ``companions``, the rule's choice among them
+    when the VM has no other GPU there; both empty when it is no passthrough GPU (not on a VFIO driver, a virtual
+    function, or not display-class)."""
 
-    members: tuple[tuple[PciAddress, str | None], ...] | None
+    members: tuple[tuple[PciAddress, str | None], ...]
+    companions: tuple[PciAddress, ...]
+
+
+_NO_GPU = SlotFacts((), ())
 
 
 class SysfsCompanions:
@@ -119,13 +124,14 @@ class SysfsCompanions:
                         if kept is not None:
                             kept.put(gpu, read)
         found_all: list[tuple[PciAddress, ...] | InputError] = []
-        for gpu, each in zip(wanted, facts, strict=True):
-            if isinstance(each, InputError):
-                found_all.append(each)
-            elif each is None or each.members is None:
-                found_all.append(())
+        for each in facts:
+            if each is None or isinstance(each, InputError):
+                found_all.append(each or ())  # (None: never, every GPU was found or read)
+            elif gpus and any(address in gpus for address in each.companions):
+                # select_companions with ``gpus`` is its choice without them, less the VM's GPUs
+                found_all.append(tuple(address for address in each.companions if address not in gpus))
             else:
-                found_all.append(select_companions(gpu, list(each.members), self.vfio_drivers, gpus))
+                found_all.append(each.companions)
         return found_all
 
     def _facts(self, view: SysfsView, gpu: PciAddress) -> SlotFacts:
@@ -136,12 +142,12 @@ class SysfsCompanions:
         try:
             found = view.links(directory)
             if found.driver not in self.vfio_drivers or view.has(directory, "physfn"):
-                return SlotFacts(None)
+                return _NO_GPU
             data, shown = view.read_in(directory, name, "class", MAX_CLASS_BYTES, f"PCI device {gpu}: class")
         finally:
             os.close(directory)
         if _pci_class(data, shown, name) >> 16 != DISPLAY_CLASS:
-            return SlotFacts(None)
+            return _NO_GPU
         if found.group is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu}/iommu_group does not exist")
         members: list[tuple[PciAddress, str | None]] = []
@@ -152,7 +158,7 @@ class SysfsCompanions:
             facts = view.function(f"{slot}{function}")
             if facts is not None and facts.group == found.group:
                 members.append((PciAddress(gpu.domain, gpu.bus, gpu.slot, function), facts.driver))
-        return SlotFacts(tuple(members))
+        return SlotFacts(tuple(members), select_companions(gpu, members, self.vfio_drivers))
 
 
 def _pci_class(data: bytes, shown: str, address: str) -> int:
