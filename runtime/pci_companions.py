@@ -21,9 +21,10 @@ Any problem is an ``InputError`` naming the device and the file; the hook then p
 
 A reader made by :meth:`SysfsCompanions.keeping` (the one a ``HookService`` holds) keeps what it read of each
 GPU (:class:`SlotFacts`: whether it is a passthrough GPU and its slot's functions in its group with their
-drivers) for its own life, at most :data:`runtime.sysfs_paths.MAX_KEPT` GPUs: a GPU read before costs no
-system call; the rule itself (:func:`schemas.companions.select_companions`, which depends on the VM's other
-GPUs) runs on every call. Why the facts cannot change while the pod holds the GPU: :mod:`runtime.sysfs_paths`.
+drivers, and the rule's choice among them, :func:`schemas.companions.select_companions`) for its own life, at
+most :data:`runtime.sysfs_paths.MAX_KEPT` GPUs: a GPU read before costs no system call; the VM's other GPUs,
+which are never companions, are taken out of the kept choice on every call. Why the facts cannot change while
+the pod holds the GPU: :mod:`runtime.sysfs_paths`.
 """
 
 from __future__ import annotations

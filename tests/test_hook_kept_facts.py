@@ -139,6 +139,10 @@ def test_a_gpu_not_seen_before_is_read_and_the_kept_ones_are_not(trees: tuple[Pa
     assert reader.kept.reads == SIZE and made  # the three new GPUs, read through one view
     _, made = calls.during(lambda: reader.read_all(gpus, gpus[:1]))  # another set of the VM's GPUs: the rule reruns
     assert made == [] and reader.read_all(gpus, gpus[:1]) == plain.read_all(gpus, gpus[:1])
+    audio = PciAddress(gpus[0].domain, gpus[0].bus, gpus[0].slot, 1)  # the VM gets a companion as a GPU of its own
+    found, made = calls.during(lambda: reader.read_all(gpus, {*gpus, audio}))
+    assert made == [] and found == plain.read_all(gpus, {*gpus, audio})
+    assert audio not in found[0] and len(found[0]) == 2 and len(found[1]) == 3
 
     bars, plain_bars = SysfsBars(sys_dir).keeping(), SysfsBars(sys_dir)
     assert bars.kept is not None
