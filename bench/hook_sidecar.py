@@ -30,9 +30,11 @@ GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us.
 The round trips above are the steady state: each server is called 100 times before it is timed. A hook server
 keeps what it read of its pod's devices for its life (``launcher_hook/service.py``), so on the paths that read
 the host these are the calls after the first, what KubeVirt's second and third ``OnDefineDomain`` of a VM start
-cost. The first call is measured apart (``--cold N``, default 5; 0: not at all): on each of those paths N fresh
-hook servers and N fresh floor servers, started in turn, each called once after its channel is ready; the
-medians of those first calls and their ratio are printed beside the steady figures. Memory: the largest RSS of the hook
+cost. The first calls are measured apart (``--cold N``, default 5; 0: not at all): on each of those paths N fresh
+hook servers and N fresh floor servers (and N of ``--compare``'s hook), started in turn, each called twice once
+its channel is ready; the medians of the first calls (what a VM start's first ``OnDefineDomain`` costs, the
+process's own warm-up included) and of the second (KubeVirt's next call) are printed beside the steady figures,
+each against the fresh floors' same call. Memory: the largest RSS of the hook
 servers after their runs against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and
 ``os.getloadavg()``) and exits 0; a measurement, not a test.
 """
@@ -279,6 +281,12 @@ class Figure:
     """The median first call of a fresh hook server (``--cold``; the paths that read the host)."""
     cold_floor_s: float | None = None
     """The median first call of a fresh floor server, measured in turn with :attr:`cold_hook_s`'s."""
+    second_hook_s: float | None = None
+    """The median second call of those fresh hook servers."""
+    second_floor_s: float | None = None
+    """The median second call of those fresh floor servers."""
+    cold_other_s: float | None = None
+    """The median first call of fresh servers of ``--compare``'s hook."""
 
     @property
     def ratio(self) -> float:
@@ -302,38 +310,61 @@ def _stub(stack: ExitStack, socket_path: Path) -> Call:
     return call
 
 
-def first_call(
+def first_calls(
     command: list[str],
     socket_path: Path,
     env: dict[str, str],
     cwd: Path | None,
     params: v1alpha3_pb2.OnDefineDomainParams,
-) -> float:
-    """The round trip of the first ``OnDefineDomain`` of a server started now, timed once its channel is ready."""
+) -> tuple[float, float]:
+    """The round trips of the first and second ``OnDefineDomain`` of a server started now, timed once its channel
+    is ready."""
     with (
         server(command, socket_path, env, cwd=cwd),
         grpc.insecure_channel(f"unix:{socket_path}") as channel,
     ):
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
-        started = time.perf_counter()
-        stub(params, timeout=60)
-        return time.perf_counter() - started
+        times: list[float] = []
+        for _ in range(2):
+            started = time.perf_counter()
+            stub(params, timeout=60)
+            times.append(time.perf_counter() - started)
+        return times[0], times[1]
 
 
 def cold_calls(
-    current: Case, directory: Path, env: dict[str, str], base_env: dict[str, str], times: int
-) -> tuple[float, float]:
-    """The median first call of ``times`` fresh hook servers and of ``times`` fresh floor servers, in turn."""
+    current: Case,
+    directory: Path,
+    env: dict[str, str],
+    base_env: dict[str, str],
+    times: int,
+    compare: Path | None,
+) -> tuple[float, float, float, float, float | None]:
+    """The medians of the first and second calls of ``times`` fresh hook servers and as many fresh floor servers
+    (hook first, floor first, hook second, floor second), and of the first calls of ``--compare``'s, in turn."""
     params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
-    hook: list[float] = []
-    floor: list[float] = []
+    hook: list[tuple[float, float]] = []
+    floor: list[tuple[float, float]] = []
+    other: list[float] = []
+    label = f"{current.path}-{current.size}"
     for index in range(times):
-        hook_socket = directory / f"cold-{current.path}-{current.size}-{index}.sock"
-        hook.append(first_call(hook_command(hook_socket, *current.options), hook_socket, env, ROOT, params))
-        floor_socket = directory / f"coldfloor-{current.path}-{current.size}-{index}.sock"
-        floor.append(first_call(floor_command(floor_socket, "floor"), floor_socket, base_env, None, params))
-    return statistics.median(hook), statistics.median(floor)
+        hook_socket = directory / f"cold-{label}-{index}.sock"
+        hook.append(first_calls(hook_command(hook_socket, *current.options), hook_socket, env, ROOT, params))
+        floor_socket = directory / f"coldfloor-{label}-{index}.sock"
+        floor.append(first_calls(floor_command(floor_socket, "floor"), floor_socket, base_env, None, params))
+        if compare is not None:
+            other_socket = directory / f"coldother-{label}-{index}.sock"
+            other_env = {**env, "PYTHONPATH": str(compare)}
+            command = hook_command(other_socket, *current.options)
+            other.append(first_calls(command, other_socket, other_env, compare, params)[0])
+    return (
+        statistics.median(first for first, _ in hook),
+        statistics.median(first for first, _ in floor),
+        statistics.median(second for _, second in hook),
+        statistics.median(second for _, second in floor),
+        statistics.median(other) if other else None,
+    )
 
 
 def run_case(
@@ -384,7 +415,9 @@ def run_case(
         reads_s = more.pop(0) if reads_floor is not None else None
         figure = Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s)
         if cold and current.reads is not None:
-            figure.cold_hook_s, figure.cold_floor_s = cold_calls(current, directory, env, base_env, cold)
+            found = cold_calls(current, directory, env, base_env, cold, compare)
+            figure.cold_hook_s, figure.cold_floor_s, figure.second_hook_s, figure.second_floor_s = found[:4]
+            figure.cold_other_s = found[4]
         return figure
 
 
@@ -456,12 +489,21 @@ def describe(figure: Figure) -> str:
         if figure.reads_floor_s
         else ""
     )
-    cold = (
-        f"; first call {figure.cold_hook_s * 1e6:7.1f} us vs a fresh floor's {figure.cold_floor_s * 1e6:7.1f} us: "
-        f"{figure.cold_ratio:.2f}x"
-        if figure.cold_hook_s is not None and figure.cold_floor_s is not None
-        else ""
-    )
+    cold = ""
+    if figure.cold_hook_s is not None and figure.cold_floor_s is not None:
+        cold = (
+            f"; first call {figure.cold_hook_s * 1e6:7.1f} us vs a fresh floor's {figure.cold_floor_s * 1e6:7.1f} "
+            f"us: {figure.cold_ratio:.2f}x"
+        )
+        if figure.cold_other_s is not None:
+            cold += (
+                f" (--compare {figure.cold_other_s * 1e6:7.1f} us: {figure.cold_other_s / figure.cold_floor_s:.2f}x)"
+            )
+        if figure.second_hook_s is not None and figure.second_floor_s is not None:
+            cold += (
+                f"; second call {figure.second_hook_s * 1e6:7.1f} us vs {figure.second_floor_s * 1e6:7.1f} us: "
+                f"{figure.second_hook_s / figure.second_floor_s:.2f}x"
+            )
     return f"{head} {times}{other}{reads}{cold}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
 
 
@@ -501,6 +543,12 @@ def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]
     print(json.dumps({f"{f.case.path} x{f.case.size}": round(f.ratio, 3) for f in figures}))
     if cold:
         print(json.dumps({name: round(ratio, 3) for name, ratio in cold.items() if ratio is not None}))
+        second = {
+            f"second call {f.case.path} x{f.case.size}": round(f.second_hook_s / f.second_floor_s, 3)
+            for f in figures
+            if f.second_hook_s is not None and f.second_floor_s is not None
+        }
+        print(json.dumps(second))
 
 
 if __name__ == "__main__":
