@@ -1,7 +1,7 @@
 """The hook sidecar against its floor on every path a user takes, at 1, 4, 16 and 32 GPUs, and resident memory.
 
-Run: ``python -m bench.hook_sidecar [--rounds N] [--sizes 1,4,16,32] [--paths add,merge,…]``. Every server runs
-in its own process on a unix socket, as in a pod, and one client here calls them in turn. The paths:
+Run: ``python -m bench.hook_sidecar [--rounds N] [--cold N] [--sizes 1,4,16,32] [--paths add,merge,…]``. Every
+server runs in its own process on a unix socket, as in a pod, and one client here calls them in turn. The paths:
 
 - ``add``: the hook adds the GPUs to a domain without them (allocation from its env);
 - ``merge``: the hook merges with the GPUs virt-launcher already rendered (``type="pci"`` to drop on each source
@@ -22,10 +22,21 @@ parses and serialises the same domain with lxml (``bench/hook_floor_server.py``)
 goal: median round trip at most 1.3x the floor's on every case. A path that reads files (sysfs, DRA metadata) or
 asks the kubelet (PodResources) is also measured against a second floor that does the same reads the simplest
 way (``--reads``: the files the rule needs, unconfined and unbounded, nothing decided), to show what the reads
-themselves cost beside what the hook does with them; the goal stays the first floor. The marginal cost of a
-GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us. Memory: the largest RSS of the hook
-servers after their runs against an idle Python gRPC server's; goal at most 1.3x. Prints figures and ratios (and
-``os.getloadavg()``) and exits 0; a measurement, not a test.
+themselves cost beside what the hook does with them; the goal stays the first floor. (That floor reads on every
+call; in the steady state the hook reads no sysfs file and opens no DRA file, so it does less I/O than that
+floor, and only the PodResources ``Get`` remains on each call.) The marginal cost of a
+GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us.
+
+The round trips above are the steady state: each server is called 100 times before it is timed. A hook server
+keeps what it read of its pod's devices for its life (``launcher_hook/service.py``), so on the paths that read
+the host these are the calls after the first, what KubeVirt's second and third ``OnDefineDomain`` of a VM start
+cost. The first calls are measured apart (``--cold N``, default 5; 0: not at all): on each of those paths N fresh
+hook servers and N fresh floor servers (and N of ``--compare``'s hook), started in turn, each called twice once
+its channel is ready (50 ms apart, as virt-launcher defines the domain in between); the medians of the first
+calls (what a VM start's first ``OnDefineDomain`` costs, the process's own warm-up included) and of the second
+(KubeVirt's next call) are printed beside the steady figures, each against the fresh floors' same call. Memory:
+the largest RSS of the hook servers after their runs against an idle Python gRPC server's; goal at most 1.3x.
+Prints figures and ratios (and ``os.getloadavg()``) and exits 0; a measurement, not a test.
 """
 
 from __future__ import annotations
@@ -266,10 +277,27 @@ class Figure:
     """The round trip of the hook of ``--compare``'s tree, measured interleaved with the others."""
     reads_floor_s: float | None = None
     """The round trip of the floor that also does the path's reads (:class:`Case` ``reads``)."""
+    cold_hook_s: float | None = None
+    """The median first call of a fresh hook server (``--cold``; the paths that read the host)."""
+    cold_floor_s: float | None = None
+    """The median first call of a fresh floor server, measured in turn with :attr:`cold_hook_s`'s."""
+    second_hook_s: float | None = None
+    """The median second call of those fresh hook servers."""
+    second_floor_s: float | None = None
+    """The median second call of those fresh floor servers."""
+    cold_other_s: float | None = None
+    """The median first call of fresh servers of ``--compare``'s hook."""
 
     @property
     def ratio(self) -> float:
         return self.hook_s / self.floor_s
+
+    @property
+    def cold_ratio(self) -> float | None:
+        """The first call of a fresh hook server over a fresh floor's; None when not measured."""
+        if self.cold_hook_s is None or self.cold_floor_s is None:
+            return None
+        return self.cold_hook_s / self.cold_floor_s
 
 
 def _stub(stack: ExitStack, socket_path: Path) -> Call:
@@ -282,8 +310,73 @@ def _stub(stack: ExitStack, socket_path: Path) -> Call:
     return call
 
 
+def first_calls(
+    command: list[str],
+    socket_path: Path,
+    env: dict[str, str],
+    cwd: Path | None,
+    params: v1alpha3_pb2.OnDefineDomainParams,
+) -> tuple[float, float]:
+    """The round trips of the first and second ``OnDefineDomain`` of a server started now, timed once its channel
+    is ready."""
+    with (
+        server(command, socket_path, env, cwd=cwd),
+        grpc.insecure_channel(f"unix:{socket_path}") as channel,
+    ):
+        grpc.channel_ready_future(channel).result(timeout=30)
+        stub = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
+        times: list[float] = []
+        for call in range(2):
+            if call:
+                time.sleep(0.05)  # virt-launcher defines the domain in libvirt between two calls
+            started = time.perf_counter()
+            stub(params, timeout=60)
+            times.append(time.perf_counter() - started)
+        return times[0], times[1]
+
+
+def cold_calls(
+    current: Case,
+    directory: Path,
+    env: dict[str, str],
+    base_env: dict[str, str],
+    times: int,
+    compare: Path | None,
+) -> tuple[float, float, float, float, float | None]:
+    """The medians of the first and second calls of ``times`` fresh hook servers and as many fresh floor servers
+    (hook first, floor first, hook second, floor second), and of the first calls of ``--compare``'s, in turn."""
+    params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
+    hook: list[tuple[float, float]] = []
+    floor: list[tuple[float, float]] = []
+    other: list[float] = []
+    label = f"{current.path}-{current.size}"
+    for index in range(times):
+        hook_socket = directory / f"cold-{label}-{index}.sock"
+        hook.append(first_calls(hook_command(hook_socket, *current.options), hook_socket, env, ROOT, params))
+        floor_socket = directory / f"coldfloor-{label}-{index}.sock"
+        floor.append(first_calls(floor_command(floor_socket, "floor"), floor_socket, base_env, None, params))
+        if compare is not None:
+            other_socket = directory / f"coldother-{label}-{index}.sock"
+            other_env = {**env, "PYTHONPATH": str(compare)}
+            command = hook_command(other_socket, *current.options)
+            other.append(first_calls(command, other_socket, other_env, compare, params)[0])
+    return (
+        statistics.median(first for first, _ in hook),
+        statistics.median(first for first, _ in floor),
+        statistics.median(second for _, second in hook),
+        statistics.median(second for _, second in floor),
+        statistics.median(other) if other else None,
+    )
+
+
 def run_case(
-    current: Case, floor: Call, directory: Path, base_env: dict[str, str], rounds: int, compare: Path | None
+    current: Case,
+    floor: Call,
+    directory: Path,
+    base_env: dict[str, str],
+    rounds: int,
+    compare: Path | None,
+    cold: int = 0,
 ) -> Figure:
     socket_path = directory / f"hook-{current.path}-{current.size}.sock"
     env = {**base_env, **current.env}
@@ -322,7 +415,12 @@ def run_case(
         hook_s, floor_s, *more = measure([hook, floor, *extra], params, rounds)
         other_s = more.pop(0) if other is not None else None
         reads_s = more.pop(0) if reads_floor is not None else None
-        return Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s)
+        figure = Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s)
+        if cold and current.reads is not None:
+            found = cold_calls(current, directory, env, base_env, cold, compare)
+            figure.cold_hook_s, figure.cold_floor_s, figure.second_hook_s, figure.second_floor_s = found[:4]
+            figure.cold_other_s = found[4]
+        return figure
 
 
 def main() -> None:
@@ -330,6 +428,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1000, help="round trips per server and case (default: 1000)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPUs per VM (default: 1,4,16,32)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"default: {','.join(PATHS)}")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=5,
+        help="fresh servers whose first call is timed, per path that reads the host and size (default: 5; 0: none)",
+    )
     parser.add_argument(
         "--compare", type=Path, help="another checkout whose launcher-hook is measured too, interleaved (A/B)"
     )
@@ -362,7 +466,9 @@ def main() -> None:
 
             for path in paths:
                 for size in sizes:
-                    figure = run_case(case(path, size, directory), floor, directory, base_env, rounds, options.compare)
+                    figure = run_case(
+                        case(path, size, directory), floor, directory, base_env, rounds, options.compare, options.cold
+                    )
                     figures.append(figure)
                     loads.append(os.getloadavg()[0])
                     print(describe(figure), flush=True)
@@ -385,11 +491,27 @@ def describe(figure: Figure) -> str:
         if figure.reads_floor_s
         else ""
     )
-    return f"{head} {times}{other}{reads}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
+    cold = ""
+    if figure.cold_hook_s is not None and figure.cold_floor_s is not None:
+        cold = (
+            f"; first call {figure.cold_hook_s * 1e6:7.1f} us vs a fresh floor's {figure.cold_floor_s * 1e6:7.1f} "
+            f"us: {figure.cold_ratio:.2f}x"
+        )
+        if figure.cold_other_s is not None:
+            cold += (
+                f" (--compare {figure.cold_other_s * 1e6:7.1f} us: {figure.cold_other_s / figure.cold_floor_s:.2f}x)"
+            )
+        if figure.second_hook_s is not None and figure.second_floor_s is not None:
+            cold += (
+                f"; second call {figure.second_hook_s * 1e6:7.1f} us vs {figure.second_floor_s * 1e6:7.1f} us: "
+                f"{figure.second_hook_s / figure.second_floor_s:.2f}x"
+            )
+    return f"{head} {times}{other}{reads}{cold}  ({len(figure.case.domain)} bytes in, {figure.size_out} out)"
 
 
 def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]) -> None:
     print(f"\n{rounds} round trips per server and case, unix socket; 1-minute load {min(loads):.2f}-{max(loads):.2f}")
+    print("steady state (each server called 100 times first: a hook server keeps what it read of the host)")
     met = [figure for figure in figures if figure.ratio <= LATENCY_GOAL]
     print(f"latency: {len(met)} of {len(figures)} cases within {LATENCY_GOAL}x the floor")
     worst = max(figures, key=lambda figure: figure.ratio)
@@ -416,7 +538,19 @@ def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]
     )
     verdict = "MET" if memory_ratio <= MEMORY_GOAL else "NOT MET"
     print(f"memory ratio: {memory_ratio:.2f}x the idle server (goal <= {MEMORY_GOAL}x): {verdict}")
+    cold = {f"first call {f.case.path} x{f.case.size}": f.cold_ratio for f in figures if f.cold_ratio is not None}
+    if cold:
+        cold_within = [ratio for ratio in cold.values() if ratio is not None and ratio <= LATENCY_GOAL]
+        print(f"first call of a fresh server: {len(cold_within)} of {len(cold)} within {LATENCY_GOAL}x a fresh floor's")
     print(json.dumps({f"{f.case.path} x{f.case.size}": round(f.ratio, 3) for f in figures}))
+    if cold:
+        print(json.dumps({name: round(ratio, 3) for name, ratio in cold.items() if ratio is not None}))
+        second = {
+            f"second call {f.case.path} x{f.case.size}": round(f.second_hook_s / f.second_floor_s, 3)
+            for f in figures
+            if f.second_hook_s is not None and f.second_floor_s is not None
+        }
+        print(json.dumps(second))
 
 
 if __name__ == "__main__":

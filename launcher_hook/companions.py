@@ -132,9 +132,9 @@ def with_read_companions(
     has no companion variable in it (a variable the allocation carries wins: the plugin saw the host at
     ``Allocate``).
 
-    Read on every call, never kept: the reads are a few links per GPU, and a result kept across calls could
-    only go stale (the facts do not change during a pod's life in practice: the node agent binds the group
-    before the pod starts, and the group is in use while the VM runs). A device that cannot be read is a
+    What ``reader`` read of a GPU may be kept by the reader for its service's life (``SysfsCompanions.keeping``:
+    the facts are fixed while the pod holds the GPU, runtime/sysfs_paths.py); the rule runs on every call, and a
+    read that failed is never kept. A device that cannot be read is a
     warning naming it and the file, and that GPU is placed alone. At most :data:`MAX_GPUS` are read.
     ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
     DRA claim gave are read (no variable can name theirs).

@@ -13,14 +13,31 @@ steps are virt-launcher's (KubeVirt ``pkg/dra/utils.go``):
 This module does the reading (the only I/O of the DRA path, below a :class:`runtime.confined.ConfinedRoot`);
 the matcher (:mod:`launcher_hook.matching`) decides what each outcome means, since a file the hook cannot find
 is fine when virt-launcher has rendered the entry itself and an error otherwise.
+
+**Kept while the file stays the same.** A reader made by :meth:`MetadataFiles.keeping` (the one a
+``HookService`` holds) keeps, per request directory, the file it found there and the device that file names, with
+the identity (:func:`runtime.confined.identity`: device, inode, size, modification and change times) of the
+directory and of the file as they were opened. A later call checks both with one ``stat`` each (the file's not
+following a link) and uses what it kept only when both are unchanged; anything else (a file rewritten, renamed,
+added beside it, a path that now leads elsewhere, a ``stat`` that fails) reads again the confined way. No file is
+opened for a kept entry. The check is cheap and needed by nothing Kubernetes promises to do: the files are written
+when the claim is prepared for the pod (KEP 5304: the kubelet writes the driver's metadata of a prepared claim and
+the container runtime mounts it through CDI), the claim's allocation cannot change while the pod is among its
+``reservedFor``, and a prepared claim is not prepared again for the same pod; the check covers a driver that
+rewrites its file anyway. It is safe with an unconfined ``stat``: an entry is used only when the path names the
+very file that was read inside the root, unchanged since. Outcomes that are not a device (no file, an error) are
+never kept. At most :data:`runtime.sysfs_paths.MAX_KEPT` directories, the oldest evicted.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher_hook.claims import ClaimOutcome, EntryKey, dra_entries
-from runtime.confined import ConfinedRoot, NotInRoot, OpenRoot
+from runtime.confined import ConfinedRoot, Identity, NotInRoot, OpenRoot, identity
+from runtime.sysfs_paths import MAX_KEPT, KeptFacts
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.dra_metadata import (
     DEFAULT_ROOT,
@@ -37,24 +54,41 @@ MAX_DIRECTORY_ENTRIES = 64
 """Most names a request's directory may hold (one file per driver; KubeVirt takes one)."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeptFile:
+    """What a request directory held when it was read: its one metadata file's ``name``, the identities of the
+    directory and of the file as opened, and the ``outcome`` (a device) the file gave."""
+
+    name: str
+    directory: Identity
+    file: Identity
+    outcome: ClaimOutcome
+
+
 class MetadataFiles:
     """The metadata files below ``root`` (virt-launcher's :data:`DEFAULT_ROOT` in its container; in a sidecar,
     wherever the files are visible, e.g. ``/proc/<pid>/root`` + that path).
 
     One :meth:`resolve` opens the root once, the first time an entry needs it, and reads every claim through
     that descriptor (:class:`runtime.confined.OpenRoot`): per claim, its request directory resolved inside the
-    root and listed, and the one file read relative to it. Nothing is kept from one call to the next."""
+    root and listed, and the one file read relative to it. ``kept`` (:meth:`keeping`): what was read, per request
+    directory, used again while the directory and the file are unchanged; None: every call reads."""
 
-    def __init__(self, root: Path | str = DEFAULT_ROOT) -> None:
+    def __init__(self, root: Path | str = DEFAULT_ROOT, kept: KeptFacts[str, KeptFile] | None = None) -> None:
         self.root = Path(root)
         self._confined = ConfinedRoot(self.root, "DRA metadata root")
+        self.kept = kept
+
+    def keeping(self, bound: int = MAX_KEPT) -> MetadataFiles:
+        """This reader with a store of its own (at most ``bound`` request directories, the oldest evicted)."""
+        return MetadataFiles(self.root, KeptFacts(bound))
 
     def describe(self) -> str:
         return f"DRA metadata files under {str(self.root)!r}"
 
     def resolve(self, vmi: VirtualMachineInstance) -> dict[EntryKey, ClaimOutcome]:
         outcomes: dict[EntryKey, ClaimOutcome] = {}
-        read: dict[str, DeviceMetadata | None] = {}
+        read: dict[str, tuple[DeviceMetadata, os.stat_result] | None] = {}
         tree: OpenRoot | None = None
         root_missing = False
         entries = dra_entries(vmi)
@@ -69,12 +103,20 @@ class MetadataFiles:
                 if claim is None:
                     continue  # the matcher names the entry and the missing resourceClaims[] entry
                 try:
+                    if claim.resource_claim_name:
+                        directory = request_subpath("claim", claim.resource_claim_name, request)
+                    else:
+                        directory = request_subpath("template", claim_name, request)
+                    found = self._kept(directory)
+                    if found is not None:
+                        outcomes[key] = found
+                        continue
                     if tree is None and not root_missing:
                         try:
                             tree = self._confined.open()
                         except NotInRoot:
                             root_missing = True  # every entry: no file matches its pattern
-                    outcomes[key] = self._outcome(tree, claim_name, claim.resource_claim_name, request, read)
+                    outcomes[key] = self._outcome(tree, directory, request, read)
                 except InputError as exc:
                     label = f"{key[0]}[{key[1]}] {name!r} (claimName {claim_name}, requestName {request})"
                     raise InputError(f"{label}: {exc}") from None
@@ -83,18 +125,30 @@ class MetadataFiles:
                 tree.close()
         return outcomes
 
+    def _kept(self, directory: str) -> ClaimOutcome | None:
+        """The outcome kept for ``directory`` when the directory and its file are still the ones read (one
+        ``stat`` each), else None."""
+        kept = self.kept
+        found = kept.get(directory) if kept is not None else None
+        if found is None:
+            return None
+        path = self._confined.path_text(directory)
+        try:
+            if identity(os.stat(path)) != found.directory:
+                return None
+            if identity(os.stat(f"{path}/{found.name}", follow_symlinks=False)) != found.file:
+                return None
+        except (OSError, ValueError):  # (ValueError: a NUL in the path, which no kept entry has)
+            return None
+        return found.outcome
+
     def _outcome(
         self,
         tree: OpenRoot | None,
-        claim_name: str,
-        resource_claim_name: str | None,
+        directory: str,
         request: str,
-        read: dict[str, DeviceMetadata | None],
+        read: dict[str, tuple[DeviceMetadata, os.stat_result] | None],
     ) -> ClaimOutcome:
-        if resource_claim_name:
-            directory = request_subpath("claim", resource_claim_name, request)
-        else:
-            directory = request_subpath("template", claim_name, request)
         shown_dir = self._confined.path_text(directory)
         if tree is None:
             pattern = f"{shown_dir}/*{FILE_SUFFIX}"
@@ -118,15 +172,21 @@ class MetadataFiles:
             shown = f"{shown_dir}/{names[0]}"
             if relative not in read:
                 try:
-                    data = listing.read(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
+                    data, info = listing.read_stat(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
                 except NotInRoot:
                     read[relative] = None
                 else:
-                    read[relative] = parse_metadata(data, shown)
-        metadata = read[relative]
-        if metadata is None:
+                    read[relative] = (parse_metadata(data, shown), info)
+            directory_info = listing.info
+        parsed = read[relative]
+        if parsed is None:
             return ClaimOutcome(None, None, shown, f"{shown} disappeared while it was read")
+        metadata, file_info = parsed
         found = claimed_device(metadata, request, shown)
         if found.kind == "mdev":
-            return ClaimOutcome(ResourceKind.MDEV, found.id, shown)
-        return ClaimOutcome(ResourceKind.PCI, PciAddress.parse(found.id), shown)
+            outcome = ClaimOutcome(ResourceKind.MDEV, found.id, shown)
+        else:
+            outcome = ClaimOutcome(ResourceKind.PCI, PciAddress.parse(found.id), shown)
+        if self.kept is not None:
+            self.kept.put(directory, KeptFile(names[0], identity(directory_info), identity(file_info), outcome))
+        return outcome

@@ -5,6 +5,14 @@ the source cannot carry the plugin's companion variable), write one structured l
 every failure into a ``HookFault`` with the status the caller should see: ``INVALID_ARGUMENT`` for input the
 builder refuses (with its message), ``FAILED_PRECONDITION`` for an allocation source that cannot be read,
 ``INTERNAL`` for anything else. There is no partial result: either the whole new domain or a fault.
+
+A service keeps, for its own life, what its readers read of the host about the pod's devices: each reader in
+its ``BuildOptions`` that can keep (``keeping()``: the sysfs companions and BARs per PCI address, the DRA
+metadata per request directory while the file is unchanged) is replaced by one with a store of its own, so two
+services, a test's and ``xmlgen``'s, share nothing. One ``launcher-hook serve`` process serves one virt-launcher
+pod, whose devices are fixed while it holds them (:mod:`runtime.sysfs_paths` says why): KubeVirt's second and
+third ``OnDefineDomain`` of a VM start read nothing again. Errors are never kept. The shim (a process per call)
+builds a service per call and so reads every time, as before.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from launcher_hook.builder import BuildOptions, BuildResult, build_domain
 from launcher_hook.document import CallInputs
@@ -25,6 +33,8 @@ from schemas.logformat import log_event_on
 
 COMPONENT = "launcher_hook"
 LOGGER = component_logger(COMPONENT)
+
+_Reader = TypeVar("_Reader")
 
 FaultCode = Literal["INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL"]
 """gRPC status code names (``grpc.StatusCode[code]``); the shim only prints them."""
@@ -71,12 +81,33 @@ def log_call(event: str, /, *, level: int = logging.INFO, **fields: object) -> N
     log_event_on(LOGGER, level, event, fields)
 
 
-class HookService:
-    """The hook's behaviour: a source, build options and the builder; thread-safe (it holds no call state)."""
+def _keeping(reader: _Reader) -> _Reader:
+    """``reader.keeping()`` (the same reader with a store of its own) where it has one, else ``reader``."""
+    keeping = getattr(reader, "keeping", None)
+    return keeping() if keeping is not None else reader
 
-    def __init__(self, source: AllocationSource, options: BuildOptions | None = None) -> None:
+
+def keeping_options(options: BuildOptions) -> BuildOptions:
+    """``options`` with each host reader that can keep what it reads replaced by one with a store of its own."""
+    return replace(
+        options,
+        bars=_keeping(options.bars),
+        claims=_keeping(options.claims),
+        companion_reader=_keeping(options.companion_reader),
+    )
+
+
+class HookService:
+    """The hook's behaviour: a source, build options and the builder; thread-safe (it holds no call state but
+    its readers' kept host facts, each store behind its own lock). ``keep_host_facts=False``: every call reads
+    the host (the readers as given)."""
+
+    def __init__(
+        self, source: AllocationSource, options: BuildOptions | None = None, *, keep_host_facts: bool = True
+    ) -> None:
         self.source = source
-        self.options = options or BuildOptions()
+        options = options or BuildOptions()
+        self.options = keeping_options(options) if keep_host_facts else options
         self._env_options = replace(self.options, allocation_carries_companions=True)
         """For an allocation that carries the companion variables: the plugin's variable is the one word; sysfs
         is read only for GPUs a DRA claim gave (no variable can describe theirs)."""

@@ -6,6 +6,11 @@ that leads anywhere else is refused (:class:`runtime.sysfs_paths.SysfsView`: the
 ``RESOLVE_BENEATH``, or the same check in Python). The file is read as a regular file only (no FIFO, no
 device, capped) and parsed strictly by :func:`schemas.pci_bars.parse_resource`. Any problem is an
 ``InputError`` naming the device and the file.
+
+A reader made by :meth:`SysfsBars.keeping` (the one a ``HookService`` holds) keeps each function's BARs for its
+own life (at most :data:`runtime.sysfs_paths.MAX_KEPT` functions): a function read before costs no system call,
+an error is never kept. Why a function's BAR sizes cannot change while the pod holds it:
+:mod:`runtime.sysfs_paths`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from runtime.sysfs_paths import SysfsView
+from runtime.sysfs_paths import MAX_KEPT, KeptFacts, SysfsView
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import MAX_RESOURCE_BYTES, DeviceBars, parse_resource
@@ -23,10 +28,18 @@ DEFAULT_SYSFS_ROOT = "/sys"
 
 
 class SysfsBars:
-    """Reads BARs under one sysfs root (``/sys`` or a fixture's ``sys`` directory)."""
+    """Reads BARs under one sysfs root (``/sys`` or a fixture's ``sys`` directory); ``kept``: where each
+    function's BARs are kept once read (:meth:`keeping`), None: every call reads."""
 
-    def __init__(self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, kept: KeptFacts[PciAddress, DeviceBars] | None = None
+    ) -> None:
         self.root = Path(root)
+        self.kept = kept
+
+    def keeping(self, bound: int = MAX_KEPT) -> SysfsBars:
+        """This reader with a store of its own (at most ``bound`` functions, the oldest evicted)."""
+        return SysfsBars(self.root, KeptFacts(bound))
 
     def describe(self) -> str:
         return str(self.root)
@@ -44,10 +57,23 @@ class SysfsBars:
         return DeviceBars(address, parse_resource(text, where))
 
     def read_all(self, addresses: Iterable[PciAddress]) -> list[DeviceBars]:
-        """The BARs of each address, in order (each address once), through one
-        :class:`~runtime.sysfs_paths.SysfsView` of the root (this call's only)."""
+        """The BARs of each address, in order (each address once); those not kept read through one
+        :class:`~runtime.sysfs_paths.SysfsView` of the root (none opened when every one is kept). The first
+        that cannot be read raises its ``InputError``."""
         listed = list(dict.fromkeys(addresses))
         if not listed:
             return []
-        with SysfsView(self.root, f"reading the BARs of {listed[0]}") as view:
-            return [self._read(view, address) for address in listed]
+        kept = self.kept
+        if kept is None:
+            with SysfsView(self.root, f"reading the BARs of {listed[0]}") as view:
+                return [self._read(view, address) for address in listed]
+        found = [kept.get(address) for address in listed]
+        missing = [address for address, bars in zip(listed, found, strict=True) if bars is None]
+        if not missing:
+            return [bars for bars in found if bars is not None]  # (every one)
+        read: dict[PciAddress, DeviceBars] = {}
+        with SysfsView(self.root, f"reading the BARs of {missing[0]}") as view:
+            for address in missing:
+                bars = read[address] = self._read(view, address)
+                kept.put(address, bars)
+        return [bars if bars is not None else read[address] for address, bars in zip(listed, found, strict=True)]

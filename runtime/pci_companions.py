@@ -18,6 +18,13 @@ other function of the slot: its directory and two links) and confined to the roo
 the kernel resolves each path beneath it). ``iommu_group`` and ``driver`` are read as the plugin reads them,
 by their target's last component (the group's number, the driver's name), never followed.
 Any problem is an ``InputError`` naming the device and the file; the hook then places the GPU alone.
+
+A reader made by :meth:`SysfsCompanions.keeping` (the one a ``HookService`` holds) keeps what it read of each
+GPU (:class:`SlotFacts`: whether it is a passthrough GPU and its slot's functions in its group with their
+drivers, and the rule's choice among them, :func:`schemas.companions.select_companions`) for its own life, at
+most :data:`runtime.sysfs_paths.MAX_KEPT` GPUs: a GPU read before costs no system call; the VM's other GPUs,
+which are never companions, are taken out of the kept choice on every call. Why the facts cannot change while
+the pod holds the GPU: :mod:`runtime.sysfs_paths`.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from runtime.node import VFIO_DRIVERS
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT
-from runtime.sysfs_paths import SysfsView
+from runtime.sysfs_paths import MAX_KEPT, KeptFacts, SysfsView
 from schemas.companions import select_companions
 from schemas.errors import InputError
 from schemas.pci import MAX_FUNCTION, PciAddress
@@ -38,14 +46,37 @@ MAX_CLASS_BYTES = 64
 DISPLAY_CLASS = 0x03
 
 
+class SlotFacts(NamedTuple):
+    """What sysfs says of one GPU for the companion rule: ``members``, the other functions of its slot in its
+    IOMMU group with their drivers' names (function order), and ``companions``, the rule's choice among them
+    when the VM has no other GPU there; both empty when it is no passthrough GPU (not on a VFIO driver, a virtual
+    function, or not display-class)."""
+
+    members: tuple[tuple[PciAddress, str | None], ...]
+    companions: tuple[PciAddress, ...]
+
+
+_NO_GPU = SlotFacts((), ())
+
+
 class SysfsCompanions:
-    """Reads GPUs' companions under one sysfs root (``/sys`` or a fixture's ``sys`` directory)."""
+    """Reads GPUs' companions under one sysfs root (``/sys`` or a fixture's ``sys`` directory); ``kept``: where
+    what was read of each GPU is kept (:meth:`keeping`), None: every call reads."""
 
     def __init__(
-        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, vfio_drivers: Collection[str] = VFIO_DRIVERS
+        self,
+        root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT,
+        vfio_drivers: Collection[str] = VFIO_DRIVERS,
+        kept: KeptFacts[PciAddress, SlotFacts] | None = None,
     ) -> None:
         self.root = Path(root)
         self.vfio_drivers = frozenset(vfio_drivers)
+        self.kept = kept
+
+    def keeping(self, bound: int = MAX_KEPT) -> SysfsCompanions:
+        """This reader with a store of its own: each GPU's :class:`SlotFacts` kept once read (at most ``bound``
+        GPUs, the oldest evicted), errors never."""
+        return SysfsCompanions(self.root, self.vfio_drivers, KeptFacts(bound))
 
     def describe(self) -> str:
         return str(self.root)
@@ -53,30 +84,58 @@ class SysfsCompanions:
     def read(self, gpu: PciAddress, gpus: Collection[PciAddress] = ()) -> tuple[PciAddress, ...]:
         """The companions of ``gpu`` in function order (none when it is not a passthrough GPU); ``gpus``: the
         VM's other GPUs, never companions. Raises ``InputError`` naming the device and the file."""
-        with SysfsView(self.root, f"reading the companions of {gpu}") as view:
-            return self._read(view, gpu, gpus)
+        found = self.read_all([gpu], gpus)[0]
+        if isinstance(found, InputError):
+            raise found
+        return found
 
     def read_all(
         self, wanted: Sequence[PciAddress], gpus: Collection[PciAddress] = ()
     ) -> list[tuple[PciAddress, ...] | InputError]:
-        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), through
-        one :class:`~runtime.sysfs_paths.SysfsView` of the root (this call's only: nothing is kept beyond it)."""
+        """:meth:`read` of each of ``wanted`` (its companions, or the ``InputError`` its read raised), the GPUs
+        not kept read through one :class:`~runtime.sysfs_paths.SysfsView` of the root (none opened when every
+        one is kept)."""
         if not wanted:
             return []
-        try:
-            view = SysfsView(self.root, f"reading the companions of {wanted[0]}")
-        except InputError as exc:
-            return [exc for _ in wanted]
-        found: list[tuple[PciAddress, ...] | InputError] = []
-        with view:
-            for gpu in wanted:
-                try:
-                    found.append(self._read(view, gpu, gpus))
-                except InputError as exc:
-                    found.append(exc)
-        return found
+        kept = self.kept
+        facts: list[SlotFacts | InputError | None] = [None] * len(wanted)
+        missing: list[int] = []
+        for index, gpu in enumerate(wanted):
+            found = kept.get(gpu) if kept is not None else None
+            if found is None:
+                missing.append(index)
+            else:
+                facts[index] = found
+        if missing:
+            try:
+                view = SysfsView(self.root, f"reading the companions of {wanted[missing[0]]}")
+            except InputError as exc:
+                for index in missing:
+                    facts[index] = exc
+            else:
+                with view:
+                    for index in missing:
+                        gpu = wanted[index]
+                        try:
+                            read = self._facts(view, gpu)
+                        except InputError as exc:
+                            facts[index] = exc
+                            continue
+                        facts[index] = read
+                        if kept is not None:
+                            kept.put(gpu, read)
+        found_all: list[tuple[PciAddress, ...] | InputError] = []
+        for each in facts:
+            if each is None or isinstance(each, InputError):
+                found_all.append(each or ())  # (None: never, every GPU was found or read)
+            elif gpus and any(address in gpus for address in each.companions):
+                # select_companions with ``gpus`` is its choice without them, less the VM's GPUs
+                found_all.append(tuple(address for address in each.companions if address not in gpus))
+            else:
+                found_all.append(each.companions)
+        return found_all
 
-    def _read(self, view: SysfsView, gpu: PciAddress, gpus: Collection[PciAddress]) -> tuple[PciAddress, ...]:
+    def _facts(self, view: SysfsView, gpu: PciAddress) -> SlotFacts:
         name = str(gpu)
         directory = view.open_function(name)
         if directory is None:
@@ -84,12 +143,12 @@ class SysfsCompanions:
         try:
             found = view.links(directory)
             if found.driver not in self.vfio_drivers or view.has(directory, "physfn"):
-                return ()
+                return _NO_GPU
             data, shown = view.read_in(directory, name, "class", MAX_CLASS_BYTES, f"PCI device {gpu}: class")
         finally:
             os.close(directory)
         if _pci_class(data, shown, name) >> 16 != DISPLAY_CLASS:
-            return ()
+            return _NO_GPU
         if found.group is None:
             raise InputError(f"PCI device {gpu}: bus/pci/devices/{gpu}/iommu_group does not exist")
         members: list[tuple[PciAddress, str | None]] = []
@@ -100,7 +159,7 @@ class SysfsCompanions:
             facts = view.function(f"{slot}{function}")
             if facts is not None and facts.group == found.group:
                 members.append((PciAddress(gpu.domain, gpu.bus, gpu.slot, function), facts.driver))
-        return select_companions(gpu, members, self.vfio_drivers, gpus)
+        return SlotFacts(tuple(members), select_companions(gpu, members, self.vfio_drivers))
 
 
 def _pci_class(data: bytes, shown: str, address: str) -> int:

@@ -8,6 +8,22 @@ anywhere else is refused, naming the device and the file: by the kernel (:class:
 ``RESOLVE_BENEATH``: one call per path, the check and the open one step), or where it lacks that by
 :class:`Resolver` in Python (the check and the use are then two steps: the root is sysfs, which only the kernel
 writes, or a tree of ours).
+
+**Kept for the serving process's life.** What the hook reads here about the devices allocated to its pod is
+kept by the reader a :class:`launcher_hook.service.HookService` holds (:class:`KeptFacts`, one per reader, so
+per service, never module-wide): per PCI address the facts the companion rule needs
+(:class:`runtime.pci_companions.SysfsCompanions`) and the BARs (:class:`runtime.pci_bars.SysfsBars`). A device
+found there costs no system call; one that is not is read as described above (confined, bounded, the same
+errors), and an error is never kept. Why that is safe: one sidecar process serves one virt-launcher pod (KubeVirt
+starts a hook sidecar per VMI pod; a migration target is a new pod with a new sidecar), and the devices it is
+asked about are the ones the kubelet allocated to that pod, which no other pod gets while this one holds them.
+The facts read (a function's IOMMU group, its driver, its class, whether it is a virtual function, its slot's
+other functions, its BAR sizes) change only through a driver rebind, a hot-unplug or a BAR resize; the node
+agent refuses to unbind a group a process holds (docs/node-agent.md, "Refusals"), and any of the three done to
+a device while its VM starts breaks that VM whatever the hook reads (virt-launcher's own domain and QEMU name
+the same address). KubeVirt calls
+``OnDefineDomain`` two or three times per VM start on q35 with the same devices (docs/kubevirt-harness.md): the
+calls after the first read nothing. docs/kubevirt-hostdevs.md ("Without the variable") says more.
 """
 
 from __future__ import annotations
@@ -15,13 +31,57 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 from runtime.files import read_open_file, read_regular_file
 from runtime.hostroot import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, last_component, load_openat2
 from schemas.errors import InputError
+
+MAX_KEPT = 256
+"""Entries one :class:`KeptFacts` holds at most (devices, or DRA request directories); beyond, the oldest goes.
+A VM gets at most 64 GPUs read for companions (``schemas.companions.MAX_GPUS``) and a pod's allocation rarely
+changes, so a hook process normally holds a few dozen."""
+
+_Key = TypeVar("_Key", bound=Hashable)
+_Value = TypeVar("_Value")
+
+
+class KeptFacts(Generic[_Key, _Value]):
+    """What a reader read about a device (or a file), kept for the life of the reader that owns it: at most
+    ``bound`` entries (:data:`MAX_KEPT`), the oldest stored evicted first; thread-safe (a gRPC server calls
+    from several threads). Only successful reads are stored: an error is never kept, so the next call reads
+    again. ``reads`` counts the entries stored (what the owner had to read), for tests and benchmarks."""
+
+    def __init__(self, bound: int = MAX_KEPT) -> None:
+        if bound < 1:
+            raise ValueError(f"a bound of {bound} keeps nothing")
+        self.bound = bound
+        self._entries: dict[_Key, _Value] = {}
+        self._lock = threading.Lock()
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: _Key) -> _Value | None:
+        return self._entries.get(key)  # (one dict lookup: atomic under the GIL)
+
+    def put(self, key: _Key, value: _Value) -> None:
+        with self._lock:
+            entries = self._entries
+            entries.pop(key, None)  # a re-read entry counts as the newest
+            entries[key] = value
+            self.reads += 1
+            while len(entries) > self.bound:
+                del entries[next(iter(entries))]
+
+    def keys(self) -> list[_Key]:
+        """The keys held, oldest first."""
+        with self._lock:
+            return list(self._entries)
 
 
 def resolved_root(root: Path, reading: str) -> Path:

@@ -7,8 +7,8 @@ a hook sidecar that reads it. The hook then reads each passthrough GPU's compani
 ``Allocate`` on every tree; ``launcher-hook serve --pod-resources-socket … --sysfs-root <tree>/sys`` gives the
 same domain, byte for byte, as the env path with the plugin's variable, and real libvirt puts the card in one
 guest slot; a function on a host driver or in another IOMMU group is no companion; the annotation turns it
-off; a read failure is a warning and the GPU goes alone; the variable, when a source carries it, wins; nothing
-read is kept between calls.
+off; a read failure is a warning and the GPU goes alone; the variable, when a source carries it, wins; what a
+service read is kept for its life, and a new service reads again.
 """
 
 from __future__ import annotations
@@ -305,9 +305,10 @@ def test_serve_with_podresources_and_sysfs_gives_the_env_paths_domain(directory:
             assert (companion["bus"], companion["addr"]) == (gpu["bus"], f"0x0.0x{f}")
 
 
-def test_podresources_source_reads_sysfs_anew_on_each_call(directory: Path) -> None:
-    """Nothing read is kept: a function rebound between two calls is seen by the second (in a pod's life it is
-    not rebound; kept results could only go stale)."""
+def test_podresources_source_keeps_sysfs_facts_for_the_service_life(directory: Path) -> None:
+    """What the service read of a GPU is kept for its life (one sidecar serves one pod, whose devices are fixed
+    while it holds them): a function rebound between two calls is not seen by the second call, which gives the
+    first's bytes; a new service (a new pod's sidecar) reads the host again and sees it."""
     root = build(NODE01, directory / "root")
     domain, vmi, _ = seed_case()
     with fake_kubelet(FakeKubelet([POD]), directory / "kubelet.sock") as kubelet_socket:
@@ -317,8 +318,12 @@ def test_podresources_source_reads_sysfs_anew_on_each_call(directory: Path) -> N
             first = _define(directory / "hook.sock", domain, vmi)
             rebind(root, "0000:86:00.1", "snd_hda_intel")
             second = _define(directory / "hook.sock", domain, vmi)
+        fresh = HookService(source, BuildOptions(companion_reader=SysfsCompanions(root / "sys")))
+        with running_hook(fresh, directory / "fresh.sock"):
+            third = _define(directory / "fresh.sock", domain, vmi)
         source.close()
-    assert b"ua-gpu0-fn1" in first and b"ua-gpu0-fn1" not in second and b"ua-gpu0-fn2" in second
+    assert b"ua-gpu0-fn1" in first and second == first
+    assert b"ua-gpu0-fn1" not in third and b"ua-gpu0-fn2" in third
 
 
 def test_env_sources_never_read_sysfs(directory: Path) -> None:
