@@ -140,11 +140,12 @@ def hostdevs_of(inputs: CallInputs) -> HostdevsInDomain:
 
 # virt-launcher's PCI hostdev (docs/kubevirt-hostdevs.md, "Shape"), exactly, with the children that do not
 # change what the merge does (a guest address, a boot order) allowed; the address numbers in the one form
-# whose text is already the kernel's (``0x`` and 4/2/2/1 lower-case hex digits, slot <= 0x1f).
+# whose text is already the kernel's (``0x`` and 4/2/2/1 lower-case hex digits, slot <= 0x1f). It never holds
+# ``</hostdev>`` before its end, so an element in the form is the bytes from its ``<hostdev`` to the first
+# ``</hostdev>`` after it.
 _WS = rb"[ \t\r\n]*"
-_HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
-    rb"<hostdev(?:"  # every <hostdev…; group 1 when it is the whole element in the form
-    + rb'( type="pci" managed="(?:no|yes)"((?: mode="subsystem")?)>'
+_KUBEVIRT_FORM = re.compile(
+    rb'<hostdev type="pci" managed="(?:no|yes)"((?: mode="subsystem")?)>'
     + (_WS + rb"<source>" + _WS)
     + rb'<address( type="pci")? domain="0x([0-9a-f]{4})" bus="0x([0-9a-f]{2})" slot="0x([01][0-9a-f])" '
     + rb'function="0x([0-7])"(?:></address>|/>)'
@@ -152,8 +153,39 @@ _HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
     + (rb'(?:<boot order="[0-9]+"(?:></boot>|/>)' + _WS + rb")?")
     + (rb'(?:<address(?: [a-z]+="[0-9a-z]*")*(?:></address>|/>)' + _WS + rb")?")
     + rb'<alias name="(ua-[a-zA-Z0-9_-]+)"(?:></alias>|/>)'
-    + (_WS + rb"</hostdev>))?")
+    + (_WS + rb"</hostdev>")
 )
+_HOSTDEV_CLOSE = b"</hostdev>"
+
+FormRead = tuple[SourceKey, str, tuple[int, int] | None, int | None]
+"""What a hostdev's bytes in virt-launcher's form say: its source, its alias, where `` type="pci"`` sits on its
+source address and where `` mode="subsystem"`` goes (as :data:`KubevirtForm`), offsets from its ``<hostdev``."""
+
+FORMS_KEPT = 1024
+"""Most hostdev texts :func:`_form_read` keeps (a pod's hook reads the same few hostdevs on every call)."""
+_forms_read: dict[bytes, FormRead | None] = {}
+
+
+def _form_read(segment: bytes) -> FormRead | None:
+    """What ``segment`` (the bytes of one element, ``<hostdev`` to ``</hostdev>``) says when it is wholly in
+    virt-launcher's form, else None: a pure function of the bytes, so kept by them (at most :data:`FORMS_KEPT`)."""
+    read = _forms_read.get(segment, _NOT_READ)
+    if read is not _NOT_READ:
+        return read  # type: ignore[return-value]
+    found = _KUBEVIRT_FORM.fullmatch(segment)
+    if found is None:
+        read = None
+    else:
+        mode, source_type, domain, bus, slot, function, alias = found.groups()
+        key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
+        read = (key, alias.decode(), found.span(2) if source_type else None, None if mode else found.start(1))
+    if len(_forms_read) >= FORMS_KEPT:
+        _forms_read.clear()
+    _forms_read[segment] = read
+    return read
+
+
+_NOT_READ = object()
 
 
 def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
@@ -174,20 +206,31 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
     alias_sources: dict[str, SourceKey | None] = {}
     forms: dict[SourceKey, KubevirtForm] = {}
     spans: dict[int, tuple[int, int]] = {}
-    first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
-    for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
-        form, mode, source_type, domain, bus, slot, function, alias_bytes = found.groups()
-        if form is None or position >= count:
+    find, read_form, close = source.find, _form_read, _HOSTDEV_CLOSE
+    start = find(b"<hostdev")
+    position = 0
+    while start >= 0:
+        end = find(close, start)
+        if end < 0 or position >= count:
             return None
-        key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
+        end += 10  # len(close)
+        read = read_form(source[start:end])
+        if read is None:
+            return None
+        key, alias, source_type, mode_at = read
         if key in by_source:
             return None
-        alias = alias_bytes.decode()
         element = in_order[position]
         by_source[key] = [element]
-        spans[id(element)] = found.span()
+        spans[id(element)] = (start, end)
         alias_sources.setdefault(alias, key)
-        forms[key] = (alias, found.span(3) if source_type else None, None if mode else found.start(2))
+        forms[key] = (
+            alias,
+            (start + source_type[0], start + source_type[1]) if source_type is not None else None,
+            None if mode_at is None else start + mode_at,
+        )
+        position += 1
+        start = find(b"<hostdev", end)
     if len(forms) != count:
         return None
     return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, spans, forms)
