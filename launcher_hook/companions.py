@@ -471,17 +471,20 @@ def companions_pass(
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
+    text_of, new_placement = device_text, tuple.__new__
     for index, spec, functions in wanted:
-        hostdev = handles.get(("pci", device_text(spec.source)))
+        source_text = text_of(spec.source)
+        hostdev = handles.get(("pci", source_text))
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        if _guest_of(hostdev) is None and not any(_may_join(c, by_source, joined) for c in functions):
+        guest = _guest_of(hostdev)
+        if guest is None and not any(_may_join(c, by_source, joined) for c in functions):
             # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
             for companion in functions:
                 problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
                 warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
             continue
-        where = _slot_for(spec, hostdev, domain, edits, warnings)
+        where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
         if where is None:
             continue
         slot, root_port = where
@@ -492,8 +495,8 @@ def companions_pass(
             added += specs_added
             edits.add_after(hostdev, texts, layout.indent)
         # Placement(...) without its keyword handling (one per GPU)
-        where_placed = (spec.alias, device_text(spec.source), slot, tuple(sorted(placed)), root_port)
-        placements.append(tuple.__new__(Placement, where_placed))
+        where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
+        placements.append(new_placement(Placement, where_placed))
     return Placed(added, placements, warnings)
 
 
@@ -596,10 +599,15 @@ def _guest_of(hostdev: Handle) -> etree._Element | None:
 
 
 def _slot_for(
-    spec: HostdevSpec, hostdev: Handle, domain: _Domain, edits: _Placer, warnings: list[str]
+    spec: HostdevSpec,
+    hostdev: Handle,
+    guest: etree._Element | None,
+    domain: _Domain,
+    edits: _Placer,
+    warnings: list[str],
 ) -> tuple[tuple[int, int, int], int | None] | None:
-    """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed."""
-    guest = _guest_of(hostdev)
+    """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed.
+    ``guest``: its guest address (``_guest_of``)."""
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:

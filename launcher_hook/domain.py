@@ -98,10 +98,10 @@ class HostdevsInDomain:
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
 
 
-KubevirtForm = tuple[str, tuple[int, int] | None, int | None]
-"""A hostdev in virt-launcher's PCI form: its alias, where `` type="pci"`` sits on its source address in the
-bytes (None: the address has no type) and where `` mode="subsystem"`` goes in its start tag (None: it is there;
-KubeVirt 1.9 writes its PCI hostdevs without it, docs/kubevirt-hostdevs.md)."""
+KubevirtForm = tuple[str, tuple[Splice, ...]]
+"""A hostdev in virt-launcher's PCI form: its alias and the splices of the bytes that correct it, in order:
+`` mode="subsystem"`` inserted in its start tag (when it is not there; KubeVirt 1.9 writes its PCI hostdevs
+without it, docs/kubevirt-hostdevs.md), `` type="pci"`` cut from its source address (when there)."""
 
 _MODE_ATTRIBUTE = b' mode="subsystem"'
 
@@ -224,11 +224,14 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
         by_source[key] = [element]
         spans[id(element)] = (start, end)
         alias_sources.setdefault(alias, key)
-        forms[key] = (
-            alias,
-            (start + source_type[0], start + source_type[1]) if source_type is not None else None,
-            None if mode_at is None else start + mode_at,
-        )
+        cut: tuple[Splice, ...]
+        if mode_at is None:
+            cut = () if source_type is None else ((start + source_type[0], start + source_type[1], b""),)
+        else:
+            at = start + mode_at
+            mode: Splice = (at, at, _MODE_ATTRIBUTE)
+            cut = (mode,) if source_type is None else (mode, (start + source_type[0], start + source_type[1], b""))
+        forms[key] = (alias, cut)
         position += 1
         start = find(b"<hostdev", end)
     if len(forms) != count:
@@ -419,7 +422,9 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     introduced: dict[str, etree._Element | None] = {}
     by_source = existing.by_source
     forms = existing.kubevirt_forms if writer.fast else None
-    removals: list[tuple[Splice, etree._Element, HostdevSpec]] = []
+    splices: list[Splice] = []
+    corrected: dict[int, tuple[etree._Element, HostdevSpec]] = {}
+    """The hostdevs in virt-launcher's form that ``splices`` correct (by ``id``), with their specs."""
     type_names = _TYPE_NAMES
     for spec in specs:
         key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
@@ -437,11 +442,10 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
             # virt-launcher's form with nothing but type= and mode= to correct: _merge_into would only drop
             # type= (``_SOURCE_TYPE``) and add mode= (``_MODE``), which the bytes say where to cut and insert;
             # the tree is corrected only if it is serialised.
-            form_alias, source_type, mode_at = form
-            if source_type is not None:
-                removals.append(((*source_type, b""), found[0], spec))
-            if mode_at is not None:
-                removals.append(((mode_at, mode_at, _MODE_ATTRIBUTE), found[0], spec))
+            form_alias, form_splices = form
+            if form_splices:
+                splices += form_splices
+                corrected[id(found[0])] = (found[0], spec)
             final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
         hostdev, *extra = found
@@ -459,8 +463,8 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
         final.append(spec if alias == spec.alias else _with_alias(spec, alias))
     _check_aliases(parsed, introduced, doomed)
     left = by_source
-    if new or touched or doomed or removals:
-        left = _record(writer, new, touched, doomed, removals, by_source)
+    if new or touched or doomed or splices:
+        left = _record(writer, new, touched, doomed, (splices, list(corrected.values())), by_source)
     return Merged(final, warnings, placed, left)
 
 
@@ -469,18 +473,19 @@ def _record(
     new: list[NewHostdev],
     touched: list[tuple[etree._Element, set[str]]],
     doomed: list[etree._Element],
-    removals: list[tuple[Splice, etree._Element, HostdevSpec]],
+    forms: tuple[list[Splice], list[tuple[etree._Element, HostdevSpec]]],
     by_source: dict[SourceKey, list[etree._Element]],
 ) -> dict[SourceKey, list[etree._Element]]:
-    """Give the writer the merge's edits; returns the domain's hostdevs that stay, by source."""
+    """Give the writer the merge's edits (``forms``: the splices correcting the hostdevs in virt-launcher's form,
+    and those hostdevs with their specs); returns the domain's hostdevs that stay, by source."""
     parsed, unit = writer.parsed, writer.unit
     left = by_source
     devices_elements = parsed.root.findall("devices")
     if doomed or len(devices_elements) != 1:
         writer.no_fast()
-    if removals:
-        corrected = list({id(hostdev): (hostdev, spec) for _, hostdev, spec in removals}.values())
-        writer.splice_all([splice for splice, _, _ in removals], functools.partial(_correct_forms, corrected, unit))
+    splices, corrected = forms
+    if splices:
+        writer.splice_all(splices, functools.partial(_correct_forms, corrected, unit))
     for hostdev, changes in touched:
         _write_corrected(writer, hostdev, changes)
     if doomed:
