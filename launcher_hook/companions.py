@@ -258,7 +258,8 @@ class _Domain:
         self.unindexed = any(index is None for index in indexes)
         self.next_index = max((index for index in indexes if index is not None), default=0) + 1
         self.used: dict[tuple[int, int, int, int], Handle] = {}
-        for address in _GUEST_PCI_ADDRESSES(root):  # type: ignore[union-attr]
+        # (no "<address" in the bytes: no address element, and the query would walk every device for nothing)
+        for address in _GUEST_PCI_ADDRESSES(root) if b"<address" in parsed.source else ():  # type: ignore[union-attr]
             assert isinstance(address, etree._Element)
             owner = address.getparent()
             if owner is None:
