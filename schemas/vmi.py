@@ -294,6 +294,37 @@ def _fast_vgpu_options(value: Any) -> VGPUOptions | bool | None:
     return VGPUOptions(DisplayOptions(enabled, None))
 
 
+def _fast_entries(entries: list[Any], gpus: list[GPU] | None, host_devices: list[HostDevice]) -> bool:
+    """``gpus[]`` (into ``gpus``) or, when ``gpus`` is None, ``hostDevices[]`` entries (into ``host_devices``) read
+    as :func:`_fast_vmi` reads them; False when one needs the reader's look."""
+    new = tuple.__new__
+    for entry in entries:
+        if type(entry) is not dict:
+            return False
+        name, device_name = entry.get("name"), entry.get("deviceName")
+        if len(entry) == 2 and type(name) is str and type(device_name) is str:
+            # the usual entry, exactly {name, deviceName}: no other field to read (GPU(...) without its keyword
+            # handling, one per entry)
+            if gpus is not None:
+                gpus.append(new(GPU, (name, device_name, None, None, None)))
+            else:
+                host_devices.append(new(HostDevice, (name, device_name, None, None)))
+            continue
+        if type(name) is not str or (device_name is not None and type(device_name) is not str):
+            return False
+        claim, request = entry.get("claimName"), entry.get("requestName")
+        if (claim is not None and type(claim) is not str) or (request is not None and type(request) is not str):
+            return False
+        if gpus is not None:
+            options = _fast_vgpu_options(entry.get("virtualGPUOptions"))
+            if options is False:
+                return False
+            gpus.append(GPU(name, device_name, options, claim, request))  # type: ignore[arg-type]
+        else:
+            host_devices.append(HostDevice(name, device_name, claim, request))
+    return True
+
+
 def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
     """The VMI when every field read has the expected type (nearly always), in one pass with no location
     strings; None when anything is off, and :class:`_Reader` then reads it again to name every problem.
@@ -313,7 +344,6 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
             return None
     gpus: list[GPU] = []
     host_devices: list[HostDevice] = []
-    new = tuple.__new__
     if devices is not _NO_DEVICES:
         for key in ("gpus", "hostDevices"):
             entries = devices.get(key, _Reader._MISSING)
@@ -321,31 +351,8 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
                 continue
             if type(entries) is not list:
                 return None
-            is_gpus = key == "gpus"
-            for entry in entries:
-                if type(entry) is not dict:
-                    return None
-                name, device_name = entry.get("name"), entry.get("deviceName")
-                if len(entry) == 2 and type(name) is str and type(device_name) is str:
-                    # the usual entry, exactly {name, deviceName}: no other field to read (GPU(...) without its
-                    # keyword handling, one per entry)
-                    if is_gpus:
-                        gpus.append(new(GPU, (name, device_name, None, None, None)))
-                    else:
-                        host_devices.append(new(HostDevice, (name, device_name, None, None)))
-                    continue
-                if type(name) is not str or (device_name is not None and type(device_name) is not str):
-                    return None
-                claim, request = entry.get("claimName"), entry.get("requestName")
-                if (claim is not None and type(claim) is not str) or (request is not None and type(request) is not str):
-                    return None
-                if is_gpus:
-                    options = _fast_vgpu_options(entry.get("virtualGPUOptions"))
-                    if options is False:
-                        return None
-                    gpus.append(GPU(name, device_name, options, claim, request))  # type: ignore[arg-type]
-                else:
-                    host_devices.append(HostDevice(name, device_name, claim, request))
+            if not _fast_entries(entries, gpus if key == "gpus" else None, host_devices):
+                return None
     claims: list[ResourceClaim] = []
     entries = spec.get("resourceClaims", _Reader._MISSING)
     if entries is not _Reader._MISSING:
