@@ -59,6 +59,8 @@ def companions_key(variable: str) -> str | None:
 COMPANION_ALIAS = "ua-gpu%d-fn%d"
 """A companion's alias: the GPU's index in the hook's hostdev list and the function (never a KubeVirt alias,
 ``ua-gpu-<name>``, nor the hook's GPU alias, ``ua-gpuN``)."""
+_ALIAS_PREFIX, _DIGITS = COMPANION_ALIAS.removesuffix("%d"), "01234567"
+""":data:`COMPANION_ALIAS` without its function, and the digit of each function (0-7: ``PciAddress``)."""
 ROOT_PORT = "pcie-root-port"
 LEGACY_SLOTS = range(0x1F, 0x02, -1)
 """Slots of an i440fx bus 0 a GPU may take, highest first (0 is the host bridge, 1 the PIIX3, 2 the video
@@ -189,10 +191,35 @@ def _read_one(
 def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
     """The passthrough GPUs among ``specs`` that have companions in ``allocation``: (index, spec, companions).
 
-    A companion that is itself one of the VM's GPUs is not placed twice (warning).
+    A companion that is itself one of the VM's GPUs is not placed twice (warning). A pure function of ``specs``
+    and the allocation (which never changes): kept with the allocation (``allocation.derived``) by ``specs``,
+    for the last :data:`WANTED_KEPT` lists, and handed out as a fresh list.
     """
     if not allocation.companions:
         return []
+    key = tuple(specs)
+    kept: dict[tuple[HostdevSpec, ...], tuple[list[Wanted], list[str]]] | None = allocation.derived.get(_WANTED)
+    if kept is None:
+        kept = allocation.derived[_WANTED] = {}
+    found = kept.get(key)
+    if found is None:
+        problems: list[str] = []
+        found = (_wanted_companions(key, allocation, problems), problems)
+        if len(kept) >= WANTED_KEPT:
+            kept.clear()
+        kept[key] = found
+    warnings += found[1]
+    return list(found[0])
+
+
+WANTED_KEPT = 16
+"""Lists of hostdevs whose :func:`wanted_companions` an allocation keeps."""
+_WANTED = object()
+"""Where in ``allocation.derived`` they are."""
+
+
+def _wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
+    """:func:`wanted_companions`, worked out."""
     pci = ResourceKind.PCI
     allocated = {spec.source for spec in specs if spec.kind is pci}
     found: list[Wanted] = []
@@ -518,9 +545,11 @@ def _join(
     used = domain.used
     placed: list[int] = []
     joining: list[PciAddress] = []
+    guest_domain, bus, number = slot
+    alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
     for companion in functions:
         function = companion.function
-        at = (*slot, function)
+        at = (guest_domain, bus, number, function)
         if function == 0 or companion in joined or at in used or (by_source and _passed(companion, by_source)):
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
@@ -528,7 +557,7 @@ def _join(
             else:
                 warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
             continue
-        alias = COMPANION_ALIAS % (index, function)
+        alias = alias_prefix + _DIGITS[function]
         if alias in aliases:
             raise InputError(
                 f"alias {alias!r} is already used in the domain; it would collide with the companion "
