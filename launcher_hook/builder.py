@@ -83,9 +83,22 @@ class BuildResult:
 
     @property
     def aliases(self) -> dict[str, str]:
-        """alias → source, for logs."""
-        text = device_text
-        return {spec.alias: text(spec.source) for spec in self.hostdevs}
+        """alias → source, for logs: a fresh dict, made from the one kept for the same hostdevs (the last
+        :data:`ALIASES_KEPT` lists; a pod's hook logs the same GPUs on every call)."""
+        key = tuple(self.hostdevs)
+        found = _aliases_kept.get(key)
+        if found is None:
+            text = device_text
+            found = {spec.alias: text(spec.source) for spec in key}
+            if len(_aliases_kept) >= ALIASES_KEPT:
+                _aliases_kept.clear()
+            _aliases_kept[key] = found
+        return dict(found)
+
+
+ALIASES_KEPT = 16
+"""Lists of hostdevs whose :attr:`BuildResult.aliases` are kept."""
+_aliases_kept: dict[tuple[HostdevSpec, ...], dict[str, str]] = {}
 
 
 def plan_hostdevs(

@@ -59,6 +59,8 @@ def companions_key(variable: str) -> str | None:
 COMPANION_ALIAS = "ua-gpu%d-fn%d"
 """A companion's alias: the GPU's index in the hook's hostdev list and the function (never a KubeVirt alias,
 ``ua-gpu-<name>``, nor the hook's GPU alias, ``ua-gpuN``)."""
+_ALIAS_PREFIX, _DIGITS = COMPANION_ALIAS.removesuffix("%d"), "01234567"
+""":data:`COMPANION_ALIAS` without its function, and the digit of each function (0-7: ``PciAddress``)."""
 ROOT_PORT = "pcie-root-port"
 LEGACY_SLOTS = range(0x1F, 0x02, -1)
 """Slots of an i440fx bus 0 a GPU may take, highest first (0 is the host bridge, 1 the PIIX3, 2 the video
@@ -189,10 +191,35 @@ def _read_one(
 def wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
     """The passthrough GPUs among ``specs`` that have companions in ``allocation``: (index, spec, companions).
 
-    A companion that is itself one of the VM's GPUs is not placed twice (warning).
+    A companion that is itself one of the VM's GPUs is not placed twice (warning). A pure function of ``specs``
+    and the allocation (which never changes): kept with the allocation (``allocation.derived``) by ``specs``,
+    for the last :data:`WANTED_KEPT` lists, and handed out as a fresh list.
     """
     if not allocation.companions:
         return []
+    key = tuple(specs)
+    kept: dict[tuple[HostdevSpec, ...], tuple[list[Wanted], list[str]]] | None = allocation.derived.get(_WANTED)
+    if kept is None:
+        kept = allocation.derived[_WANTED] = {}
+    found = kept.get(key)
+    if found is None:
+        problems: list[str] = []
+        found = (_wanted_companions(key, allocation, problems), problems)
+        if len(kept) >= WANTED_KEPT:
+            kept.clear()
+        kept[key] = found
+    warnings += found[1]
+    return list(found[0])
+
+
+WANTED_KEPT = 16
+"""Lists of hostdevs whose :func:`wanted_companions` an allocation keeps."""
+_WANTED = object()
+"""Where in ``allocation.derived`` they are."""
+
+
+def _wanted_companions(specs: Sequence[HostdevSpec], allocation: EnvAllocation, warnings: list[str]) -> list[Wanted]:
+    """:func:`wanted_companions`, worked out."""
     pci = ResourceKind.PCI
     allocated = {spec.source for spec in specs if spec.kind is pci}
     found: list[Wanted] = []
@@ -258,7 +285,8 @@ class _Domain:
         self.unindexed = any(index is None for index in indexes)
         self.next_index = max((index for index in indexes if index is not None), default=0) + 1
         self.used: dict[tuple[int, int, int, int], Handle] = {}
-        for address in _GUEST_PCI_ADDRESSES(root):  # type: ignore[union-attr]
+        # (no "<address" in the bytes: no address element, and the query would walk every device for nothing)
+        for address in _GUEST_PCI_ADDRESSES(root) if b"<address" in parsed.source else ():  # type: ignore[union-attr]
             assert isinstance(address, etree._Element)
             owner = address.getparent()
             if owner is None:
@@ -471,17 +499,20 @@ def companions_pass(
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
+    text_of, new_placement = device_text, tuple.__new__
     for index, spec, functions in wanted:
-        hostdev = handles.get(("pci", device_text(spec.source)))
+        source_text = text_of(spec.source)
+        hostdev = handles.get(("pci", source_text))
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        if _guest_of(hostdev) is None and not any(_may_join(c, by_source, joined) for c in functions):
+        guest = _guest_of(hostdev)
+        if guest is None and not any(_may_join(c, by_source, joined) for c in functions):
             # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
             for companion in functions:
                 problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
                 warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
             continue
-        where = _slot_for(spec, hostdev, domain, edits, warnings)
+        where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
         if where is None:
             continue
         slot, root_port = where
@@ -492,8 +523,8 @@ def companions_pass(
             added += specs_added
             edits.add_after(hostdev, texts, layout.indent)
         # Placement(...) without its keyword handling (one per GPU)
-        where_placed = (spec.alias, device_text(spec.source), slot, tuple(sorted(placed)), root_port)
-        placements.append(tuple.__new__(Placement, where_placed))
+        where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
+        placements.append(new_placement(Placement, where_placed))
     return Placed(added, placements, warnings)
 
 
@@ -514,9 +545,11 @@ def _join(
     used = domain.used
     placed: list[int] = []
     joining: list[PciAddress] = []
+    guest_domain, bus, number = slot
+    alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
     for companion in functions:
         function = companion.function
-        at = (*slot, function)
+        at = (guest_domain, bus, number, function)
         if function == 0 or companion in joined or at in used or (by_source and _passed(companion, by_source)):
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
@@ -524,7 +557,7 @@ def _join(
             else:
                 warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
             continue
-        alias = COMPANION_ALIAS % (index, function)
+        alias = alias_prefix + _DIGITS[function]
         if alias in aliases:
             raise InputError(
                 f"alias {alias!r} is already used in the domain; it would collide with the companion "
@@ -596,10 +629,15 @@ def _guest_of(hostdev: Handle) -> etree._Element | None:
 
 
 def _slot_for(
-    spec: HostdevSpec, hostdev: Handle, domain: _Domain, edits: _Placer, warnings: list[str]
+    spec: HostdevSpec,
+    hostdev: Handle,
+    guest: etree._Element | None,
+    domain: _Domain,
+    edits: _Placer,
+    warnings: list[str],
 ) -> tuple[tuple[int, int, int], int | None] | None:
-    """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed."""
-    guest = _guest_of(hostdev)
+    """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed.
+    ``guest``: its guest address (``_guest_of``)."""
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:

@@ -98,10 +98,10 @@ class HostdevsInDomain:
     :func:`_kubevirt_hostdevs`): what the merge needs to know of each, by source."""
 
 
-KubevirtForm = tuple[str, tuple[int, int] | None, int | None]
-"""A hostdev in virt-launcher's PCI form: its alias, where `` type="pci"`` sits on its source address in the
-bytes (None: the address has no type) and where `` mode="subsystem"`` goes in its start tag (None: it is there;
-KubeVirt 1.9 writes its PCI hostdevs without it, docs/kubevirt-hostdevs.md)."""
+KubevirtForm = tuple[str, tuple[Splice, ...]]
+"""A hostdev in virt-launcher's PCI form: its alias and the splices of the bytes that correct it, in order:
+`` mode="subsystem"`` inserted in its start tag (when it is not there; KubeVirt 1.9 writes its PCI hostdevs
+without it, docs/kubevirt-hostdevs.md), `` type="pci"`` cut from its source address (when there)."""
 
 _MODE_ATTRIBUTE = b' mode="subsystem"'
 
@@ -140,11 +140,12 @@ def hostdevs_of(inputs: CallInputs) -> HostdevsInDomain:
 
 # virt-launcher's PCI hostdev (docs/kubevirt-hostdevs.md, "Shape"), exactly, with the children that do not
 # change what the merge does (a guest address, a boot order) allowed; the address numbers in the one form
-# whose text is already the kernel's (``0x`` and 4/2/2/1 lower-case hex digits, slot <= 0x1f).
+# whose text is already the kernel's (``0x`` and 4/2/2/1 lower-case hex digits, slot <= 0x1f). It never holds
+# ``</hostdev>`` before its end, so an element in the form is the bytes from its ``<hostdev`` to the first
+# ``</hostdev>`` after it.
 _WS = rb"[ \t\r\n]*"
-_HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
-    rb"<hostdev(?:"  # every <hostdev…; group 1 when it is the whole element in the form
-    + rb'( type="pci" managed="(?:no|yes)"((?: mode="subsystem")?)>'
+_KUBEVIRT_FORM = re.compile(
+    rb'<hostdev type="pci" managed="(?:no|yes)"((?: mode="subsystem")?)>'
     + (_WS + rb"<source>" + _WS)
     + rb'<address( type="pci")? domain="0x([0-9a-f]{4})" bus="0x([0-9a-f]{2})" slot="0x([01][0-9a-f])" '
     + rb'function="0x([0-7])"(?:></address>|/>)'
@@ -152,8 +153,39 @@ _HOSTDEV_OR_KUBEVIRT_FORM = re.compile(
     + (rb'(?:<boot order="[0-9]+"(?:></boot>|/>)' + _WS + rb")?")
     + (rb'(?:<address(?: [a-z]+="[0-9a-z]*")*(?:></address>|/>)' + _WS + rb")?")
     + rb'<alias name="(ua-[a-zA-Z0-9_-]+)"(?:></alias>|/>)'
-    + (_WS + rb"</hostdev>))?")
+    + (_WS + rb"</hostdev>")
 )
+_HOSTDEV_CLOSE = b"</hostdev>"
+
+FormRead = tuple[SourceKey, str, tuple[int, int] | None, int | None]
+"""What a hostdev's bytes in virt-launcher's form say: its source, its alias, where `` type="pci"`` sits on its
+source address and where `` mode="subsystem"`` goes (as :data:`KubevirtForm`), offsets from its ``<hostdev``."""
+
+FORMS_KEPT = 1024
+"""Most hostdev texts :func:`_form_read` keeps (a pod's hook reads the same few hostdevs on every call)."""
+_forms_read: dict[bytes, FormRead | None] = {}
+
+
+def _form_read(segment: bytes) -> FormRead | None:
+    """What ``segment`` (the bytes of one element, ``<hostdev`` to ``</hostdev>``) says when it is wholly in
+    virt-launcher's form, else None: a pure function of the bytes, so kept by them (at most :data:`FORMS_KEPT`)."""
+    read = _forms_read.get(segment, _NOT_READ)
+    if read is not _NOT_READ:
+        return read  # type: ignore[return-value]
+    found = _KUBEVIRT_FORM.fullmatch(segment)
+    if found is None:
+        read = None
+    else:
+        mode, source_type, domain, bus, slot, function, alias = found.groups()
+        key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
+        read = (key, alias.decode(), found.span(2) if source_type else None, None if mode else found.start(1))
+    if len(_forms_read) >= FORMS_KEPT:
+        _forms_read.clear()
+    _forms_read[segment] = read
+    return read
+
+
+_NOT_READ = object()
 
 
 def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
@@ -174,20 +206,34 @@ def _kubevirt_hostdevs(parsed: ParsedDomain) -> HostdevsInDomain | None:
     alias_sources: dict[str, SourceKey | None] = {}
     forms: dict[SourceKey, KubevirtForm] = {}
     spans: dict[int, tuple[int, int]] = {}
-    first = max(source.find(b"<hostdev"), 0)  # the scan starts there (re's own search for it is slower)
-    for position, found in enumerate(_HOSTDEV_OR_KUBEVIRT_FORM.finditer(source, first)):
-        form, mode, source_type, domain, bus, slot, function, alias_bytes = found.groups()
-        if form is None or position >= count:
+    find, read_form, close = source.find, _form_read, _HOSTDEV_CLOSE
+    start = find(b"<hostdev")
+    position = 0
+    while start >= 0:
+        end = find(close, start)
+        if end < 0 or position >= count:
             return None
-        key = ("pci", (b"%s:%s:%s.%s" % (domain, bus, slot, function)).decode())
+        end += 10  # len(close)
+        read = read_form(source[start:end])
+        if read is None:
+            return None
+        key, alias, source_type, mode_at = read
         if key in by_source:
             return None
-        alias = alias_bytes.decode()
         element = in_order[position]
         by_source[key] = [element]
-        spans[id(element)] = found.span()
+        spans[id(element)] = (start, end)
         alias_sources.setdefault(alias, key)
-        forms[key] = (alias, found.span(3) if source_type else None, None if mode else found.start(2))
+        cut: tuple[Splice, ...]
+        if mode_at is None:
+            cut = () if source_type is None else ((start + source_type[0], start + source_type[1], b""),)
+        else:
+            at = start + mode_at
+            mode: Splice = (at, at, _MODE_ATTRIBUTE)
+            cut = (mode,) if source_type is None else (mode, (start + source_type[0], start + source_type[1], b""))
+        forms[key] = (alias, cut)
+        position += 1
+        start = find(b"<hostdev", end)
     if len(forms) != count:
         return None
     return HostdevsInDomain(by_source, DomainHostdevs(alias_sources, {}), in_order, spans, forms)
@@ -376,7 +422,9 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
     introduced: dict[str, etree._Element | None] = {}
     by_source = existing.by_source
     forms = existing.kubevirt_forms if writer.fast else None
-    removals: list[tuple[Splice, etree._Element, HostdevSpec]] = []
+    splices: list[Splice] = []
+    corrected: dict[int, tuple[etree._Element, HostdevSpec]] = {}
+    """The hostdevs in virt-launcher's form that ``splices`` correct (by ``id``), with their specs."""
     type_names = _TYPE_NAMES
     for spec in specs:
         key = (type_names[spec.kind], device_text(spec.source)) if by_source else None  # spec_source_key
@@ -394,11 +442,10 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
             # virt-launcher's form with nothing but type= and mode= to correct: _merge_into would only drop
             # type= (``_SOURCE_TYPE``) and add mode= (``_MODE``), which the bytes say where to cut and insert;
             # the tree is corrected only if it is serialised.
-            form_alias, source_type, mode_at = form
-            if source_type is not None:
-                removals.append(((*source_type, b""), found[0], spec))
-            if mode_at is not None:
-                removals.append(((mode_at, mode_at, _MODE_ATTRIBUTE), found[0], spec))
+            form_alias, form_splices = form
+            if form_splices:
+                splices += form_splices
+                corrected[id(found[0])] = (found[0], spec)
             final.append(spec if form_alias == spec.alias else _with_alias(spec, form_alias))
             continue
         hostdev, *extra = found
@@ -416,8 +463,8 @@ def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: Hos
         final.append(spec if alias == spec.alias else _with_alias(spec, alias))
     _check_aliases(parsed, introduced, doomed)
     left = by_source
-    if new or touched or doomed or removals:
-        left = _record(writer, new, touched, doomed, removals, by_source)
+    if new or touched or doomed or splices:
+        left = _record(writer, new, touched, doomed, (splices, list(corrected.values())), by_source)
     return Merged(final, warnings, placed, left)
 
 
@@ -426,18 +473,19 @@ def _record(
     new: list[NewHostdev],
     touched: list[tuple[etree._Element, set[str]]],
     doomed: list[etree._Element],
-    removals: list[tuple[Splice, etree._Element, HostdevSpec]],
+    forms: tuple[list[Splice], list[tuple[etree._Element, HostdevSpec]]],
     by_source: dict[SourceKey, list[etree._Element]],
 ) -> dict[SourceKey, list[etree._Element]]:
-    """Give the writer the merge's edits; returns the domain's hostdevs that stay, by source."""
+    """Give the writer the merge's edits (``forms``: the splices correcting the hostdevs in virt-launcher's form,
+    and those hostdevs with their specs); returns the domain's hostdevs that stay, by source."""
     parsed, unit = writer.parsed, writer.unit
     left = by_source
     devices_elements = parsed.root.findall("devices")
     if doomed or len(devices_elements) != 1:
         writer.no_fast()
-    if removals:
-        corrected = list({id(hostdev): (hostdev, spec) for _, hostdev, spec in removals}.values())
-        writer.splice_all([splice for splice, _, _ in removals], functools.partial(_correct_forms, corrected, unit))
+    splices, corrected = forms
+    if splices:
+        writer.splice_all(splices, functools.partial(_correct_forms, corrected, unit))
     for hostdev, changes in touched:
         _write_corrected(writer, hostdev, changes)
     if doomed:

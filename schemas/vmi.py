@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from schemas.errors import InputError
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES, check_utf8
@@ -47,10 +47,13 @@ class VGPUOptions:
     display: DisplayOptions | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class GPU:
+class GPU(NamedTuple):
     """One ``spec.domain.devices.gpus[]`` entry: a device-plugin resource (``deviceName``) or a DRA claim's
-    request (``claimName``/``requestName``, KubeVirt's inlined ``ClaimRequest``)."""
+    request (``claimName``/``requestName``, KubeVirt's inlined ``ClaimRequest``).
+
+    A NamedTuple rather than a frozen dataclass: one is built per entry on the OnDefineDomain path, and the
+    matcher's memo key hashes and compares them (in C for a tuple).
+    """
 
     name: str
     device_name: str | None = None
@@ -64,9 +67,9 @@ class GPU:
         return not self.device_name and (self.claim_name is not None or self.request_name is not None)
 
 
-@dataclass(frozen=True, slots=True)
-class HostDevice:
-    """One ``spec.domain.devices.hostDevices[]`` entry (``deviceName`` or ``claimName``/``requestName``)."""
+class HostDevice(NamedTuple):
+    """One ``spec.domain.devices.hostDevices[]`` entry (``deviceName`` or ``claimName``/``requestName``); a
+    NamedTuple, as :class:`GPU`."""
 
     name: str
     device_name: str | None = None
@@ -291,6 +294,37 @@ def _fast_vgpu_options(value: Any) -> VGPUOptions | bool | None:
     return VGPUOptions(DisplayOptions(enabled, None))
 
 
+def _fast_entries(entries: list[Any], gpus: list[GPU] | None, host_devices: list[HostDevice]) -> bool:
+    """``gpus[]`` (into ``gpus``) or, when ``gpus`` is None, ``hostDevices[]`` entries (into ``host_devices``) read
+    as :func:`_fast_vmi` reads them; False when one needs the reader's look."""
+    new = tuple.__new__
+    for entry in entries:
+        if type(entry) is not dict:
+            return False
+        name, device_name = entry.get("name"), entry.get("deviceName")
+        if len(entry) == 2 and type(name) is str and type(device_name) is str:
+            # the usual entry, exactly {name, deviceName}: no other field to read (GPU(...) without its keyword
+            # handling, one per entry)
+            if gpus is not None:
+                gpus.append(new(GPU, (name, device_name, None, None, None)))
+            else:
+                host_devices.append(new(HostDevice, (name, device_name, None, None)))
+            continue
+        if type(name) is not str or (device_name is not None and type(device_name) is not str):
+            return False
+        claim, request = entry.get("claimName"), entry.get("requestName")
+        if (claim is not None and type(claim) is not str) or (request is not None and type(request) is not str):
+            return False
+        if gpus is not None:
+            options = _fast_vgpu_options(entry.get("virtualGPUOptions"))
+            if options is False:
+                return False
+            gpus.append(GPU(name, device_name, options, claim, request))  # type: ignore[arg-type]
+        else:
+            host_devices.append(HostDevice(name, device_name, claim, request))
+    return True
+
+
 def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
     """The VMI when every field read has the expected type (nearly always), in one pass with no location
     strings; None when anything is off, and :class:`_Reader` then reads it again to name every problem.
@@ -317,22 +351,8 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
                 continue
             if type(entries) is not list:
                 return None
-            for entry in entries:
-                if type(entry) is not dict:
-                    return None
-                name, device_name = entry.get("name"), entry.get("deviceName")
-                if type(name) is not str or (device_name is not None and type(device_name) is not str):
-                    return None
-                claim, request = entry.get("claimName"), entry.get("requestName")
-                if (claim is not None and type(claim) is not str) or (request is not None and type(request) is not str):
-                    return None
-                if key == "gpus":
-                    options = _fast_vgpu_options(entry.get("virtualGPUOptions"))
-                    if options is False:
-                        return None
-                    gpus.append(GPU(name, device_name, options, claim, request))  # type: ignore[arg-type]
-                else:
-                    host_devices.append(HostDevice(name, device_name, claim, request))
+            if not _fast_entries(entries, gpus if key == "gpus" else None, host_devices):
+                return None
     claims: list[ResourceClaim] = []
     entries = spec.get("resourceClaims", _Reader._MISSING)
     if entries is not _Reader._MISSING:

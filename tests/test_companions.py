@@ -325,3 +325,51 @@ def test_a_new_root_port_takes_an_index_above_every_bus_an_address_names() -> No
     assert ports == ["2", "3"]
     devices = _qemu_devices(result.domain_xml, result.aliases)
     assert (devices["ua-gpu0"]["bus"], devices["ua-gpu0-fn1"]["addr"]) == ("pci.2", "0x0.0x1")
+
+
+def test_the_wanted_companions_kept_with_the_allocation_warn_on_every_call_and_are_bounded() -> None:
+    """``wanted_companions`` keeps its result with the allocation, by the hostdevs: a later call for the same
+    hostdevs gives the same GPUs (a fresh list) and the same warnings again, and at most ``WANTED_KEPT`` lists
+    are kept however many the hook sees."""
+    from launcher_hook import companions as module
+    from launcher_hook.hostdev import HostdevSpec
+    from schemas import PciAddress, ResourceKind
+
+    variable = f"PCI_RESOURCE_{TU106}"
+    allocation = allocation_from_env(
+        {variable: "0000:86:00.0,0000:86:00.1", f"PCI_COMPANIONS_{TU106}": "0000:86:00.0=0000:86:00.1+0000:86:00.2"}
+    )
+    gpu, other = (
+        HostdevSpec(ResourceKind.PCI, PciAddress.parse(address), f"ua-gpu{index}", variable, label=f"gpus[{index}]")
+        for index, address in enumerate(("0000:86:00.0", "0000:86:00.1"))
+    )
+    for _ in range(3):
+        warnings: list[str] = []
+        found = module.wanted_companions([gpu, other], allocation, warnings)
+        assert found == [(0, gpu, (PciAddress.parse("0000:86:00.2"),))]
+        assert warnings == [
+            "gpus[0]: companion 0000:86:00.1 is a GPU of this VM itself; it is not placed again in the GPU's slot"
+        ]
+        found.clear()  # the caller's list: what is kept does not change
+    for number in range(module.WANTED_KEPT * 2):
+        module.wanted_companions([gpu, other._replace(alias=f"ua-hostdev{number}")], allocation, [])
+        assert len(allocation.derived[module._WANTED]) <= module.WANTED_KEPT
+
+
+def test_the_aliases_logged_are_a_fresh_dict_and_the_kept_ones_bounded() -> None:
+    """``BuildResult.aliases`` (the log line's ``gpus``) is made from what is kept for the same hostdevs: changing
+    the dict it gave changes no later one, and at most ``ALIASES_KEPT`` lists are kept."""
+    from launcher_hook import builder
+    from launcher_hook.hostdev import HostdevSpec
+    from schemas import PciAddress, ResourceKind
+
+    spec = HostdevSpec(ResourceKind.PCI, PciAddress.parse("0000:86:00.0"), "ua-gpu0", f"PCI_RESOURCE_{TU106}")
+    first = builder.BuildResult(b"", [spec]).aliases
+    assert first == {"ua-gpu0": "0000:86:00.0"}
+    first["ua-gpu0"] = "changed"
+    assert builder.BuildResult(b"", [spec]).aliases == {"ua-gpu0": "0000:86:00.0"}
+    for number in range(builder.ALIASES_KEPT * 2):
+        assert builder.BuildResult(b"", [spec._replace(alias=f"ua-gpu{number}")]).aliases == {
+            f"ua-gpu{number}": "0000:86:00.0"
+        }
+        assert len(builder._aliases_kept) <= builder.ALIASES_KEPT

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from lxml import etree
 
-from bench.workloads import kubevirt_rendered_domain, sixteen_gpus
+from bench.workloads import kubevirt_rendered_domain, rendered_domain, sixteen_gpus
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import allocation_from_env
 from launcher_hook.domain import merge_hostdevs, parse_domain, read_hostdevs
@@ -653,6 +653,36 @@ def test_hostdevs_read_from_the_bytes_are_what_the_tree_says(case: str) -> None:
     assert fast.view == tree.view
     assert fast.by_source == tree.by_source
     assert fast.in_order == tree.in_order
+
+
+@pytest.mark.parametrize("case", list(READ_CASES), ids=list(READ_CASES))
+def test_a_hostdev_text_read_again_says_what_it_said_the_first_time(case: str) -> None:
+    """What a hostdev's bytes say is kept by its text (``domain._forms_read``); a second read of the same
+    domain, from what was kept, must give what the first read and the tree read give."""
+    from launcher_hook import domain as module
+
+    module._forms_read.clear()
+    first = read_hostdevs(parse_domain(READ_CASES[case], 1 << 20))
+    assert (first.kubevirt_forms is not None) is (case in FROM_BYTES)
+    again = read_hostdevs(parse_domain(READ_CASES[case], 1 << 20))
+    assert again.kubevirt_forms == first.kubevirt_forms
+    assert again.spans is not None if first.spans is not None else again.spans is None
+    assert again.view == first.view
+    assert [element.sourceline for element in again.in_order or []] == [
+        element.sourceline for element in first.in_order or []
+    ]
+
+
+def test_the_hostdev_texts_kept_are_bounded() -> None:
+    """A hook fed ever new domains keeps at most ``FORMS_KEPT`` hostdev texts, however many it reads."""
+    from launcher_hook import domain as module
+
+    module._forms_read.clear()
+    addresses = [f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x42)]  # 50 GPUs a domain
+    for domain_number in range(module.FORMS_KEPT // len(addresses) + 2):
+        domain = rendered_domain(addresses, alias_prefix=f"ua-gpu-d{domain_number}-")
+        assert read_hostdevs(parse_domain(domain, 1 << 22)).kubevirt_forms is not None
+        assert len(module._forms_read) <= module.FORMS_KEPT
 
 
 @pytest.mark.parametrize("case", sorted(FROM_BYTES))
