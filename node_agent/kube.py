@@ -6,18 +6,21 @@ configuration from the pod's service account or a kubeconfig, a total deadline o
 facade of the three calls the agent makes, all on the one Node named at construction (the pod's
 ``spec.nodeName``, from the downward API):
 
-- ``GET /api/v1/nodes/<node>``;
+- ``GET /api/v1/nodes/<node>`` (each write is decided on the Node as it is);
+- ``LIST /api/v1/nodes?fieldSelector=metadata.name=<node>`` (one item; the list's ``resourceVersion`` is where a
+  watch starts);
 - ``WATCH /api/v1/nodes?fieldSelector=metadata.name=<node>`` from a ``resourceVersion``, with bookmarks and a
   server-side ``timeoutSeconds``; each event one line of at most :data:`MAX_EVENT_BYTES`;
 - ``PATCH /api/v1/nodes/<node>`` as ``application/merge-patch+json`` (RFC 7386) of ``metadata.labels`` and
   ``metadata.annotations`` only (a None value deletes the key), optionally with the ``resourceVersion`` the
   change was decided on as a precondition (409 when the node has moved on since).
 
-:class:`NodeWatcher` keeps the latest Node object as the informer pattern of client-go does for one object: GET
-(the list), then WATCH from its ``resourceVersion``; each event replaces the object, a ``BOOKMARK`` moves the
+:class:`NodeWatcher` keeps the latest Node object as client-go's informers do, for one object: LIST, then WATCH
+from the list's ``resourceVersion``; each event replaces the object, a ``BOOKMARK`` moves the
 version on; a watch the server ends (its timeout) or a 410 ``Expired`` (the version compacted away) starts
-over with a GET; any other failure (a dropped connection, a 5xx) waits with a doubling backoff up to
-:data:`MAX_BACKOFF` and starts over. :meth:`NodeWatcher.stop` ends it at once, also mid-read (the watch's
+over with a LIST; any other failure (a dropped connection, a 5xx) waits with a doubling backoff up to
+:data:`MAX_BACKOFF` and resumes the watch from the last ``resourceVersion`` seen (a 410 then sends it to a
+LIST). :meth:`NodeWatcher.stop` ends it at once, also mid-read (the watch's
 sockets are cut, :class:`~runtime.kube_api.Abort`).
 """
 
@@ -111,6 +114,23 @@ class NodeApi(KubeClient):
             raise KubeError(f"read Node {self.node_name}: the answer is not that Node")
         return node
 
+    def list(self) -> tuple[JSON, str]:
+        """The Node and the list's ``resourceVersion`` (LIST with ``fieldSelector=metadata.name``): the version a
+        watch resumes from. Not the object's own version, which may be older than the server's watch window
+        (a Node that has not changed for a while), so a watch from it could only ever get 410."""
+        what = f"list Node {self.node_name}"
+        answer = self._call(what, self._core.list_node, field_selector=f"metadata.name={self.node_name}")
+        items = answer.get("items")
+        version = node_metadata(answer).get("resourceVersion")
+        if not isinstance(items, list) or not isinstance(version, str) or not version:
+            raise KubeError(f"{what}: the answer has no items and resourceVersion")
+        found = [item for item in items if isinstance(item, dict) and node_metadata(item).get("name") == self.node_name]
+        if len(found) != 1:
+            raise KubeError(
+                f"{what}: the API server has no Node {self.node_name} (is NODE_NAME the pod's spec.nodeName?)"
+            )
+        return found[0], version
+
     def watch(
         self,
         since: str,
@@ -197,7 +217,7 @@ class NodeWatcher:
         self.errors = 0
         """Failures so far (each logged, each followed by a backoff)."""
         self.relists = 0
-        """GETs so far (the first, then one after each watch end, 410 or failure)."""
+        """LISTs so far (the first, then one after each watch the server ends and each 410)."""
 
     @property
     def latest(self) -> JSON | None:
@@ -230,26 +250,29 @@ class NodeWatcher:
 
     def _run(self) -> None:
         backoff = MIN_BACKOFF
+        since: str | None = None  # None: read the Node (start, a watch the server ended, a 410)
+
+        def on_event(kind: str, obj: JSON) -> None:
+            nonlocal since
+            version = resource_version(obj)
+            if version:
+                since = version
+            if kind in ("ADDED", "MODIFIED"):
+                self._offer(obj)
+
         while not self._stopped.is_set():
             try:
-                node = self._api.get()
-                self.relists += 1
-                self._offer(node)
-                since = resource_version(node)
-
-                def on_event(kind: str, obj: JSON) -> None:
-                    nonlocal since
-                    version = resource_version(obj)
-                    if version:
-                        since = version
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._offer(obj)
-
+                if since is None:
+                    node, since = self._api.list()
+                    self.relists += 1
+                    self._offer(node)
                 self._api.watch(since, on_event, self._abort)
-                backoff = MIN_BACKOFF  # the server ended the watch (its timeout) cleanly: start over with a GET
+                since = None  # the server ended the watch (its timeout) cleanly: read the Node again
+                backoff = MIN_BACKOFF
             except WatchExpired as exc:
                 log.info("node watch expired, reading the Node again: %s", exc)
-            except KubeError as exc:
+                since = None
+            except KubeError as exc:  # a dropped connection, a 5xx: resume from the last version after a pause
                 if self._stopped.is_set():
                     return
                 self.errors += 1

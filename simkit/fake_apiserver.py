@@ -46,6 +46,7 @@ import copy
 import json
 import re
 import secrets
+import select
 import socket
 import threading
 import time
@@ -377,8 +378,10 @@ class FakeApiServer:
         self._changed.notify_all()
 
     def compact(self) -> None:
-        """Forget the node history (as etcd's compaction does): a watch from an older resourceVersion gets 410."""
+        """Other writes in the cluster, then a compaction (etcd's) at the newest version: the node history is gone,
+        and a watch from any version older than that gets 410 (a LIST's version is not older)."""
         with self._lock:
+            self._state.version += 1
             self._state.compacted = self._state.version
             self._state.node_events.clear()
 
@@ -674,7 +677,7 @@ class FakeApiServer:
                         cursor = int(since)
                     except ValueError:
                         raise _ApiError(400, "BadRequest", f"invalid resourceVersion {since!r}") from None
-                    if cursor < self._state.compacted:
+                    if cursor < self._state.compacted:  # the watch cache no longer reaches back there
                         gone = _status(410, "Expired", f"too old resource version: {cursor} ({self._state.compacted})")
                         return _Watch(wanted, cursor, False, 0.0, [{"type": "ERROR", "object": gone}], counted=False)
                 self._state.open_watches += 1
@@ -683,7 +686,7 @@ class FakeApiServer:
         except _ApiError as exc:
             return exc.code, _status(exc.code, exc.reason, exc.message)
 
-    def _watch_events(self, watch: _Watch) -> Iterator[JSON | None]:
+    def _watch_events(self, watch: _Watch, client_gone: Callable[[], bool] = lambda: False) -> Iterator[JSON | None]:
         """The events after the watch's cursor as they happen; None when it is to be cut (a drop, a stop); ends at
         its end."""
         wanted, cursor, bookmarks, end = watch.wanted, watch.cursor, watch.bookmarks, watch.end
@@ -693,7 +696,7 @@ class FakeApiServer:
             while True:
                 with self._lock:
                     while True:
-                        if self._stopping or self._state.drops != seen_drops:
+                        if self._stopping or self._state.drops != seen_drops or client_gone():
                             ready: list[JSON | None] = [None]
                             break
                         ready = [
@@ -709,7 +712,7 @@ class FakeApiServer:
                         remaining = end - time.monotonic()
                         if ready or remaining <= 0:
                             break
-                        self._changed.wait(min(remaining, 1.0))
+                        self._changed.wait(min(remaining, 0.1))
                 yield from ready
                 if None in ready or not ready:
                     return
@@ -727,6 +730,14 @@ class FakeApiServer:
             def _chunk(self, data: bytes) -> None:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
+
+            def _client_gone(self) -> bool:
+                """Whether the client closed its end (the API server sees its request context end)."""
+                try:
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    return True
 
             def _stream(self) -> None:
                 started = server._watch_start(self.path)
@@ -749,7 +760,7 @@ class FakeApiServer:
                     if not started.counted:  # an ERROR event (410) and the end
                         self._chunk(b"")
                         return
-                    for event in server._watch_events(started):
+                    for event in server._watch_events(started, self._client_gone):
                         if event is None:  # cut: no terminator, the connection just ends
                             self.close_connection = True
                             with suppress(OSError):
