@@ -163,8 +163,8 @@ PREPARER_FACTORY: Callable[[PreparerConfig], Preparer] = unwired_preparer
 
 class Allocations(Protocol):
     def held(self) -> dict[str, list[str]]:
-        """Device ID → the pods holding it (``namespace/name``); :class:`KubeError`-free: raises ``OSError``-like
-        :class:`AllocationsUnknown` when the kubelet cannot be asked."""
+        """Device ID → the pods holding it (``namespace/name (resource)``); :class:`AllocationsUnknown` when the
+        kubelet cannot be asked."""
         ...
 
 
@@ -424,9 +424,15 @@ class Operator:
         self._patch(decide)
         log.info("%s=%s: %s", WORKLOAD_STATE_LABEL, state, message)
 
-    def _feature_labels(self, workloads: Mapping[str, str]) -> dict[str, str | None]:
+    def _feature_labels(self, workloads: Mapping[str, str]) -> dict[str, str | None] | None:
+        """The core's feature labels of ``workloads`` within its prefixes; None when it cannot say (logged: the
+        labels on the Node then stay as they are, the state is still reported and the pause lifted)."""
         prefixes = self.preparer.label_prefixes
-        labels = self.preparer.labels(workloads)
+        try:
+            labels = self.preparer.labels(workloads)
+        except Exception:
+            log.exception("the node's feature labels could not be made; those on the Node stay as they are")
+            return None
         kept: dict[str, str | None] = {}
         for key, value in labels.items():
             if any(key.startswith(prefix) for prefix in prefixes) and key not in STATE_LABELS:

@@ -492,3 +492,30 @@ def test_operate_without_the_core_wired_fails_clearly() -> None:
     result = CliRunner().invoke(cli, ["operate", "--api-server", "http://127.0.0.1:9"], env={"NODE_NAME": NODE})
     assert result.exit_code != 0
     assert "not wired" in str(result.exception) + result.output
+
+
+def test_a_watch_event_over_the_bound_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("node_agent.kube.MAX_EVENT_BYTES", 2048)
+    with FakeApiServer() as server:
+        server.add_node(NODE)
+        api = NodeApi.for_node(NODE, host=server.url)
+        _, since = api.list()
+        seen: list[str] = []
+        server.set_annotations(NODE, {"example.com/big": "x" * 4096})
+        with pytest.raises(KubeError, match=r"an event from .* is over 2048 bytes"):
+            api.watch(since, lambda kind, obj: seen.append(kind), seconds=30)
+        assert seen == []
+        api.close()
+
+
+def test_a_core_that_cannot_make_its_labels_still_reports_and_lifts_the_pause() -> None:
+    with rig() as r:
+
+        def broken(workloads: Mapping[str, str]) -> dict[str, str]:
+            raise RuntimeError("no pci.ids")
+
+        r.core.labels = broken  # type: ignore[method-assign]
+        with PluginStandIn(r.server), running(r, default_workload="vm-passthrough") as operator:
+            wait_state(r, "success", 1, operator)
+        assert labels(r)[PLUGIN_DEPLOY_LABEL] == "true"
+        assert PAUSED_FROM_ANNOTATION not in notes_of(r)
