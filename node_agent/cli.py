@@ -1,7 +1,8 @@
-"""``gpu-node-agent``: thin click commands over :mod:`node_agent.bind`, :mod:`node_agent.vgpu` and
-:mod:`node_agent.state`. Each prints a JSON report on stdout and fails (``error: …``, exit 1) naming every
-refusal. The kernel is :class:`~node_agent.kernel.RealKernel` unless a caller passes another as click's
-``obj`` (the tests pass ``simkit.kernel_sim.SimKernel``).
+"""``gpu-node-agent``: thin click commands over :mod:`node_agent.bind`, :mod:`node_agent.vgpu`,
+:mod:`node_agent.state` and (``operate``, which alone loads the Kubernetes client) :mod:`node_agent.operate`.
+Each prints a JSON report on stdout and fails (``error: …``, exit 1) naming every refusal. The kernel is
+:class:`~node_agent.kernel.RealKernel` unless a caller passes another as click's ``obj`` (the tests pass
+``simkit.kernel_sim.SimKernel``).
 
 Every option can come from the environment (``GPU_NODE_AGENT_<OPTION>``), as a DaemonSet sets it.
 Stopping the agent changes nothing: ``--stay`` only waits for SIGTERM/SIGINT and exits 0.

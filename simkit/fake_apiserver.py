@@ -1,9 +1,10 @@
-"""A small Kubernetes API server on loopback, for testing the DRA plugin's cluster side through the real client.
+"""A small Kubernetes API server on loopback, for testing the DRA plugin's cluster side and the node agent's
+``operate`` through the real client.
 
-:mod:`plugin.dra.kube` talks to the API server with the official ``kubernetes`` client; a mock of the client
-would test our idea of the client, not the client. This is a real HTTP server (``ThreadingHTTPServer`` on
-127.0.0.1, a bounded number of requests and body sizes) that speaks just enough of the Kubernetes REST API
-for what the plugin does, with the server-side rules the plugin relies on:
+:mod:`plugin.dra.kube` and :mod:`node_agent.kube` talk to the API server with the official ``kubernetes``
+client; a mock of the client would test our idea of the client, not the client. This is a real HTTP server
+(``ThreadingHTTPServer`` on 127.0.0.1, a bounded number of requests and body sizes) that speaks just enough of
+the Kubernetes REST API for what the plugin does, with the server-side rules the plugin relies on:
 
 - ``resource.k8s.io/v1`` ResourceSlices (cluster-scoped): LIST with ``fieldSelector`` on ``metadata.name``,
   ``spec.nodeName`` and ``spec.driver``, the only field labels Kubernetes supports for them (any other,
