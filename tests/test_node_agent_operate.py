@@ -519,3 +519,23 @@ def test_a_core_that_cannot_make_its_labels_still_reports_and_lifts_the_pause() 
             wait_state(r, "success", 1, operator)
         assert labels(r)[PLUGIN_DEPLOY_LABEL] == "true"
         assert PAUSED_FROM_ANNOTATION not in notes_of(r)
+
+
+def test_a_stop_during_an_apply_lets_it_finish_and_report_before_the_loop_ends() -> None:
+    with rig() as r:
+        entered, release = threading.Event(), threading.Event()
+        original = r.core.apply
+
+        def slow_apply(plan: Any) -> FakeOutcome:
+            entered.set()
+            assert release.wait(WAIT)
+            return original(plan)
+
+        r.core.apply = slow_apply  # type: ignore[method-assign]
+        with PluginStandIn(r.server), running(r, default_workload="vm-passthrough") as operator:
+            assert entered.wait(WAIT)
+            operator.stop()  # mid-apply: the loop ends only after the apply and its report
+            release.set()
+        assert r.core.writes == [dict.fromkeys(GPUS, "vm-passthrough")]
+        assert labels(r)[WORKLOAD_STATE_LABEL] == "success" and labels(r)[PLUGIN_DEPLOY_LABEL] == "true"
+        assert PAUSED_FROM_ANNOTATION not in notes_of(r)
