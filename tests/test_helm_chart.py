@@ -76,6 +76,12 @@ VARIANTS: dict[str, Variant] = {
     "deploy + components/gpu-operator": Variant(
         ".", {"gpuOperator.deployLabels": True}, components=("gpu-operator",), covers=("components/gpu-operator",)
     ),
+    "deploy + components/node-label-protocol": Variant(
+        ".",
+        {"nodeLabelProtocol.enabled": True},
+        components=("node-label-protocol",),
+        covers=("components/node-label-protocol",),
+    ),
     "device-plugin": Variant(
         "device-plugin", {**OFF_CR, "examples.vm": False, **NO_AGENTS, **NO_WAIT}, covers=("device-plugin",)
     ),

@@ -13,6 +13,9 @@ one release per cluster.
 {{- define "kgp.vgpu" -}}
 {{- and .Values.sandboxWorkloads.enabled .Values.vgpuDeviceManager.enabled -}}
 {{- end -}}
+{{- define "kgp.operate" -}}
+{{- and .Values.sandboxWorkloads.enabled .Values.nodeLabelProtocol.enabled -}}
+{{- end -}}
 {{- define "kgp.dra" -}}
 {{- and .Values.sandboxWorkloads.enabled .Values.dra.enabled -}}
 {{- end -}}
@@ -125,6 +128,11 @@ The node selector terms of a DaemonSet (terms are ORed). Call with (list . "plug
 {{- if and (eq $values.sandboxWorkloads.defaultWorkload "vm-passthrough") (has $who (list "plugin" "passthrough")) -}}
 {{- $terms = append $terms (dict "matchExpressions" (list (dict "key" "nvidia.com/gpu.workload.config" "operator" "DoesNotExist") (dict "key" "nvidia.com/gpu.present" "operator" "In" "values" (list "true")))) -}}
 {{- end -}}
+{{- end -}}
+{{- if and (eq $who "plugin") (eq (include "kgp.operate" $root) "true") -}}
+{{- $first := index $terms 0 -}}
+{{- $paused := dict "key" "nvidia.com/gpu.deploy.sandbox-device-plugin" "operator" "NotIn" "values" (list "paused-for-vgpu-change") -}}
+{{- $terms = prepend (rest $terms) (dict "matchExpressions" (append $first.matchExpressions $paused)) -}}
 {{- end -}}
 {{- if and (eq $who "plugin") (eq (include "kgp.dra" $root) "true") -}}
 {{- $kept := list -}}
