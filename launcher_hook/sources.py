@@ -40,18 +40,17 @@ from launcher_hook.document import CallInputs, ParsedDomain
 from launcher_hook.domain import HostdevsInDomain, hostdevs_of, read_hostdevs
 from launcher_hook.hostdevs import model_for_type
 from launcher_hook.matching import KUBEVIRT_ALIAS_PREFIX, KUBEVIRT_USB_ALIAS_PREFIX
+from runtime import pod_resources
 from runtime.files import read_regular_file
+from runtime.pod_resources import rpc_text
 from schemas import InputError
 from schemas.generated.kubelet.podresources.v1 import api_pb2 as podresources
-from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
 from schemas.kinds import kind_of_id
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance, parse_vmi
 
 DEFAULT_CONTAINER = "compute"
-POD_RESOURCES_TIMEOUT_SECONDS = 10.0
-POD_RESOURCES_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-"""The kubelet's own PodResources clients allow 16 MiB; a busy node's ``List`` can exceed gRPC's 4 MiB default."""
+POD_RESOURCES_TIMEOUT_SECONDS = pod_resources.TIMEOUT_SECONDS
 VIRT_LAUNCHER_POD_PREFIX = "virt-launcher-"
 GENERATED_NAME_BASE_MAX = 58
 """The API server cuts a ``generateName`` to 58 characters before adding 5 random ones (63 in all)."""
@@ -208,12 +207,6 @@ def _vmi_ref(vmi_json: bytes | None) -> _VmiRef | None:
     return None
 
 
-def _rpc_text(error: grpc.RpcError) -> str:
-    code = error.code() if isinstance(error, grpc.Call) else None
-    details = error.details() if isinstance(error, grpc.Call) else str(error)
-    return f"{code.name if code else 'error'}: {details}"
-
-
 SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 RESOLV_CONF = Path("/etc/resolv.conf")
 _CLUSTER_SEARCH_DOMAIN = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.svc\.")
@@ -327,11 +320,7 @@ class PodResourcesSource:
         self._get_disabled = False
         self._own: tuple[str, str] | None = None  # (namespace, name), once found
         self._own_lock = threading.Lock()
-        self._channel = grpc.insecure_channel(
-            f"unix:{socket_path}",
-            options=[("grpc.max_receive_message_length", POD_RESOURCES_MAX_MESSAGE_BYTES)],
-        )
-        self._stub = podresources_grpc.PodResourcesListerStub(self._channel)
+        self._client = pod_resources.PodResourcesClient(socket_path, timeout)
 
     @property
     def pod_name(self) -> str | None:
@@ -351,7 +340,7 @@ class PodResourcesSource:
         return f"PodResources {self.socket_path} ({pod}, container {self.container})"
 
     def close(self) -> None:
-        self._channel.close()
+        self._client.close()
 
     def load(self, vmi_json: bytes | None, domain_xml: bytes | None = None) -> Loaded:
         ref = _vmi_ref(vmi_json)
@@ -420,14 +409,12 @@ class PodResourcesSource:
         else:
             hint = "is /var/lib/kubelet/pod-resources mounted into this container?"
         return SourceUnavailable(
-            f"the kubelet PodResources socket {self.socket_path} did not answer {method} ({_rpc_text(error)}); {hint}"
+            f"the kubelet PodResources socket {self.socket_path} did not answer {method} ({rpc_text(error)}); {hint}"
         )
 
     def _list(self, tried: str) -> list[podresources.PodResources]:
         try:
-            response: podresources.ListPodResourcesResponse = self._stub.List(
-                podresources.ListPodResourcesRequest(), timeout=self.timeout
-            )
+            return self._client.list()
         except grpc.RpcError as error:
             if isinstance(error, grpc.Call) and error.code() in (
                 grpc.StatusCode.UNAVAILABLE,
@@ -435,30 +422,26 @@ class PodResourcesSource:
             ):
                 raise self._unreachable("List", error) from None
             raise SourceUnavailable(
-                f"PodResources at {self.socket_path}: {tried}List failed: {_rpc_text(error)}"
+                f"PodResources at {self.socket_path}: {tried}List failed: {rpc_text(error)}"
             ) from None
-        return list(response.pod_resources)
 
     def _pod_by_name(self, namespace: str, name: str) -> tuple[podresources.PodResources, str]:
         tried = ""
         if not self._get_disabled:
             try:
-                response: podresources.GetPodResourcesResponse = self._stub.Get(
-                    podresources.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self.timeout
-                )
-                return response.pod_resources, "Get"
+                return self._client.get(namespace, name), "Get"
             except grpc.RpcError as error:
                 code = error.code() if isinstance(error, grpc.Call) else None
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise self._unreachable("Get", error) from None
                 if code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
                     raise SourceUnavailable(
-                        f"PodResources Get at {self.socket_path} for pod {namespace}/{name}: {_rpc_text(error)}"
+                        f"PodResources Get at {self.socket_path} for pod {namespace}/{name}: {rpc_text(error)}"
                     ) from None
                 details = (error.details() if isinstance(error, grpc.Call) else None) or ""
                 if code is grpc.StatusCode.UNIMPLEMENTED or "disabled" in details.lower():
                     self._get_disabled = True
-                tried = f"Get said {_rpc_text(error)}; "
+                tried = f"Get said {rpc_text(error)}; "
         pods = self._list(tried)
         for pod in pods:
             if pod.name == name and pod.namespace == namespace:

@@ -1,7 +1,8 @@
-"""``gpu-node-agent``: thin click commands over :mod:`node_agent.bind`, :mod:`node_agent.vgpu` and
-:mod:`node_agent.state`. Each prints a JSON report on stdout and fails (``error: …``, exit 1) naming every
-refusal. The kernel is :class:`~node_agent.kernel.RealKernel` unless a caller passes another as click's
-``obj`` (the tests pass ``simkit.kernel_sim.SimKernel``).
+"""``gpu-node-agent``: thin click commands over :mod:`node_agent.bind`, :mod:`node_agent.vgpu`,
+:mod:`node_agent.state` and (``operate``, which alone loads the Kubernetes client) :mod:`node_agent.operate`.
+Each prints a JSON report on stdout and fails (``error: …``, exit 1) naming every refusal. The kernel is
+:class:`~node_agent.kernel.RealKernel` unless a caller passes another as click's ``obj`` (the tests pass
+``simkit.kernel_sim.SimKernel``).
 
 Every option can come from the environment (``GPU_NODE_AGENT_<OPTION>``), as a DaemonSet sets it.
 Stopping the agent changes nothing: ``--stay`` only waits for SIGTERM/SIGINT and exits 0.
@@ -16,6 +17,7 @@ from typing import Any
 
 import click
 
+from node_agent import protocol
 from node_agent.bind import bind as bind_groups
 from node_agent.bind import driver_chooser, missing_bindings, select
 from node_agent.bind import load_aliases as read_aliases
@@ -35,6 +37,7 @@ from node_agent.workload_config import load_workload_config
 from runtime.cli_options import log_format_option
 from runtime.files import read_regular_file
 from runtime.logs import component_logger, configure_logging
+from runtime.pod_resources import DEFAULT_SOCKET as DEFAULT_POD_RESOURCES_SOCKET
 from runtime.signals import stop_on_signals
 from schemas import node_agent_state as state_schema
 from schemas.clirun import run_cli
@@ -538,6 +541,139 @@ def workload_apply(
         raise AgentError(problem)
     if stay:
         _stay()
+
+
+@cli.command()
+@host_root_option
+@state_dir_option
+@click.option(
+    "--node-name",
+    required=True,
+    envvar=[env("node_name"), "NODE_NAME"],
+    show_envvar=True,
+    help="This node's name (the pod's spec.nodeName through the downward API): the only Node read and written.",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("kubeconfig"),
+    show_envvar=True,
+    help="A kubeconfig instead of the pod's service account (the agent run by hand).",
+)
+@click.option(
+    "--api-server",
+    envvar=env("api_server"),
+    show_envvar=True,
+    metavar="URL",
+    help="A plain http:// API server without credentials (kubectl proxy, tests) instead of either.",
+)
+@click.option(
+    "--default-workload",
+    type=click.Choice(protocol.WORKLOADS),
+    default="container",
+    show_default=True,
+    envvar=env("default_workload"),
+    show_envvar=True,
+    help=f"The workload of a node without the {protocol.WORKLOAD_LABEL} label (the GPU Operator's "
+    "sandboxWorkloads.defaultWorkload).",
+)
+@click.option(
+    "--default-vgpu-config",
+    envvar=env("default_vgpu_config"),
+    show_envvar=True,
+    help=f"The vGPU config of a vm-vgpu node without the {protocol.VGPU_CONFIG_LABEL} label.",
+)
+@click.option(
+    "--vgpu-config",
+    "vgpu_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("vgpu_config"),
+    show_envvar=True,
+    help="The vGPU config file (version: v1, vgpu-configs: ...).",
+)
+@click.option(
+    "--workload-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=env("workload_config"),
+    show_envvar=True,
+    help="Per-GPU workloads (docs/node-agent.md): GPUs that serve another workload than the node's.",
+)
+@click.option(
+    "--podresources-socket",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_POD_RESOURCES_SOCKET,
+    show_default=True,
+    envvar=env("podresources_socket"),
+    show_envvar=True,
+    help="The kubelet's PodResources socket: which devices pods hold (a change to them is refused).",
+)
+@click.option(
+    "--plugin-resource-prefix",
+    default=protocol.DEFAULT_RESOURCE_PREFIX,
+    show_default=True,
+    envvar=env("plugin_resource_prefix"),
+    show_envvar=True,
+    help="The device plugin's resource names start with this (PodResources and status.allocatable are read "
+    "for these only).",
+)
+@click.option(
+    "--pause-timeout",
+    type=click.FloatRange(min=0),
+    default=protocol.DEFAULT_PAUSE_TIMEOUT,
+    show_default=True,
+    envvar=env("pause_timeout"),
+    show_envvar=True,
+    help="Seconds to wait, the sandbox device plugin paused, for the node to stop offering the devices that go.",
+)
+@click.option(
+    "--retry-period",
+    type=click.FloatRange(min=0.01),
+    default=protocol.DEFAULT_RETRY_PERIOD,
+    show_default=True,
+    envvar=env("retry_period"),
+    show_envvar=True,
+    help="Seconds between tries of a refused change (a GPU held) or a failed API call.",
+)
+@nvidia_smi_option
+def operate(
+    host_root: Path,
+    state_dir: Path,
+    node_name: str,
+    kubeconfig: Path | None,
+    api_server: str | None,
+    default_workload: str,
+    default_vgpu_config: str | None,
+    vgpu_config: Path | None,
+    workload_config: Path | None,
+    podresources_socket: Path,
+    plugin_resource_prefix: str,
+    pause_timeout: float,
+    retry_period: float,
+    nvidia_smi: str,
+) -> None:
+    """Follow this node's nvidia.com/gpu.workload.config and nvidia.com/vgpu.config labels as the GPU Operator's
+    sandbox components do: plan, pause the sandbox device plugin, apply, report (docs/node-agent.md)."""
+    from node_agent import operate as operate_loop  # noqa: PLC0415 (the Kubernetes client: this command only)
+    from node_agent.kube import NodeApi  # noqa: PLC0415
+
+    context = click.get_current_context()
+    config = operate_loop.PreparerConfig(
+        host_root, state_dir, vgpu_config, workload_config, nvidia_smi, context.find_root().obj
+    )
+    preparer = operate_loop.PREPARER_FACTORY(config)
+    api = NodeApi.for_node(node_name, host=api_server, kubeconfig=kubeconfig)
+    allocations = operate_loop.PodResourcesAllocations(podresources_socket, plugin_resource_prefix)
+    options = operate_loop.OperateOptions(
+        default_workload, default_vgpu_config, pause_timeout, retry_period, plugin_resource_prefix
+    )
+    operator = operate_loop.Operator(api, preparer, allocations, options)
+    try:
+        with stop_on_signals(operator.stop) as received:
+            operator.run()
+    finally:
+        allocations.close()
+        api.close()
+    log.info("stopping on %s; the node is left as it is", ",".join(received) or "request")
 
 
 def main() -> None:

@@ -9,12 +9,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -23,8 +20,7 @@ from launcher_hook.allocation import parse_environ
 from launcher_hook.server import HookServer
 from launcher_hook.service import HookService
 from runtime.sockets import socket_is_live
-from schemas.generated.kubelet.podresources.v1 import api_pb2 as pr
-from schemas.generated.kubelet.podresources.v1 import api_pb2_grpc as pr_grpc
+from simkit.podresources_standin import Container, Pod
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "seed-node01"
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -83,6 +79,7 @@ def reap_started() -> None:
             process.kill()
             process.communicate(timeout=20)
 
+
 def wait_for_socket(path: Path, timeout: float = 20.0) -> None:
     """Until the server answers on ``path``: its socket file exists from ``bind`` on but accepts connections only
     once gRPC's server has started (``listen``); a call in between is refused (seen on a loaded machine)."""
@@ -91,83 +88,6 @@ def wait_for_socket(path: Path, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear and answer within {timeout} s")
         time.sleep(0.02)
-
-
-@dataclass
-class Container:
-    name: str
-    devices: Sequence[tuple[str, Sequence[str]]] = ()
-
-
-@dataclass
-class Pod:
-    namespace: str
-    name: str
-    containers: Sequence[Container] = ()
-
-    def message(self) -> pr.PodResources:
-        return pr.PodResources(
-            name=self.name,
-            namespace=self.namespace,
-            containers=[
-                pr.ContainerResources(
-                    name=container.name,
-                    devices=[
-                        pr.ContainerDevices(resource_name=r, device_ids=list(ids)) for r, ids in container.devices
-                    ],
-                )
-                for container in self.containers
-            ],
-        )
-
-
-@dataclass
-class FakeKubelet:
-    """The kubelet's ``v1.PodResourcesLister`` with the pods given; ``get`` is ``ok``, ``disabled`` (UNKNOWN,
-    as kubelets before 1.34 answer) or ``unimplemented``."""
-
-    pods: list[Pod]
-    get: str = "ok"
-    calls: list[str] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _record(self, name: str) -> None:
-        with self._lock:
-            self.calls.append(name)
-
-    def List(self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
-        self._record("List")
-        return pr.ListPodResourcesResponse(pod_resources=[pod.message() for pod in self.pods])
-
-    def Get(self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext) -> pr.GetPodResourcesResponse:
-        self._record("Get")
-        if self.get == "disabled":
-            context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
-        if self.get == "unimplemented":
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-        for pod in self.pods:
-            if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
-                return pr.GetPodResourcesResponse(pod_resources=pod.message())
-        context.abort(grpc.StatusCode.UNKNOWN, f"pod {request.pod_name} not found in {request.pod_namespace}")
-        raise AssertionError("unreachable")
-
-    def GetAllocatableResources(
-        self, request: pr.AllocatableResourcesRequest, context: grpc.ServicerContext
-    ) -> pr.AllocatableResourcesResponse:
-        self._record("GetAllocatableResources")
-        return pr.AllocatableResourcesResponse()
-
-
-@contextmanager
-def fake_kubelet(kubelet: FakeKubelet, socket_path: Path) -> Iterator[Path]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pr_grpc.add_PodResourcesListerServicer_to_server(kubelet, server)
-    server.add_insecure_port(f"unix:{socket_path}")
-    server.start()
-    try:
-        yield socket_path
-    finally:
-        server.stop(0).wait()
 
 
 def launcher_pod(gpus: Sequence[str], namespace: str = "cxl", vmi: str = "vm-with-gpu") -> Pod:

@@ -44,13 +44,12 @@ from runtime.status import MAX_STATUS_MESSAGE
 from schemas import InputError, PciAddress, parse_mdev_uuid
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import MAX_JSON_DEPTH, VirtualMachineInstance, parse_vmi
+from simkit.podresources_standin import FakeKubelet, fake_kubelet
 from tests.conftest import scaled
 from tests.hook_support import (
     RTX,
     RTX_VAR,
     SEED_PCI,
-    FakeKubelet,
-    fake_kubelet,
     launcher_pod,
     running_hook,
     seed_case,

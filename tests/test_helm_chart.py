@@ -51,8 +51,6 @@ OFF_CR = {"kubevirt.createCR": False}
 NO_NODE = {"sandboxWorkloads.enabled": False}
 NO_AGENTS = {"vfioManager.enabled": False, "vgpuDeviceManager.enabled": False}
 NO_WAIT = {"sandboxDevicePlugin.waitForNodeAgent.enabled": False}
-NODE_LABEL_PROTOCOL_OLDEST_KUBERNETES = "1.32"
-"""The bound token's node name (``authentication.kubernetes.io/node-name``) the policy relies on is GA from 1.32."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,6 @@ VARIANTS: dict[str, Variant] = {
         ".",
         {"nodeLabelProtocol.enabled": True},
         components=("node-label-protocol",),
-        kubernetes=NODE_LABEL_PROTOCOL_OLDEST_KUBERNETES,
         covers=("components/node-label-protocol",),
     ),
     "device-plugin": Variant(
@@ -215,16 +212,10 @@ def test_the_comparison_catches_a_drifted_template(tmp_path: Path) -> None:
     assert any(line.startswith("only the chart renders ('v1', 'ConfigMap'") for line in found), found
 
 
-@pytest.mark.parametrize(
-    ("copy", "source"),
-    [
-        ("vgpu-config.yaml", "node-agent/vgpu-config.yaml"),
-        ("workloads.yaml", "components/node-label-protocol/workloads.yaml"),
-    ],
-)
-def test_the_charts_config_files_are_deploys(copy: str, source: str) -> None:
-    """The chart's files/ are copies (a chart cannot read outside its directory): byte for byte the same."""
-    assert (CHART / "files" / copy).read_bytes() == (DEPLOY / source).read_bytes()
+def test_the_charts_vgpu_configs_are_deploys() -> None:
+    """files/vgpu-config.yaml is a copy (a chart cannot read outside its directory): byte for byte the same."""
+    copy = CHART / "files" / "vgpu-config.yaml"
+    assert copy.read_bytes() == (DEPLOY / "node-agent" / "vgpu-config.yaml").read_bytes()
 
 
 # -- every rendered object passes deploy's checks ----------------------------------------------------------------
@@ -309,10 +300,6 @@ def test_one_image_setting_moves_every_image_and_each_component_may_have_its_own
          "the GPU Operator applies its own default"),
         ({**NO_AGENTS}, "sandboxDevicePlugin.waitForNodeAgent.enabled without vfioManager or vgpuDeviceManager"),
         ({"sandboxWorkloads.defaultWorkload": "vm"}, "at '/sandboxWorkloads/defaultWorkload'"),
-        ({"nodeLabelProtocol.enabled": True, "vgpuDeviceManager.enabled": False},
-         "nodeLabelProtocol.enabled needs vgpuDeviceManager.enabled"),
-        ({"nodeLabelProtocol.enabled": True, "gpuOperator.deployLabels": True},
-         "nodeLabelProtocol.enabled with gpuOperator.deployLabels"),
         ({"sandboxDevicePlugin.enable": False},
          "at '/sandboxDevicePlugin': additional properties 'enable' not allowed"),
         ({"sandboxDevicePlugin.version": '0.1.0", "privileged": true, "x": "'}, "at '/sandboxDevicePlugin/version'"),

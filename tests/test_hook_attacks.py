@@ -36,11 +36,10 @@ from launcher_hook.sources import (
 )
 from runtime.sockets import SocketInUse, socket_is_live
 from schemas.generated.kubevirt.hooks import info_pb2, info_pb2_grpc, v1alpha3_pb2, v1alpha3_pb2_grpc
+from simkit.podresources_standin import FakeKubelet, fake_kubelet
 from tests.hook_support import (
     RTX_VAR,
     SEED_PCI,
-    FakeKubelet,
-    fake_kubelet,
     launcher_pod,
     running_hook,
     seed_case,

@@ -37,12 +37,11 @@ from schemas.companions import parse_companions
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from schemas.pci import PciAddress
 from simkit.fixture_nodes import NODE01, SRIOV_VGPU_NODE
+from simkit.podresources_standin import FakeKubelet, fake_kubelet
 from simkit.sysfs_fixture import Function, Node, build
 from tests.hook_support import (
     RTX,
     RTX_VAR,
-    FakeKubelet,
-    fake_kubelet,
     launcher_pod,
     running_hook,
     seed_case,

@@ -49,6 +49,7 @@ from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import parse_vmi
 from simkit.fixture_nodes import NODE01
+from simkit.podresources_standin import FakeKubelet, fake_kubelet
 from simkit.sysfs_fixture import build
 from tests.conftest import FIXTURES
 from tests.hook_support import (
@@ -56,8 +57,6 @@ from tests.hook_support import (
     RTX,
     RTX_VAR,
     STARTED,
-    FakeKubelet,
-    fake_kubelet,
     launcher_pod,
     seed_case,
     short_dir,

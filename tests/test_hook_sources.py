@@ -23,14 +23,11 @@ from launcher_hook.sources import (
 )
 from schemas import InputError
 from schemas.generated.kubevirt.hooks import v1alpha3_pb2, v1alpha3_pb2_grpc
+from simkit.podresources_standin import Container, FakeKubelet, Pod, fake_kubelet
 from tests.hook_support import (
     RTX,
     RTX_VAR,
     SEED_PCI,
-    Container,
-    FakeKubelet,
-    Pod,
-    fake_kubelet,
     launcher_pod,
     running_hook,
     seed_case,

@@ -1,7 +1,8 @@
 """The DRA plugin's Kubernetes API edge: publish the node's ResourceSlices, read ResourceClaims.
 
-Everything here goes through the official ``kubernetes`` client (its REST layer over urllib3), and nothing
-else in the project imports it: :class:`KubeApi` is the typed facade (the client is untyped; its objects
+Everything here goes through the official ``kubernetes`` client (its REST layer over urllib3) and the plumbing
+the node agent shares (:mod:`runtime.kube_api`: configuration, deadlines, bounded reads, :class:`KubeError`):
+:class:`KubeApi` is the typed facade (the client is untyped; its objects
 never leave this module). Objects travel as plain JSON dicts (``_preload_content=False``): the slices
 :mod:`plugin.dra.slices` builds go out as they are, and what comes back is read with a size bound, parsed
 once and checked before use. Only ``serve --dra`` imports this module, so the device-plugin path never loads
@@ -9,8 +10,8 @@ the client.
 
 - Every call has a timeout (connect, each read) **and a total deadline** (:data:`DEFAULT_DEADLINE`, shorter
   than the kubelet's 45 s for a NodePrepareResources call): urllib3's timeouts bound each socket operation,
-  so a server trickling a byte every few seconds would hold a call forever. A watchdog
-  (:class:`_Deadline`) shuts down the sockets the call is using when its deadline passes, so the call fails
+  so a server trickling a byte every few seconds would hold a call forever. A watchdog (``_Deadline`` in
+  :mod:`runtime.kube_api`) shuts down the sockets the call is using when its deadline passes, so the call fails
   at once with a :class:`KubeError` saying so. No client-side retries: a failed sync is retried whole on the
   next inventory (the serve loop calls :meth:`SlicePublisher.publish` on each new inventory; it logs
   ``dra_slices_published`` when something changed). Errors are
@@ -32,38 +33,27 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client
-import kubernetes.config
-import urllib3
-import urllib3.connection
-import urllib3.connectionpool
 
 from plugin.dra.claims import AllocatedDevice, ClaimError, ClaimRef, check_ref, results_from_claim_object
 from plugin.dra.slices import API_VERSION, KIND, ProductNames, TaintTimes, build_slices, check_node_name
 from plugin.inventory import Inventory
 from plugin.log import log_event
+from runtime.kube_api import DEFAULT_TIMEOUT, JSON, MAX_RESPONSE_BYTES, KubeClient, KubeError
 from runtime.pciids import PciIds
 from schemas.dra import DRIVER_NAME
 from schemas.errors import InputError
 
-DEFAULT_TIMEOUT = (5.0, 15.0)
-"""Seconds to connect and to wait for each read of the answer, for every call."""
 DEFAULT_DEADLINE = 20.0
 """Seconds a whole call may take, however the server dribbles its answer: well below the kubelet's 45 s for
 NodePrepareResources (``defaultClientCallTimeout``, k8s.io/kubernetes pkg/kubelet/cm/dra/plugin), so a claim
 read that cannot finish fails the claim with a clear error before the kubelet gives up on the whole call."""
-MAX_RESPONSE_BYTES = 32 * 1024 * 1024
-"""Largest answer read (a list of our slices: a few hundred KiB at most; etcd's object limit is 1.5 MiB)."""
 MAX_SLICES = 64
 """More slices of ours for one node than this is someone else's mess, not a pool we made (64 to 128 devices each)."""
 TAINTS_RECHECK_AFTER = 3600.0
@@ -73,244 +63,16 @@ were already unhealthy, without waiting for a restart or a change of health."""
 FIELD_MANAGER = "gpu-device-plugin"
 """``fieldManager`` of our writes (``kubectl get -o yaml --show-managed-fields`` says who wrote what)."""
 
-JSON = dict[str, Any]
 
-
-class KubeError(InputError):
-    """A Kubernetes API call failed; the message names the call, the object and the server's answer."""
-
-
-def _reason(body: bytes | str | None) -> str:
-    """The ``message`` of a Kubernetes Status body, else the start of the body."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
-    try:
-        status = json.loads(text)
-    except ValueError:
-        status = None
-    if isinstance(status, dict) and isinstance(status.get("message"), str):
-        return str(status["message"])[:300]
-    return text[:300].strip() or "(no body)"
-
-
-class _Deadline:
-    """One call's deadline: when it passes, every connection the call used has its socket shut down, so a
-    read blocked on a trickling server returns at once (on the calling thread, which then reports the deadline).
-
-    The connections register themselves (:class:`_WatchedConnection`) through a thread-local: the client is
-    synchronous, so the connection a call uses is used on the thread that made the call."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.expired = False
-        self._lock = threading.Lock()
-        self._connections: list[urllib3.connection.HTTPConnection] = []
-        self._sockets: list[socket.socket] = []
-        self._done = False
-        self._timer = threading.Timer(max(0.0, seconds), self._expire)
-        self._timer.daemon = True
-
-    def watch(self, connection: urllib3.connection.HTTPConnection) -> None:
-        with self._lock:
-            if connection not in self._connections:
-                self._connections.append(connection)
-            expired = self.expired
-        if expired:
-            raise TimeoutError(f"the call's deadline of {self.seconds:g} s has passed")
-
-    def watch_socket(self, sock: socket.socket) -> None:
-        """A new connection's socket, before TLS wraps it (and detaches this object from its descriptor): a
-        duplicate descriptor of it is kept until :meth:`finish`, so a handshake dribbled byte by byte is cut too
-        (``shutdown`` acts on the connection, whichever descriptor names it)."""
-        duplicate = sock.dup()
-        with self._lock:
-            if self._done:
-                duplicate.close()
-                return
-            self._sockets.append(duplicate)
-            expired = self.expired
-        if expired:
-            with suppress(OSError):
-                duplicate.shutdown(socket.SHUT_RDWR)
-
-    def _expire(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self.expired = True
-            socks = [getattr(connection, "sock", None) for connection in self._connections] + self._sockets
-            for sock in socks:
-                if sock is not None:  # the plain socket's shutdown, also under TLS: the reader sees EOF, gives up
-                    with suppress(OSError):
-                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-    def start(self) -> None:
-        self._timer.start()
-
-    def finish(self) -> None:
-        with self._lock:
-            self._done = True
-            duplicates, self._sockets = self._sockets, []
-        self._timer.cancel()
-        for duplicate in duplicates:
-            duplicate.close()
-
-
-_calls = threading.local()
-
-
-def _current_deadline() -> _Deadline | None:
-    deadline: _Deadline | None = getattr(_calls, "deadline", None)
-    return deadline
-
-
-class _WatchedConnection(urllib3.connection.HTTPConnection):
-    """An HTTP connection that puts itself under the calling thread's :class:`_Deadline` when it is used."""
-
-    def _new_conn(self) -> socket.socket:
-        sock: socket.socket = super()._new_conn()
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch_socket(sock)
-        return sock
-
-    def connect(self) -> None:
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch(self)
-        super().connect()
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        deadline = _current_deadline()
-        if deadline is not None:
-            deadline.watch(self)
-        super().request(*args, **kwargs)
-
-
-class _WatchedHTTPSConnection(_WatchedConnection, urllib3.connection.HTTPSConnection):
-    """The same for TLS: the methods above come first in the order, then TLS's own (their ``super()``)."""
-
-
-class _WatchedPool(urllib3.connectionpool.HTTPConnectionPool):
-    ConnectionCls = _WatchedConnection
-
-
-class _WatchedHTTPSPool(urllib3.connectionpool.HTTPSConnectionPool):
-    ConnectionCls = _WatchedHTTPSConnection
-
-
-@contextmanager
-def _deadline(seconds: float) -> Iterator[_Deadline]:
-    deadline = _Deadline(seconds)
-    _calls.deadline = deadline
-    deadline.start()
-    try:
-        yield deadline
-    finally:
-        deadline.finish()
-        _calls.deadline = None
-
-
-class KubeApi:
+class KubeApi(KubeClient):
     """The few calls the DRA plugin makes, with JSON dicts in and out (the typed face of the untyped client)."""
 
     def __init__(
         self, configuration: Any, timeout: tuple[float, float] = DEFAULT_TIMEOUT, deadline: float = DEFAULT_DEADLINE
     ) -> None:
-        if deadline <= 0:
-            raise ValueError("deadline must be positive")
-        configuration.retries = False  # no silent retries: a failed sync is retried whole, and logged
-        self._client = kubernetes.client.ApiClient(configuration)
-        # Every connection the client opens answers to the calling thread's deadline (see _Deadline).
-        self._client.rest_client.pool_manager.pool_classes_by_scheme = {
-            "http": _WatchedPool,
-            "https": _WatchedHTTPSPool,
-        }
+        super().__init__(configuration, timeout, deadline)
         self._resource = kubernetes.client.ResourceV1Api(self._client)
         self._core = kubernetes.client.CoreV1Api(self._client)
-        self._timeout = timeout
-        self.deadline = deadline
-        """Seconds a whole call may take (connect, send, the whole answer read)."""
-        self.host = str(configuration.host)
-
-    @classmethod
-    def for_host(
-        cls, host: str, timeout: tuple[float, float] = DEFAULT_TIMEOUT, deadline: float = DEFAULT_DEADLINE
-    ) -> KubeApi:
-        """An unauthenticated client of ``host`` (``http://127.0.0.1:PORT``): tests and ``kubectl proxy``."""
-        configuration = kubernetes.client.Configuration()
-        configuration.host = host
-        return cls(configuration, timeout, deadline)
-
-    @classmethod
-    def from_environment(
-        cls,
-        kubeconfig: Path | None = None,
-        timeout: tuple[float, float] = DEFAULT_TIMEOUT,
-        deadline: float = DEFAULT_DEADLINE,
-    ) -> KubeApi:
-        """The pod's service account when running in a cluster (``KUBERNETES_SERVICE_HOST`` set) and no
-        ``kubeconfig`` is given, else ``kubeconfig`` (default: ``$KUBECONFIG``, then ``~/.kube/config``)."""
-        configuration = kubernetes.client.Configuration()
-        in_cluster = kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        try:
-            if in_cluster:
-                kubernetes.config.load_incluster_config(client_configuration=configuration)
-            else:
-                kubernetes.config.load_kube_config(
-                    config_file=None if kubeconfig is None else str(kubeconfig), client_configuration=configuration
-                )
-        except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
-            shown = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-            where = "the in-cluster service account" if in_cluster else f"kubeconfig {str(shown)!r}"
-            raise KubeError(f"cannot configure the Kubernetes client from {where}: {exc}") from None
-        return cls(configuration, timeout, deadline)
-
-    def close(self) -> None:
-        self._client.close()
-
-    def _call(
-        self, what: str, method: Callable[..., Any], *args: Any, until: float | None = None, **kwargs: Any
-    ) -> JSON:
-        """Call ``method`` for the raw answer and return its JSON object; :class:`KubeError` naming ``what``.
-
-        The call has :attr:`deadline` seconds in all, fewer when ``until`` (a ``time.monotonic()`` time: the
-        caller's own deadline) comes sooner."""
-        seconds = self.deadline if until is None else min(self.deadline, until - time.monotonic())
-        if seconds <= 0:
-            raise KubeError(f"{what}: not sent to {self.host}: no time left before the caller's deadline")
-        with _deadline(seconds) as deadline:
-            try:
-                return self._call_within(what, method, *args, **kwargs)
-            except Exception:
-                if deadline.expired:
-                    raise KubeError(
-                        f"{what}: no complete answer from {self.host} within {seconds:.3g} s (the call's deadline; "
-                        "a server that answers this slowly is stuck or overloaded)"
-                    ) from None
-                raise
-
-    def _call_within(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> JSON:
-        try:
-            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
-        except kubernetes.client.ApiException as exc:
-            raise KubeError(f"{what}: HTTP {exc.status} from {self.host}: {_reason(exc.body)}") from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeError(f"{what}: no answer from {self.host}: {exc}") from None
-        try:
-            data = response.read(MAX_RESPONSE_BYTES + 1)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeError(f"{what}: reading the answer from {self.host}: {exc}") from None
-        finally:
-            response.release_conn()
-        if len(data) > MAX_RESPONSE_BYTES:
-            raise KubeError(f"{what}: the answer from {self.host} is over {MAX_RESPONSE_BYTES} bytes")
-        try:
-            obj = json.loads(data) if data else {}
-        except (ValueError, RecursionError) as exc:
-            raise KubeError(f"{what}: the answer from {self.host} is not JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise KubeError(f"{what}: the answer from {self.host} is not a JSON object")
-        return obj
 
     def list_slices(self, node_name: str, driver: str = DRIVER_NAME) -> list[JSON]:
         """The ResourceSlices of ``driver`` on ``node_name`` (field selectors ``spec.nodeName``, ``spec.driver``)."""
@@ -648,7 +410,11 @@ class KubeClaims:
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_TIMEOUT",
+    "JSON",
     "KIND",
+    "MAX_RESPONSE_BYTES",
     "KubeApi",
     "KubeClaims",
     "KubeError",

@@ -13,7 +13,7 @@ one release per cluster.
 {{- define "kgp.vgpu" -}}
 {{- and .Values.sandboxWorkloads.enabled .Values.vgpuDeviceManager.enabled -}}
 {{- end -}}
-{{- define "kgp.protocol" -}}
+{{- define "kgp.operate" -}}
 {{- and .Values.sandboxWorkloads.enabled .Values.nodeLabelProtocol.enabled -}}
 {{- end -}}
 {{- define "kgp.dra" -}}
@@ -33,12 +33,6 @@ one release per cluster.
 {{- end -}}
 {{- if and .Values.gpuOperator.deployLabels (ne .Values.sandboxWorkloads.defaultWorkload "container") -}}
 {{- fail "gpuOperator.deployLabels=true with sandboxWorkloads.defaultWorkload set: the GPU Operator applies its own default (set it in its ClusterPolicy) and labels the nodes; leave defaultWorkload=container here" -}}
-{{- end -}}
-{{- if and (eq (include "kgp.protocol" .) "true") (not .Values.vgpuDeviceManager.enabled) -}}
-{{- fail "nodeLabelProtocol.enabled needs vgpuDeviceManager.enabled: the agent that follows the node labels takes its vGPU configs, image and resources from vgpuDeviceManager" -}}
-{{- end -}}
-{{- if and (eq (include "kgp.protocol" .) "true") .Values.gpuOperator.deployLabels -}}
-{{- fail "nodeLabelProtocol.enabled with gpuOperator.deployLabels: the agent follows the workload label itself; the Operator's deploy labels would place the plugin without it" -}}
 {{- end -}}
 {{- if and (eq (include "kgp.wait" .) "true") (ne (include "kgp.passthrough" .) "true") (ne (include "kgp.vgpu" .) "true") -}}
 {{- fail "sandboxDevicePlugin.waitForNodeAgent.enabled without vfioManager or vgpuDeviceManager: the plugin would wait for a node agent that is not deployed; set sandboxDevicePlugin.waitForNodeAgent.enabled=false" -}}
@@ -118,7 +112,6 @@ The node selector terms of a DaemonSet (terms are ORed). Call with (list . "plug
 - sandboxWorkloads.defaultWorkload=vm-passthrough: unlabelled GPU nodes too, for the plugin and the passthrough
   agent (deploy/components/default-workload-vm-passthrough);
 - gpuOperator.deployLabels: the Operator's label of the component each replaces (deploy/components/gpu-operator);
-- nodeLabelProtocol.enabled: the plugin kept off nodes its agent has paused (deploy/components/node-label-protocol);
 - dra.enabled: the plugin kept off nodes labelled gpu-passthrough.kubevirt.io/dra=true (deploy/dra), in every term.
 */}}
 {{- define "kgp.nodeSelectorTerms" -}}
@@ -136,12 +129,10 @@ The node selector terms of a DaemonSet (terms are ORed). Call with (list . "plug
 {{- $terms = append $terms (dict "matchExpressions" (list (dict "key" "nvidia.com/gpu.workload.config" "operator" "DoesNotExist") (dict "key" "nvidia.com/gpu.present" "operator" "In" "values" (list "true")))) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (eq $who "plugin") (eq (include "kgp.protocol" $root) "true") -}}
-{{- $kept := list -}}
-{{- range $terms -}}
-{{- $kept = append $kept (dict "matchExpressions" (append .matchExpressions (dict "key" "nvidia.com/gpu.deploy.sandbox-device-plugin" "operator" "NotIn" "values" (list "paused-for-vgpu-change" "false")))) -}}
-{{- end -}}
-{{- $terms = $kept -}}
+{{- if and (eq $who "plugin") (eq (include "kgp.operate" $root) "true") -}}
+{{- $first := index $terms 0 -}}
+{{- $paused := dict "key" "nvidia.com/gpu.deploy.sandbox-device-plugin" "operator" "NotIn" "values" (list "paused-for-vgpu-change") -}}
+{{- $terms = prepend (rest $terms) (dict "matchExpressions" (append $first.matchExpressions $paused)) -}}
 {{- end -}}
 {{- if and (eq $who "plugin") (eq (include "kgp.dra" $root) "true") -}}
 {{- $kept := list -}}
@@ -177,8 +168,4 @@ kustomize's configMapGenerator name suffix: the first 10 hex digits of the sha25
 {{- else -}}
 {{- printf "gpu-node-agent-vgpu-%s" (include "kgp.kustomizeHash" (include "kgp.vgpuConfigData" . | fromJson)) -}}
 {{- end -}}
-{{- end -}}
-
-{{- define "kgp.workloadsConfigData" -}}
-{{- dict "workloads.yaml" (.Files.Get "files/workloads.yaml") | toJson -}}
 {{- end -}}
