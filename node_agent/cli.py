@@ -634,6 +634,15 @@ def workload_apply(
     show_envvar=True,
     help="Seconds between tries of a refused change (a GPU held) or a failed API call.",
 )
+@click.option(
+    "--validations-dir",
+    "validations_dir",
+    default=str(VALIDATIONS_DIR),
+    show_default=True,
+    envvar=env("validations_dir"),
+    show_envvar=True,
+    help="Where the GPU Operator's validator readiness files go (empty: none written).",
+)
 @nvidia_smi_option
 def operate(
     host_root: Path,
@@ -649,6 +658,7 @@ def operate(
     plugin_resource_prefix: str,
     pause_timeout: float,
     retry_period: float,
+    validations_dir: str,
     nvidia_smi: str,
 ) -> None:
     """Follow this node's nvidia.com/gpu.workload.config and nvidia.com/vgpu.config labels as the GPU Operator's
@@ -658,7 +668,13 @@ def operate(
 
     context = click.get_current_context()
     config = operate_loop.PreparerConfig(
-        host_root, state_dir, vgpu_config, workload_config, nvidia_smi, context.find_root().obj
+        host_root,
+        state_dir,
+        vgpu_config,
+        workload_config,
+        nvidia_smi,
+        context.find_root().obj,
+        Path(validations_dir) if validations_dir else None,
     )
     preparer = operate_loop.PREPARER_FACTORY(config)
     api = NodeApi.for_node(node_name, host=api_server, kubeconfig=kubeconfig)

@@ -34,14 +34,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
-from node_agent.kernel import AgentError
 from node_agent.kube import NodeApi, NodeWatcher, string_map
 from node_agent.protocol import (
     ANNOTATIONS,
@@ -84,7 +83,7 @@ class Plan(Protocol):
     """A transition as the core planned it (``workload.Transition``)."""
 
     @property
-    def refusals(self) -> list[str]: ...
+    def refusals(self) -> Sequence[str]: ...
 
     @property
     def changes(self) -> bool: ...
@@ -133,6 +132,11 @@ class Preparer(Protocol):
         plugin's prefix): what ``status.allocatable`` must show at zero before the core writes."""
         ...
 
+    def settled(self, state: str, message: str, workloads: Mapping[str, str], workload: str) -> None:
+        """A pass ended in ``state`` with the GPUs serving ``workloads``: the node-local reports (the agent's
+        readiness file, the sandbox validator's files) follow it."""
+        ...
+
 
 @dataclass(frozen=True)
 class PreparerConfig:
@@ -145,16 +149,18 @@ class PreparerConfig:
     nvidia_smi: str
     kernel: object | None = None
     """The kernel a caller gave (tests: ``simkit.kernel_sim.SimKernel``); None: the real one."""
+    validations_dir: Path | None = None
+    """Where the GPU Operator's sandbox validator readiness files go (None: none written)."""
 
 
-def unwired_preparer(config: PreparerConfig) -> Preparer:
-    raise AgentError(
-        "gpu-node-agent operate: the node-local core (node_agent.workload) is not wired to the operate loop in "
-        "this build (node_agent.operate.PREPARER_FACTORY)"
-    )
+def workload_preparer(config: PreparerConfig) -> Preparer:
+    """The node-local core (:mod:`node_agent.preparer`), imported when a command runs."""
+    from node_agent.preparer import WorkloadPreparer  # noqa: PLC0415 (it imports this module's types)
+
+    return WorkloadPreparer(config)
 
 
-PREPARER_FACTORY: Callable[[PreparerConfig], Preparer] = unwired_preparer
+PREPARER_FACTORY: Callable[[PreparerConfig], Preparer] = workload_preparer
 """Builds the :class:`Preparer` ``operate`` runs with: the one place the node-local core is wired in."""
 
 
@@ -326,7 +332,13 @@ class Operator:
             message = f"{exc}; which GPUs pods hold is unknown, so nothing changed"
             self._finish("refused", message, vgpu, feature=None)
             return Reconciled("refused", retry=True, messages=[message])
-        plan = self.preparer.plan(wanted, frozenset(held))
+        try:
+            plan = self.preparer.plan(wanted, frozenset(held))
+        except Exception as exc:  # a bug or an unreadable node: reported, nothing changed, tried again
+            log.exception("planning %s failed", wanted.workload)
+            message = f"{wanted.workload}: planning failed, nothing changed: {exc}"
+            self._finish("failed", _cut(message), vgpu, feature=None)
+            return Reconciled("failed", retry=True, messages=[message])
         if plan.refusals:
             holders = "; ".join(f"{device} held by {', '.join(pods)}" for device, pods in sorted(held.items()))
             message = "; ".join(plan.refusals) + (f" (devices pods hold: {holders})" if holders else "")
@@ -335,7 +347,9 @@ class Operator:
             self._finish("refused", message, vgpu, feature=None)
             return Reconciled("refused", retry=True, messages=[message])
         if not plan.changes:
-            self._finish("success", f"{wanted.workload}: the node already serves it", vgpu, plan.workloads)
+            message = f"{wanted.workload}: the node already serves it"
+            self._settled("success", message, plan.workloads, wanted.workload)
+            self._finish("success", message, vgpu, plan.workloads)
             return Reconciled("success")
         self._pause(vgpu, wanted)
         try:
@@ -348,9 +362,11 @@ class Operator:
         except Exception as exc:  # the core's failure is reported and the pause lifted, whatever it was
             log.exception("applying %s failed", wanted.workload)
             message = f"{wanted.workload}: the apply failed: {exc}"
+            self._settled("failed", message, plan.workloads, wanted.workload)
             self._finish("failed", message, vgpu, None)
             return Reconciled("failed", messages=[message])
         state = outcome.state if outcome.state in ("success", "failed", "refused") else "failed"
+        self._settled(state, outcome.message, outcome.workloads, wanted.workload)
         self._finish(state, _cut(outcome.message), vgpu, outcome.workloads)
         return Reconciled(state, retry=state == "refused", messages=[outcome.message])
 
@@ -376,6 +392,13 @@ class Operator:
                 if "HTTP 409 " not in str(exc):
                     raise
         raise KubeError(f"the Node changed under {CONFLICT_RETRIES} patches in a row; tried again later")
+
+    def _settled(self, state: str, message: str, workloads: Mapping[str, str], workload: str) -> None:
+        """The node-local reports first, then the Node: whoever reads the state label finds the files agree."""
+        try:
+            self.preparer.settled(state, message, workloads, workload)
+        except Exception:  # the Node already says what happened; the local files are logged, not fatal
+            log.exception("the node-local readiness files could not follow the %s pass", state)
 
     def _pause(self, vgpu: bool, wanted: Wanted) -> None:
         def decide(node: JSON) -> tuple[dict[str, str | None], dict[str, str | None]]:

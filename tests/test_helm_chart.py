@@ -212,10 +212,16 @@ def test_the_comparison_catches_a_drifted_template(tmp_path: Path) -> None:
     assert any(line.startswith("only the chart renders ('v1', 'ConfigMap'") for line in found), found
 
 
-def test_the_charts_vgpu_configs_are_deploys() -> None:
-    """files/vgpu-config.yaml is a copy (a chart cannot read outside its directory): byte for byte the same."""
-    copy = CHART / "files" / "vgpu-config.yaml"
-    assert copy.read_bytes() == (DEPLOY / "node-agent" / "vgpu-config.yaml").read_bytes()
+@pytest.mark.parametrize(
+    ("copy", "source"),
+    [
+        ("vgpu-config.yaml", "node-agent/vgpu-config.yaml"),
+        ("workloads.yaml", "components/node-label-protocol/workloads.yaml"),
+    ],
+)
+def test_the_charts_config_files_are_deploys(copy: str, source: str) -> None:
+    """The chart's files/ are copies (a chart cannot read outside its directory): byte for byte the same."""
+    assert (CHART / "files" / copy).read_bytes() == (DEPLOY / source).read_bytes()
 
 
 # -- every rendered object passes deploy's checks ----------------------------------------------------------------

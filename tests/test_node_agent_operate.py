@@ -34,8 +34,10 @@ from node_agent.operate import (
     OperateOptions,
     Operator,
     PodResourcesAllocations,
+    PreparerConfig,
     Wanted,
 )
+from node_agent.preparer import WorkloadPreparer
 from node_agent.protocol import (
     MESSAGE_ANNOTATION,
     PAUSED,
@@ -47,6 +49,7 @@ from node_agent.protocol import (
     WORKLOAD_STATE_LABEL,
 )
 from runtime.kube_api import KubeError
+from simkit.agent_nodes import build_node, mdev_node
 from simkit.fake_apiserver import FakeApiServer, Request
 from simkit.podresources_standin import Container, FakeKubelet, Pod, fake_kubelet
 from tests.hook_support import short_dir
@@ -86,6 +89,8 @@ class FakeCore:
     """``status.allocatable`` of the resource when each apply began."""
     extra_labels: dict[str, str] = field(default_factory=dict)
     label_prefixes: tuple[str, ...] = (FEATURE_PREFIX,)
+    settlements: list[tuple[str, str]] = field(default_factory=list)
+    """Each pass's end as the core was told it: (state, the node's workload)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def plan(self, wanted: Wanted, allocated: frozenset[str]) -> FakePlan:
@@ -112,6 +117,10 @@ class FakeCore:
 
     def withdrawn_resources(self, plan: Any) -> frozenset[str] | None:
         return frozenset({RESOURCE})
+
+    def settled(self, state: str, message: str, workloads: Mapping[str, str], workload: str) -> None:
+        with self.lock:
+            self.settlements.append((state, workload))
 
 
 class PluginStandIn:
@@ -488,10 +497,71 @@ def test_sigterm_ends_the_operate_command(monkeypatch: pytest.MonkeyPatch) -> No
         r.server.wait_for(lambda: r.server.open_watches() == 0, WAIT, "the watch closed")
 
 
-def test_operate_without_the_core_wired_fails_clearly() -> None:
-    result = CliRunner().invoke(cli, ["operate", "--api-server", "http://127.0.0.1:9"], env={"NODE_NAME": NODE})
-    assert result.exit_code != 0
-    assert "not wired" in str(result.exception) + result.output
+T4_CONFIG = """\
+version: v1
+vgpu-configs:
+  t4:
+    - devices: all
+      vgpu-devices: {T4-1Q: 2}
+"""
+
+
+def test_the_wired_core_moves_a_fixture_node_and_reports_it(tmp_path: Path) -> None:
+    """The loop with the real core (node_agent.preparer) over the mdev T4 tree and the simulated kernel: each
+    relabel moves the GPUs, and the Node, the readiness file and the validator's files say so."""
+    sim = build_node(mdev_node(), tmp_path / "root")
+    (tmp_path / "vgpu.yaml").write_text(T4_CONFIG)
+    (tmp_path / "workloads.yaml").write_text("version: v1\ngpus: []\n")
+    state_dir, validations = tmp_path / "state", tmp_path / "validations"
+    config = PreparerConfig(
+        sim.root, state_dir, tmp_path / "vgpu.yaml", tmp_path / "workloads.yaml", "nvidia-smi", sim, validations
+    )
+    core = WorkloadPreparer(config)
+    t4s = ("0000:3b:00.0", "0000:af:00.0")
+    with rig(labels={WORKLOAD_LABEL: "vm-passthrough"}) as r:
+        r.server.set_allocatable(NODE, {"cpu": "8"})
+        api = NodeApi.for_node(NODE, host=r.server.url)
+        allocations = PodResourcesAllocations(r.socket)
+        operator = Operator(api, core, allocations, OperateOptions(pause_timeout=WAIT, retry_period=0.2))
+        thread = threading.Thread(target=operator.run, daemon=True)
+        thread.start()
+        try:
+            wait_state(r, "success")
+            assert [driver_of(sim, a) for a in t4s] == ["vfio-pci", "vfio-pci"]
+            assert labels(r)["nvidia.com/gpu.count"] == "2"
+            assert (state_dir / "ready").exists()
+            assert (validations / "vfio-pci-ready").exists()
+            assert (validations / "workload-type").read_text().strip() == "vm-passthrough"
+
+            mark = len(r.server.requests())
+            r.server.set_labels(NODE, {WORKLOAD_LABEL: "vm-vgpu", VGPU_CONFIG_LABEL: "t4"})
+            r.server.wait_for(lambda: labels(r).get(VGPU_STATE_LABEL) == "success", WAIT, f"{VGPU_STATE_LABEL}=success")
+            assert [driver_of(sim, a) for a in t4s] == ["nvidia", "nvidia"]
+            assert [len(list((sim.root / "sys/bus/pci/devices" / a).glob("*-*-*-*-*"))) for a in t4s] == [2, 2]
+            assert {k: v for k, v in labels(r).items() if k.startswith("nvidia.com/vgpu.type.")} == {
+                "nvidia.com/vgpu.type.T4-1Q": "4"
+            }
+            states = [s.get(WORKLOAD_STATE_LABEL) for s, _ in step_patches(r, mark) if WORKLOAD_STATE_LABEL in s]
+            assert states == ["pending", "success"]
+            assert not (validations / "vfio-pci-ready").exists()
+            assert (validations / "vgpu-devices-ready").exists()
+
+            r.server.set_labels(NODE, {WORKLOAD_LABEL: "vm-vgpu", VGPU_CONFIG_LABEL: "missing"})
+            wait_state(r, "refused")
+            assert "missing" in notes_of(r)[MESSAGE_ANNOTATION]
+            assert [driver_of(sim, a) for a in t4s] == ["nvidia", "nvidia"]  # nothing touched
+            assert (state_dir / "ready").exists()  # still serving what it served
+        finally:
+            operator.stop()
+            thread.join(WAIT)
+            allocations.close()
+            api.close()
+    assert not thread.is_alive()
+
+
+def driver_of(sim: Any, address: str) -> str | None:
+    link = sim.root / "sys" / "bus" / "pci" / "devices" / address / "driver"
+    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
 
 
 def test_a_watch_event_over_the_bound_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ import celpy.celtypes
 import pytest
 import yaml
 
+from node_agent.preparer import FEATURE_LABELS
 from node_agent.protocol import (
     ANNOTATION_PREFIX,
     ANNOTATIONS,
@@ -92,13 +93,17 @@ def node(name: str = "node01", labels: dict[str, str] | None = None, notes: dict
 
 
 def update(obj: Any, caller: str | None = "node01", user: str = AGENT, sub: str = "") -> dict[str, Any]:
+    """An admission request as the API server gives it to CEL: ``subResource`` only for a subresource (the real
+    API server's request has no such key otherwise: reading it unguarded is an evaluation error, a denial)."""
     extra = {} if caller is None else {NODE_CLAIM: [caller]}
-    return {
+    request: dict[str, Any] = {
         "operation": "UPDATE",
         "name": obj["metadata"]["name"],
-        "subResource": sub,
         "userInfo": {"username": user, "extra": extra},
     }
+    if sub:
+        request["subResource"] = sub
+    return request
 
 
 def changed(old: Any, labels: dict[str, str | None] | None = None, notes: dict[str, str | None] | None = None) -> Any:
@@ -120,11 +125,11 @@ def test_the_agent_may_write_its_own_keys_on_its_own_node(policy: Policy) -> Non
     old = node(labels={PLUGIN_DEPLOY_LABEL: "true"})
     pause = changed(
         old,
-        {PLUGIN_DEPLOY_LABEL: PAUSED, WORKLOAD_STATE_LABEL: "pending", "gpu-passthrough.kubevirt.io/gpu.count": "2"},
+        {PLUGIN_DEPLOY_LABEL: PAUSED, WORKLOAD_STATE_LABEL: "pending", "nvidia.com/gpu.count": "2"},
         {ANNOTATION_PREFIX + "workload.config.message": "applying"},
     )
     assert policy.admit(update(pause), pause, old) == (True, [])
-    restore = changed(pause, {PLUGIN_DEPLOY_LABEL: None, "gpu-passthrough.kubevirt.io/gpu.count": None})
+    restore = changed(pause, {PLUGIN_DEPLOY_LABEL: None, "nvidia.com/gpu.count": None})
     assert policy.admit(update(restore), restore, pause) == (True, [])
 
 
@@ -172,6 +177,7 @@ def test_the_policy_allows_exactly_the_agents_key_set() -> None:
     (doc,) = [doc for doc in load_all((COMPONENT / "admission.yaml").read_text()) if doc["kind"].endswith("Policy")]
     variables = {item["name"]: item["expression"] for item in doc["spec"]["variables"]}
     assert yaml.safe_load(variables["ourLabels"]) == list(STATE_LABELS)
+    assert yaml.safe_load(variables["featurePrefixes"]) == list(FEATURE_LABELS)
     assert all(key.startswith(ANNOTATION_PREFIX) for key in ANNOTATIONS)
     assert f'"{ANNOTATION_PREFIX}"' in " ".join(item["expression"] for item in doc["spec"]["validations"])
 

@@ -169,3 +169,7 @@ kustomize's configMapGenerator name suffix: the first 10 hex digits of the sha25
 {{- printf "gpu-node-agent-vgpu-%s" (include "kgp.kustomizeHash" (include "kgp.vgpuConfigData" . | fromJson)) -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "kgp.workloadsConfigData" -}}
+{{- dict "workloads.yaml" (.Files.Get "files/workloads.yaml") | toJson -}}
+{{- end -}}
