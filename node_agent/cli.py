@@ -31,11 +31,10 @@ from node_agent.validations import DEFAULT_DIR as VALIDATIONS_DIR
 from node_agent.validations import write_validations
 from node_agent.vgpu import apply as apply_vgpus
 from node_agent.vgpu import pending, plan_all
-from node_agent.vgpu_config import MAX_CONFIG_BYTES, VgpuSpec, parse_config, select_config
+from node_agent.vgpu_config import VgpuSpec, load_specs
 from node_agent.workload import WORKLOADS, Desired, apply_transition, plan_transition
 from node_agent.workload_config import load_workload_config
 from runtime.cli_options import log_format_option
-from runtime.files import read_regular_file
 from runtime.logs import component_logger, configure_logging
 from runtime.pod_resources import DEFAULT_SOCKET as DEFAULT_POD_RESOURCES_SOCKET
 from runtime.signals import stop_on_signals
@@ -358,8 +357,7 @@ def _specs(config_file: Path | None, config_name: str | None) -> tuple[VgpuSpec,
             f"the vGPU config file and the name of the config in it are needed ({env('vgpu_config')}, "
             f"{env('vgpu_select')})"
         )
-    text = read_regular_file(config_file, MAX_CONFIG_BYTES, "vGPU config").decode(errors="replace")
-    return select_config(parse_config(text, str(config_file)), config_name, str(config_file))
+    return load_specs(config_file, config_name)
 
 
 def _remembered(state_dir: Path) -> dict[str, dict[int, str]]:

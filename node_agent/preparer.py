@@ -25,10 +25,9 @@ from node_agent.operate import Plan, PreparerConfig, Wanted
 from node_agent.state import read_state, set_ready
 from node_agent.sysfs import Sysfs
 from node_agent.validations import write_validations
-from node_agent.vgpu_config import MAX_CONFIG_BYTES, VgpuSpec, parse_config, select_config
+from node_agent.vgpu_config import VgpuSpec, load_specs
 from node_agent.workload import VGPU, Desired, Outcome, Transition, apply_transition, plan_transition
 from node_agent.workload_config import load_workload_config
-from runtime.files import read_regular_file
 from runtime.logs import component_logger
 from runtime.pciids import PciIds, locate_pci_ids
 from schemas import node_agent_state as state_schema
@@ -142,8 +141,7 @@ class WorkloadPreparer:
                 "a GPU is to serve vGPUs but no vGPU config is named (nvidia.com/vgpu.config, or "
                 "--default-vgpu-config, and --vgpu-config)"
             )
-        text = read_regular_file(path, MAX_CONFIG_BYTES, "vGPU config").decode(errors="replace")
-        return select_config(parse_config(text, str(path)), name, str(path))
+        return load_specs(path, name)
 
 
 def workload_preparer(config: PreparerConfig) -> WorkloadPreparer:

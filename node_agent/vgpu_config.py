@@ -18,12 +18,14 @@ from __future__ import annotations
 import re
 import reprlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from node_agent.kernel import AgentError
 from node_agent.mig import mig_backed
+from runtime.files import read_regular_file
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_COUNT = 4096
@@ -151,3 +153,10 @@ def select_config(configs: dict[str, tuple[VgpuSpec, ...]], name: str, source: s
     if name not in configs:
         raise AgentError(f"vGPU config {source} has no config named {name!r} (it has: {', '.join(sorted(configs))})")
     return configs[name]
+
+
+def load_specs(path: Path, name: str) -> tuple[VgpuSpec, ...]:
+    """The config ``name`` of the file at ``path`` (a regular file, at most :data:`MAX_CONFIG_BYTES`); errors
+    name the file and the config."""
+    text = read_regular_file(path, MAX_CONFIG_BYTES, "vGPU config").decode(errors="replace")
+    return select_config(parse_config(text, str(path)), name, str(path))

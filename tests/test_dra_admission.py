@@ -13,12 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import celpy
-import celpy.adapter
 import pytest
 import yaml
 
 from schemas.dra import DRIVER_NAME
+from tests.admission_support import AdmissionPolicy
 from tests.test_deploy import DEPLOY
 
 POLICY_FILE = DEPLOY / "dra" / "admission.yaml"
@@ -30,52 +29,9 @@ def documents() -> dict[str, dict[str, Any]]:
     return {doc["kind"]: doc for doc in yaml.safe_load_all(POLICY_FILE.read_text())}
 
 
-class Policy:
-    """The policy's expressions compiled once, evaluated as the API server's admission plugin does."""
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        environment = celpy.Environment()
-
-        def compiled(expression: str) -> Any:
-            return environment.program(environment.compile(expression))
-
-        spec = doc["spec"]
-        self.conditions = [compiled(item["expression"]) for item in spec["matchConditions"]]
-        self.variables = [(item["name"], compiled(item["expression"])) for item in spec["variables"]]
-        self.validations = [
-            (
-                compiled(item["expression"]),
-                compiled(item["messageExpression"]) if "messageExpression" in item else None,
-                item.get("message", "denied"),
-            )
-            for item in spec["validations"]
-        ]
-
-    def admit(self, request: dict[str, Any], obj: Any, old: Any) -> tuple[bool, list[str]]:
-        """(matched, the messages of the validations that failed)."""
-        activation: dict[str, Any] = {
-            "request": celpy.adapter.json_to_cel(request),
-            "object": celpy.adapter.json_to_cel(obj),
-            "oldObject": celpy.adapter.json_to_cel(old),
-        }
-        if not all(bool(condition.evaluate(activation)) for condition in self.conditions):
-            return False, []
-        values: dict[str, Any] = {}
-        for name, program in self.variables:
-            values[name] = program.evaluate({**activation, "variables": celpy.adapter.json_to_cel(values)})
-        activation["variables"] = celpy.adapter.json_to_cel({k: str(v) for k, v in values.items()})
-        failed = []
-        for check, message, text in self.validations:
-            result = check.evaluate(activation)
-            assert isinstance(result, celpy.celtypes.BoolType), f"a validation gave {result!r}, not a bool"
-            if not result:
-                failed.append(str(message.evaluate(activation)) if message is not None else text)
-        return True, failed
-
-
 @pytest.fixture(scope="module")
-def policy() -> Policy:
-    return Policy(documents()["ValidatingAdmissionPolicy"])
+def policy() -> AdmissionPolicy:
+    return AdmissionPolicy(documents()["ValidatingAdmissionPolicy"])
 
 
 def slice_on(node: str | None, driver: str = DRIVER_NAME, pool: str | None = None) -> dict[str, Any]:
@@ -101,7 +57,7 @@ def for_operation(operation: str, target: dict[str, Any]) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("operation", ["CREATE", "UPDATE", "DELETE"])
-def test_the_plugin_may_write_its_own_nodes_slices_of_its_driver(policy: Policy, operation: str) -> None:
+def test_the_plugin_may_write_its_own_nodes_slices_of_its_driver(policy: AdmissionPolicy, operation: str) -> None:
     assert policy.admit(request(operation), *for_operation(operation, slice_on("node01"))) == (True, [])
 
 
@@ -116,19 +72,19 @@ def test_the_plugin_may_write_its_own_nodes_slices_of_its_driver(policy: Policy,
     ids=["other-node", "other-driver", "no-node"],
 )
 def test_the_plugin_may_not_write_another_nodes_or_drivers_slices(
-    policy: Policy, operation: str, target: dict[str, Any], named: str
+    policy: AdmissionPolicy, operation: str, target: dict[str, Any], named: str
 ) -> None:
     matched, failed = policy.admit(request(operation), *for_operation(operation, target))
     assert matched and failed
     assert all("the gpu-dra-plugin on node node01 may" in message and named in message for message in failed)
 
 
-def test_its_own_node_in_another_pool_is_refused(policy: Policy) -> None:
+def test_its_own_node_in_another_pool_is_refused(policy: AdmissionPolicy) -> None:
     matched, failed = policy.admit(request("CREATE"), slice_on("node01", pool="node02"), None)
     assert matched and len(failed) == 1 and "in its node's pool" in failed[0]
 
 
-def test_an_update_that_takes_another_nodes_slice_is_refused(policy: Policy) -> None:
+def test_an_update_that_takes_another_nodes_slice_is_refused(policy: AdmissionPolicy) -> None:
     """The old object counts too: a slice of node02 rewritten to say node01 (the API server refuses the
     change of an immutable field anyway; the policy does not rely on that)."""
     matched, failed = policy.admit(request("UPDATE"), slice_on("node01"), slice_on("node02"))
@@ -136,19 +92,19 @@ def test_an_update_that_takes_another_nodes_slice_is_refused(policy: Policy) -> 
 
 
 @pytest.mark.parametrize("operation", ["CREATE", "UPDATE", "DELETE"])
-def test_a_token_without_a_node_may_write_nothing(policy: Policy, operation: str) -> None:
+def test_a_token_without_a_node_may_write_nothing(policy: AdmissionPolicy, operation: str) -> None:
     matched, failed = policy.admit(request(operation, node=None), *for_operation(operation, slice_on("node01")))
     assert matched and failed and "authentication.kubernetes.io/node-name" in failed[0]
 
 
-def test_a_token_naming_two_nodes_may_write_nothing(policy: Policy) -> None:
+def test_a_token_naming_two_nodes_may_write_nothing(policy: AdmissionPolicy) -> None:
     ask = request("CREATE")
     ask["userInfo"]["extra"][NODE_CLAIM] = ["node01", "node02"]
     matched, failed = policy.admit(ask, slice_on("node01"), None)
     assert matched and failed
 
 
-def test_other_users_are_not_this_policys_business(policy: Policy) -> None:
+def test_other_users_are_not_this_policys_business(policy: AdmissionPolicy) -> None:
     """The kubelet (NodeRestriction), the scheduler and an administrator are judged by their own rules."""
     for user in ("system:node:node01", "system:serviceaccount:kubevirt-gpu-passthrough:other", "admin"):
         assert policy.admit(request("CREATE", node=None, user=user), slice_on("node02"), None) == (False, [])
@@ -171,7 +127,7 @@ def test_the_policy_file_is_in_the_build() -> None:
 
 
 @pytest.mark.parametrize("operation", ["UPDATE", "DELETE"])
-def test_a_change_or_delete_without_the_old_object_is_refused(policy: Policy, operation: str) -> None:
+def test_a_change_or_delete_without_the_old_object_is_refused(policy: AdmissionPolicy, operation: str) -> None:
     """The API server sends the stored object as ``oldObject`` on UPDATE and on DELETE (on DELETE since
     Kubernetes 1.15, kubernetes/kubernetes#76346); the policy does not rely on it: without the slice it would
     change or delete, the node it is on is unknown, so the write is refused, not admitted by default."""
@@ -180,7 +136,7 @@ def test_a_change_or_delete_without_the_old_object_is_refused(policy: Policy, op
     assert matched and failed and any("no old object" in message for message in failed)
 
 
-def test_a_create_without_an_object_is_refused(policy: Policy) -> None:
+def test_a_create_without_an_object_is_refused(policy: AdmissionPolicy) -> None:
     matched, failed = policy.admit(request("CREATE"), None, None)
     assert matched and failed
 
@@ -192,7 +148,7 @@ def test_a_create_without_an_object_is_refused(policy: Policy) -> None:
 )
 @pytest.mark.parametrize("operation", ["CREATE", "UPDATE", "DELETE"])
 def test_a_slice_placed_otherwise_than_by_node_name_is_refused(
-    policy: Policy, operation: str, placement: dict[str, Any]
+    policy: AdmissionPolicy, operation: str, placement: dict[str, Any]
 ) -> None:
     target = slice_on(None)
     del target["spec"]["allNodes"]
@@ -201,6 +157,6 @@ def test_a_slice_placed_otherwise_than_by_node_name_is_refused(
     assert matched and failed and all("node (none)" in message for message in failed)
 
 
-def test_an_update_that_moves_its_own_slice_to_another_node_is_refused(policy: Policy) -> None:
+def test_an_update_that_moves_its_own_slice_to_another_node_is_refused(policy: AdmissionPolicy) -> None:
     matched, failed = policy.admit(request("UPDATE"), slice_on("node02"), slice_on("node01"))
     assert matched and len(failed) == 1 and "node node02" in failed[0]

@@ -14,9 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import celpy
-import celpy.adapter
-import celpy.celtypes
 import pytest
 import yaml
 
@@ -29,6 +26,7 @@ from node_agent.protocol import (
     STATE_LABELS,
     WORKLOAD_STATE_LABEL,
 )
+from tests.admission_support import AdmissionPolicy
 from tests.test_deploy import DEPLOY, kustomize_build, load_all
 
 COMPONENT = DEPLOY / "components" / "node-label-protocol"
@@ -36,46 +34,11 @@ AGENT = "system:serviceaccount:kubevirt-gpu-passthrough:gpu-node-agent"
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 
 
-class Policy:
-    def __init__(self, doc: dict[str, Any]) -> None:
-        environment = celpy.Environment()
-
-        def compiled(expression: str) -> Any:
-            return environment.program(environment.compile(expression))
-
-        spec = doc["spec"]
-        self.spec = spec
-        self.conditions = [compiled(item["expression"]) for item in spec["matchConditions"]]
-        self.variables = [(item["name"], compiled(item["expression"])) for item in spec["variables"]]
-        self.validations = [(compiled(item["expression"]), item.get("message", "")) for item in spec["validations"]]
-
-    def admit(self, request: dict[str, Any], obj: Any, old: Any) -> tuple[bool, list[int]]:
-        """(matched, the indexes of the validations that failed or could not be evaluated: both deny)."""
-        activation: dict[str, Any] = {
-            "request": celpy.adapter.json_to_cel(request),
-            "object": celpy.adapter.json_to_cel(obj),
-            "oldObject": celpy.adapter.json_to_cel(old),
-        }
-        if not all(bool(condition.evaluate(activation)) for condition in self.conditions):
-            return False, []
-        values: dict[Any, Any] = {}
-        for name, program in self.variables:
-            activation["variables"] = celpy.celtypes.MapType(values)
-            values[celpy.celtypes.StringType(name)] = program.evaluate(activation)
-        activation["variables"] = celpy.celtypes.MapType(values)
-        failed = []
-        for index, (check, _) in enumerate(self.validations):
-            result = check.evaluate(activation)
-            if not isinstance(result, celpy.celtypes.BoolType) or not result:
-                failed.append(index)
-        return True, failed
-
-
 @pytest.fixture(scope="module")
-def policy() -> Policy:
+def policy() -> AdmissionPolicy:
     docs = {doc["kind"]: doc for doc in load_all((COMPONENT / "admission.yaml").read_text())}
     assert docs["ValidatingAdmissionPolicyBinding"]["spec"]["validationActions"] == ["Deny"]
-    return Policy(docs["ValidatingAdmissionPolicy"])
+    return AdmissionPolicy(docs["ValidatingAdmissionPolicy"])
 
 
 def node(name: str = "node01", labels: dict[str, str] | None = None, notes: dict[str, str] | None = None) -> Any:
@@ -121,7 +84,7 @@ def changed(old: Any, labels: dict[str, str | None] | None = None, notes: dict[s
     return new
 
 
-def test_the_agent_may_write_its_own_keys_on_its_own_node(policy: Policy) -> None:
+def test_the_agent_may_write_its_own_keys_on_its_own_node(policy: AdmissionPolicy) -> None:
     old = node(labels={PLUGIN_DEPLOY_LABEL: "true"})
     pause = changed(
         old,
@@ -144,7 +107,7 @@ def test_the_agent_may_write_its_own_keys_on_its_own_node(policy: Policy) -> Non
     ],
 )
 def test_the_agent_may_not_touch_anyone_elses_labels_or_annotations(
-    policy: Policy, labels: dict[str, str | None] | None, notes: dict[str, str | None] | None
+    policy: AdmissionPolicy, labels: dict[str, str | None] | None, notes: dict[str, str | None] | None
 ) -> None:
     old = node()
     new = changed(old, labels, notes)
@@ -152,7 +115,7 @@ def test_the_agent_may_not_touch_anyone_elses_labels_or_annotations(
     assert matched and failed
 
 
-def test_the_agent_may_not_write_another_node_or_the_spec_or_status(policy: Policy) -> None:
+def test_the_agent_may_not_write_another_node_or_the_spec_or_status(policy: AdmissionPolicy) -> None:
     old = node("node02")
     new = changed(old, {WORKLOAD_STATE_LABEL: "success"})
     assert policy.admit(update(new, caller="node01"), new, old)[1]  # another node's
@@ -167,7 +130,7 @@ def test_the_agent_may_not_write_another_node_or_the_spec_or_status(policy: Poli
     assert policy.admit(delete, None, mine)[1]
 
 
-def test_the_policy_leaves_everyone_else_alone(policy: Policy) -> None:
+def test_the_policy_leaves_everyone_else_alone(policy: AdmissionPolicy) -> None:
     old = node()
     new = changed(old, {"nvidia.com/gpu.workload.config": "container"})
     assert policy.admit(update(new, user="system:serviceaccount:gpu-operator:gpu-operator"), new, old) == (False, [])
