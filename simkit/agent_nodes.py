@@ -242,7 +242,13 @@ def mig_node() -> Node:
 def build_mig_node(root: Path) -> SimKernel:
     """:func:`mig_node` through the simulator: the A100 and H100 MIG-capable, each with its MIG-backed and
     time-sliced vGPU types; the L40S with time-sliced types only."""
-    sim = build_node(mig_node(), root)
+    return mig_capable(build_node(mig_node(), root))
+
+
+def mig_capable(sim: SimKernel) -> SimKernel:
+    """What the simulator knows of :func:`mig_node`'s GPUs beyond the tree (their SR-IOV vGPU types, the A100's
+    and H100's MIG profiles): for a tree :func:`build_mig_node` built, also in another process
+    (``python -m simkit.sim_agent`` with ``SIMKIT_NODE=mig``)."""
     sim.add_sriov_gpu("0000:3b:00.0", MIG_GPU_VFS, A100_PCIE_40GB, A100_TIME_SLICED)
     sim.add_mig("0000:3b:00.0", A100_40GB_PROFILES, A100_MIG_TYPES)
     sim.add_sriov_gpu("0000:86:00.0", MIG_GPU_VFS, H100_PCIE, H100_TIME_SLICED)

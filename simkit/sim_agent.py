@@ -6,6 +6,8 @@ protocol's scenario, ``tests/cluster/test_s8_node_protocol.py``) runs this inste
 same command line, options and environment, with :class:`~simkit.kernel_sim.SimKernel` over the host root
 (``--host-root`` / ``GPU_NODE_AGENT_HOST_ROOT``) as the kernel. Everything else is the product's code: the API
 edge, the loop, the plans and the writes. Only tests start it (``python -m simkit.sim_agent operate …``).
+``SIMKIT_NODE=mig``: the tree is :func:`simkit.agent_nodes.build_mig_node`'s, and the simulator is told its
+GPUs' SR-IOV and MIG capabilities (which live in the simulator, not in the tree).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from node_agent.cli import ENV_PREFIX, cli
 from schemas.clirun import error_exit, run_cli
+from simkit.agent_nodes import mig_capable
 from simkit.kernel_sim import SimKernel
 
 
@@ -35,6 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     if not (root / "sys" / "bus" / "pci" / "devices").is_dir():
         error_exit(f"{root} holds no fixture tree (no sys/bus/pci/devices): pass --host-root", 2)
     kernel = SimKernel(root)
+    node = os.environ.get("SIMKIT_NODE", "")
+    if node == "mig":
+        mig_capable(kernel)
+    elif node:
+        error_exit(f"SIMKIT_NODE={node!r}: only 'mig' is known", 2)
     run_cli(cli, "gpu-node-agent", words, obj=kernel)
 
 

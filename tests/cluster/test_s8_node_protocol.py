@@ -32,7 +32,7 @@ import kubernetes.watch
 import pytest
 import yaml
 
-from simkit.agent_nodes import build_node, mdev_node
+from simkit.agent_nodes import build_mig_node, build_node, mdev_node
 from tests.cluster import kit
 from tests.cluster.support import (
     DEPLOY,
@@ -63,6 +63,7 @@ T4S = ("0000:3b:00.0", "0000:af:00.0")
 T4_GROUPS = ("30", "31")
 """The T4s' IOMMU groups in the fixture: host /dev/vfio stand-ins, for a pod the kubelet gives one."""
 TEST_CONFIG = "T4-1Q-x2"
+MIG_CONFIG = "mig-a100-h100"
 VALIDATIONS = Path("/run/nvidia/validations")
 OURS = (VGPU_STATE_LABEL, WORKLOAD_STATE_LABEL, PAUSE_LABEL)
 
@@ -177,10 +178,11 @@ def _ours_on(cluster: Cluster) -> list[str]:
     ]
 
 
-def protocol_docs(cluster: Cluster, tree: Path) -> list[Doc]:
+def protocol_docs(cluster: Cluster, tree: Path, sim_node: str = "") -> list[Doc]:
     """deploy/ with the component, pointed at the tree: the agent runs with the simulated kernel (which makes the
-    group nodes under the tree's /dev/vfio, as the real kernel would under /dev/vfio), and the ConfigMap gains a
-    vGPU config that fits the fixture's T4s (two GRID T4-1B each)."""
+    group nodes under the tree's /dev/vfio, as the real kernel would under /dev/vfio; ``sim_node``: its
+    SIMKIT_NODE), and the ConfigMap gains the configs that fit the fixtures (two GRID T4-1Q per T4; MIG-backed
+    vGPUs on the A100 and the H100)."""
     overlay = kit.STATE / "s8-overlay"
     shutil.rmtree(overlay, ignore_errors=True)
     overlay.mkdir(parents=True)
@@ -197,6 +199,10 @@ def protocol_docs(cluster: Cluster, tree: Path) -> list[Doc]:
         if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("gpu-node-agent-vgpu"):
             configs = yaml.safe_load(doc["data"]["config.yaml"])
             configs["vgpu-configs"][TEST_CONFIG] = [{"devices": "all", "vgpu-devices": {"T4-1Q": 2}}]
+            configs["vgpu-configs"][MIG_CONFIG] = [
+                {"devices": [0], "vgpu-devices": {"A100-1-5C": 2, "A100-2-10C": 1}},
+                {"devices": [1], "vgpu-devices": {"H100-1-10C": 2}},
+            ]
             doc["data"]["config.yaml"] = yaml.safe_dump(configs)
         if doc["kind"] == "DaemonSet":
             for volume in doc["spec"]["template"]["spec"]["volumes"]:
@@ -211,6 +217,7 @@ def protocol_docs(cluster: Cluster, tree: Path) -> list[Doc]:
             (container,) = doc["spec"]["template"]["spec"]["containers"]
             container["command"] = ["python", "-m", "simkit.sim_agent"]
             container["args"] = ["operate"]
+            container["env"].append({"name": "SIMKIT_NODE", "value": sim_node})
     return docs
 
 
@@ -450,3 +457,51 @@ def test_the_agents_token_changes_only_its_own_nodes_own_labels(protocol: Cluste
     user = patch(kit.NODE, WORKLOAD_LABEL, "container")
     assert user.startswith("403 "), user
     assert cluster.node()["metadata"]["labels"][WORKLOAD_LABEL] != "container"
+
+
+@pytest.fixture(scope="module")
+def mig_tree(protocol: Cluster) -> Iterator[Path]:
+    """The A100/H100/L40S tree (``simkit.agent_nodes.build_mig_node``), the agent and plugin moved onto it."""
+    root = kit.STATE / "fixtures" / "s8-mig"
+    shutil.rmtree(root, ignore_errors=True)
+    build_mig_node(root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_mig_backed_config_on_an_a100_and_an_h100(protocol: Cluster, mig_tree: Path, history: NodeHistory) -> None:
+    """vm-vgpu with a MIG-backed config: MIG mode and GPU instances first (the simulated nvidia-smi), then the
+    vGPUs on the VFs; the kubelet offers them once the plugin is back."""
+    cluster = protocol
+    cluster.kubectl("delete", "daemonset", "--all", "-n", PLUGIN_NAMESPACE, "--wait=true")
+    wait_until("the T4 pods gone", lambda: not cluster.pods(PLUGIN_NAMESPACE, "app.kubernetes.io/name"))
+    mark = history.snapshot()
+    _relabel(cluster, "vm-vgpu", MIG_CONFIG)
+    cluster.apply(protocol_docs(cluster, mig_tree, "mig"))
+
+    def offered() -> dict[str, int] | None:
+        node = cluster.node()
+        labels = node["metadata"].get("labels", {})
+        if labels.get(VGPU_STATE_LABEL) != "success" or labels.get(PAUSE_LABEL) == PAUSED:
+            return None
+        found = {
+            k: int(v)
+            for k, v in node["status"].get("allocatable", {}).items()
+            if k.startswith("nvidia.com/") and int(v)
+        }
+        return found if len(found) == 3 else None
+
+    found = wait_until(
+        "the MIG-backed vGPUs offered",
+        offered,
+        explain=lambda: json.dumps(_view_of(cluster)) + describe_pods(cluster, PLUGIN_NAMESPACE),
+    )
+    assert sorted((k.rsplit("_", 1)[-1], v) for k, v in found.items()) == [
+        ("A100-1-5C", 2),
+        ("A100-2-10C", 1),
+        ("H100-1-10C", 2),
+    ], found
+    assert any(c[VGPU_STATE_LABEL] == "pending" for c in history.since(mark))
+    labels = cluster.node()["metadata"]["labels"]
+    assert labels["nvidia.com/vgpu.type.A100-1-5C"] == "2"
+    assert labels["nvidia.com/vgpu.type.H100-1-10C"] == "2"
