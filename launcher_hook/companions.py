@@ -491,37 +491,53 @@ def companions_pass(
     edits = _Placer(writer)
     if len(parsed.root.findall("devices")) != 1:
         edits.writer.no_fast()
-    source = parsed.source
-    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
-    may_hold = b"-fn" in source or b"&" in source
-    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
-    aliases.update(handle.spec.alias for handle in handles.values() if isinstance(handle, NewHostdev))
+    aliases = _aliases(parsed, handles)
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     text_of, new_placement = device_text, tuple.__new__
+    # The hostdevs the merge adds share one layout (and its renderer), asked for once.
+    new_layout: tuple[Layout, HostdevRenderer] | None = None
+    new_root_ports = domain.bus_kind == "pcie" and not domain.unindexed
     for index, spec, functions in wanted:
         source_text = text_of(spec.source)
         hostdev = handles.get(("pci", source_text))
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        guest = _guest_of(hostdev)
-        if guest is None and not any(_may_join(c, by_source, joined) for c in functions):
-            # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
+        new = isinstance(hostdev, NewHostdev)
+        guest = None if new else next(hostdev.iterchildren("address"), None)  # type: ignore[union-attr]
+        if guest is None:
+            # Could any companion join a GPU's slot at all: not function 0, not placed by this run already, not
+            # passed by a hostdev of the domain? (A plain loop: one per GPU.)
             for companion in functions:
-                problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
-                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
-            continue
-        where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
-        if where is None:
-            continue
-        slot, root_port = where
+                free = companion.function and companion not in joined
+                if free and (not by_source or ("pci", text_of(companion)) not in by_source):
+                    break
+            else:
+                # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
+                for companion in functions:
+                    problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
+                    warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+                continue
+        if new and new_layout is None:
+            layout = writer.new_layout
+            new_layout = (layout, edits.renderer(layout))
+        if new and new_root_ports:
+            # (_slot_for's PCIe branch for a hostdev the merge adds, the path each of them takes there)
+            bus = _new_root_port(hostdev, spec, domain, new_layout, warnings)  # type: ignore[arg-type]
+            if bus is None:
+                continue
+            writer.new_decorated = True
+            slot: tuple[int, int, int] = (0, bus, 0)
+            root_port: int | None = bus
+        else:
+            where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
+            if where is None:
+                continue
+            slot, root_port = where
         placed, joining = _join(index, spec, functions, hostdev, slot, domain, by_source, joined, aliases, warnings)
         if joining:
-            layout = edits.layout(hostdev)
-            texts, specs_added = _companion_texts(edits.renderer(layout), layout, slot, index, spec, tuple(joining))
-            added += specs_added
-            edits.add_after(hostdev, texts, layout.indent)
+            added += _add_companions(edits, hostdev, new_layout if new else None, slot, index, spec, tuple(joining))
         # Placement(...) without its keyword handling (one per GPU)
         where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
         placements.append(new_placement(Placement, where_placed))
@@ -546,11 +562,13 @@ def _join(
     placed: list[int] = []
     joining: list[PciAddress] = []
     guest_domain, bus, number = slot
+    text_of = device_text
     alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
     for companion in functions:
         function = companion.function
         at = (guest_domain, bus, number, function)
-        if function == 0 or companion in joined or at in used or (by_source and _passed(companion, by_source)):
+        passed = by_source and by_source.get(("pci", text_of(companion)))  # (a hostdev of the domain passes it)
+        if function == 0 or companion in joined or at in used or passed:
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
                 placed.append(function)
@@ -570,19 +588,71 @@ def _join(
     return placed, joining
 
 
-def _may_join(
-    companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]], joined: Mapping[PciAddress, str]
-) -> bool:
-    """Whether ``companion`` could join a GPU's slot at all: not function 0, not passed by a hostdev of the
-    domain, not placed by this run already."""
-    if companion.function == 0 or companion in joined:
-        return False
-    return not by_source or ("pci", device_text(companion)) not in by_source
+def _aliases(parsed: ParsedDomain, handles: Mapping[SourceKey, Handle]) -> set[str]:
+    """The aliases a companion's must not take: the domain's and those of the hostdevs the merge adds."""
+    source = parsed.source
+    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
+    may_hold = b"-fn" in source or b"&" in source
+    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
+    for handle in handles.values():  # (a plain loop: one per GPU)
+        if isinstance(handle, NewHostdev):
+            aliases.add(handle.spec.alias)
+    return aliases
 
 
-def _passed(companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]]) -> bool:
-    """Whether a hostdev of the domain passes ``companion``."""
-    return bool(by_source.get(("pci", device_text(companion))))
+def _new_root_port(
+    hostdev: NewHostdev,
+    spec: HostdevSpec,
+    domain: _Domain,
+    new_layout: tuple[Layout, HostdevRenderer],
+    warnings: list[str],
+) -> int | None:
+    """Give ``hostdev`` (one the merge adds, on a PCIe machine whose controllers all have an index) a new
+    ``pcie-root-port`` and the guest address of function 0 in its slot: the index of the port (its bus), or None
+    when no index is left (a warning). :func:`_slot_for`'s PCIe branch, with the run's one layout."""
+    bus = domain.next_index
+    if bus > MAX_BUS:
+        warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
+        return None
+    domain.next_index = bus + 1
+    layout, render = new_layout
+    texts = render.kept.get((_ROOT_PORT_KEY, bus, layout.expanded_empty))
+    if texts is None:
+        texts = _root_port_texts(render, bus, layout.expanded_empty)
+    controller: str
+    controller, hostdev.address = texts  # type: ignore[misc]
+    hostdev.before = [*hostdev.before, controller]  # (NewHostdev.add_before)
+    domain.used[(0, bus, 0, 0)] = hostdev
+    return bus
+
+
+def _add_companions(
+    edits: _Placer,
+    hostdev: Handle,
+    new_layout: tuple[Layout, HostdevRenderer] | None,
+    slot: tuple[int, int, int],
+    index: int,
+    spec: HostdevSpec,
+    companions: tuple[PciAddress, ...],
+) -> tuple[HostdevSpec, ...]:
+    """Put the hostdevs of ``spec``'s ``companions`` next to ``hostdev`` (in ``slot``) and return them;
+    ``new_layout``: the run's layout and renderer when ``hostdev`` is one the merge adds."""
+    if new_layout is not None:
+        layout, render = new_layout
+    else:
+        layout = edits.layout(hostdev)
+        render = edits.renderer(layout)
+    kept = render.kept.get((_COMPANIONS, slot, index, spec, companions))
+    texts: tuple[str, ...]
+    specs: tuple[HostdevSpec, ...]
+    texts, specs = kept if kept is not None else _companion_texts(render, layout, slot, index, spec, companions)  # type: ignore[misc]
+    if new_layout is not None:
+        assert isinstance(hostdev, NewHostdev)
+        hostdev.after = [*hostdev.after, *texts]  # (NewHostdev.add_after)
+        edits.writer.new_decorated = True
+    else:
+        edits.add_after(hostdev, texts, layout.indent)
+    return specs
 
 
 def _companion_texts(
@@ -623,11 +693,6 @@ def _companion_spec(spec: HostdevSpec, companion: PciAddress, alias: str, variab
     return tuple.__new__(HostdevSpec, fields)
 
 
-def _guest_of(hostdev: Handle) -> etree._Element | None:
-    """The guest ``<address>`` of a GPU's hostdev (none for one the merge adds)."""
-    return None if isinstance(hostdev, NewHostdev) else next(hostdev.iterchildren("address"), None)
-
-
 def _slot_for(
     spec: HostdevSpec,
     hostdev: Handle,
@@ -637,7 +702,7 @@ def _slot_for(
     warnings: list[str],
 ) -> tuple[tuple[int, int, int], int | None] | None:
     """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed.
-    ``guest``: its guest address (``_guest_of``)."""
+    ``guest``: its guest address (none for one the merge adds)."""
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:

@@ -373,3 +373,24 @@ def test_the_aliases_logged_are_a_fresh_dict_and_the_kept_ones_bounded() -> None
             f"ua-gpu{number}": "0000:86:00.0"
         }
         assert len(builder._aliases_kept) <= builder.ALIASES_KEPT
+
+
+def test_when_no_bus_index_is_left_the_next_gpu_is_placed_alone_and_the_output_says_why() -> None:
+    """A GPU the merge adds on q35 gets a root port of index one above every controller's; at a top index of
+    254 the first GPU takes 255 (the last bus) and the second is left without companions, a warning naming it,
+    and no root port or guest address given to it."""
+    top = b'<controller type="pci" index="254" model="pcie-root-port"></controller>'
+    domain = _seed_domain().replace(b'\t\t<controller type="usb"', b"\t\t" + top + b'\n\t\t<controller type="usb"')
+    assert domain.count(top) == 1
+    result = build_domain(domain, _vmi(), ENV)
+    root = parse_domain(result.domain_xml, DEFAULT_MAX_INPUT_BYTES).root
+    ports = [c.get("index") for c in root.iterfind("devices/controller") if c.get("model") == "pcie-root-port"]
+    assert ports == ["254", "255"]
+    aliases = [str(name) for name in root.xpath("devices/hostdev/alias/@name")]  # type: ignore[union-attr]
+    assert aliases == ["ua-gpu0", "ua-gpu0-fn1", "ua-gpu0-fn2", "ua-gpu0-fn3", "ua-gpu1"]
+    second = root.findall("devices/hostdev")[-1]
+    assert second.find("address") is None
+    assert any(
+        warning.endswith(": no PCI controller index is left for a root port; companions left out")
+        for warning in result.warnings
+    ), result.warnings
