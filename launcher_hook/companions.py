@@ -109,6 +109,8 @@ class Companioned:
 
 
 Wanted = tuple[int, HostdevSpec, tuple[PciAddress, ...]]
+Look = tuple[Layout, HostdevRenderer]
+"""How what goes next to a hostdev is laid out, and the renderer of that layout."""
 
 
 class CompanionReader(Protocol):
@@ -336,28 +338,23 @@ class _Placer:
     def __init__(self, writer: DomainWriter) -> None:
         self.writer = writer
         self.parsed = writer.parsed
-        self._layouts: dict[int, tuple[etree._Element, Layout]] = {}
-        self._renderer: tuple[Layout, HostdevRenderer] | None = None
+        self._looks: dict[int, tuple[etree._Element, Look]] = {}
+        self._new: Look | None = None
 
-    def renderer(self, layout: Layout) -> HostdevRenderer:
-        """The hostdev renderer of ``layout`` (the last one asked for is kept: the GPUs share one layout)."""
-        kept = self._renderer
-        if kept is None or kept[0] is not layout:
-            kept = self._renderer = (layout, renderer_for(layout))
-        return kept[1]
-
-    def layout(self, hostdev: Handle) -> Layout:
-        """How what goes in and next to ``hostdev`` is laid out: like it (its indentation, the empty-element
-        style of the bytes before it)."""
+    def look(self, hostdev: Handle) -> Look:
+        """How what goes in and next to ``hostdev`` is laid out (like it: its indentation, the empty-element
+        style of the bytes before it), with that layout's renderer; worked out once per hostdev, and once for
+        all the hostdevs the merge adds (they share one layout)."""
         if isinstance(hostdev, NewHostdev):
-            return self.writer.new_layout
-        found = self._layouts.get(id(hostdev))
+            if self._new is None:
+                layout = self.writer.new_layout
+                self._new = (layout, renderer_for(layout))
+            return self._new
+        found = self._looks.get(id(hostdev))
         if found is None or found[0] is not hostdev:
             span = self.writer.hostdev_span(hostdev) if self.writer.fast else None
-            found = self._layouts[id(hostdev)] = (
-                hostdev,
-                self.writer.layout_at(indent_of(hostdev) or "", span[0] if span is not None else None),
-            )
+            layout = self.writer.layout_at(indent_of(hostdev) or "", span[0] if span is not None else None)
+            found = self._looks[id(hostdev)] = (hostdev, (layout, renderer_for(layout)))
         return found[1]
 
     def add_guest_address(self, hostdev: Handle, address_text: str) -> None:
@@ -420,13 +417,15 @@ class _Placer:
                 anchor = element
             anchor.tail = tail
 
-        self.writer.insert_next_to(hostdev, "".join(indent + text for text in texts), tree_fix, after=True)
+        self.writer.insert_next_to(hostdev, indent + indent.join(texts), tree_fix, after=True)  # (texts: not empty)
 
 
 def _only_alias(segment: bytes) -> int | None:
     """Where the one ``<alias`` of a hostdev's bytes starts (None: not exactly one)."""
-    found = [match.start() for match in _ALIAS_START.finditer(segment)]
-    return found[0] if len(found) == 1 else None
+    first = _ALIAS_START.search(segment)
+    if first is None or _ALIAS_START.search(segment, first.end()) is not None:
+        return None
+    return first.start()
 
 
 def _guest_address_end(segment: bytes) -> int | None:
@@ -496,8 +495,6 @@ def companions_pass(
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     text_of, new_placement = device_text, tuple.__new__
-    # The hostdevs the merge adds share one layout (and its renderer), asked for once.
-    new_layout: tuple[Layout, HostdevRenderer] | None = None
     new_root_ports = domain.bus_kind == "pcie" and not domain.unindexed
     for index, spec, functions in wanted:
         source_text = text_of(spec.source)
@@ -519,25 +516,24 @@ def companions_pass(
                     problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
                     warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
                 continue
-        if new and new_layout is None:
-            layout = writer.new_layout
-            new_layout = (layout, edits.renderer(layout))
+        # (a GPU given its slot here needs its layout; for one with an address, only if a companion joins)
+        look = edits.look(hostdev) if guest is None else None
         if new and new_root_ports:
             # (_slot_for's PCIe branch for a hostdev the merge adds, the path each of them takes there)
-            bus = _new_root_port(hostdev, spec, domain, new_layout, warnings)  # type: ignore[arg-type]
+            bus = _new_root_port(hostdev, spec, domain, look, warnings)  # type: ignore[arg-type]
             if bus is None:
                 continue
             writer.new_decorated = True
             slot: tuple[int, int, int] = (0, bus, 0)
             root_port: int | None = bus
         else:
-            where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
+            where = _slot_for(spec, hostdev, guest, domain, edits, look, warnings)
             if where is None:
                 continue
             slot, root_port = where
         placed, joining = _join(index, spec, functions, hostdev, slot, domain, by_source, joined, aliases, warnings)
         if joining:
-            added += _add_companions(edits, hostdev, new_layout if new else None, slot, index, spec, tuple(joining))
+            added += _add_companions(edits, hostdev, look, slot, index, spec, tuple(joining))
         # Placement(...) without its keyword handling (one per GPU)
         where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
         placements.append(new_placement(Placement, where_placed))
@@ -604,18 +600,18 @@ def _new_root_port(
     hostdev: NewHostdev,
     spec: HostdevSpec,
     domain: _Domain,
-    new_layout: tuple[Layout, HostdevRenderer],
+    look: Look,
     warnings: list[str],
 ) -> int | None:
     """Give ``hostdev`` (one the merge adds, on a PCIe machine whose controllers all have an index) a new
     ``pcie-root-port`` and the guest address of function 0 in its slot: the index of the port (its bus), or None
-    when no index is left (a warning). :func:`_slot_for`'s PCIe branch, with the run's one layout."""
+    when no index is left (a warning). :func:`_slot_for`'s PCIe branch; ``look``: the run's layout."""
     bus = domain.next_index
     if bus > MAX_BUS:
         warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
         return None
     domain.next_index = bus + 1
-    layout, render = new_layout
+    layout, render = look
     texts = render.kept.get((_ROOT_PORT_KEY, bus, layout.expanded_empty))
     if texts is None:
         texts = _root_port_texts(render, bus, layout.expanded_empty)
@@ -629,25 +625,20 @@ def _new_root_port(
 def _add_companions(
     edits: _Placer,
     hostdev: Handle,
-    new_layout: tuple[Layout, HostdevRenderer] | None,
+    look: Look | None,
     slot: tuple[int, int, int],
     index: int,
     spec: HostdevSpec,
     companions: tuple[PciAddress, ...],
 ) -> tuple[HostdevSpec, ...]:
     """Put the hostdevs of ``spec``'s ``companions`` next to ``hostdev`` (in ``slot``) and return them;
-    ``new_layout``: the run's layout and renderer when ``hostdev`` is one the merge adds."""
-    if new_layout is not None:
-        layout, render = new_layout
-    else:
-        layout = edits.layout(hostdev)
-        render = edits.renderer(layout)
+    ``look``: ``hostdev``'s (``_Placer.look``), if already asked for."""
+    layout, render = look if look is not None else edits.look(hostdev)
     kept = render.kept.get((_COMPANIONS, slot, index, spec, companions))
     texts: tuple[str, ...]
     specs: tuple[HostdevSpec, ...]
     texts, specs = kept if kept is not None else _companion_texts(render, layout, slot, index, spec, companions)  # type: ignore[misc]
-    if new_layout is not None:
-        assert isinstance(hostdev, NewHostdev)
+    if isinstance(hostdev, NewHostdev):
         hostdev.after = [*hostdev.after, *texts]  # (NewHostdev.add_after)
         edits.writer.new_decorated = True
     else:
@@ -699,10 +690,12 @@ def _slot_for(
     guest: etree._Element | None,
     domain: _Domain,
     edits: _Placer,
+    look: Look | None,
     warnings: list[str],
 ) -> tuple[tuple[int, int, int], int | None] | None:
     """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed.
-    ``guest``: its guest address (none for one the merge adds)."""
+    ``guest``: its guest address (none for one the merge adds); ``look``: the hostdev's (``_Placer.look``), given
+    when ``guest`` is None."""
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:
@@ -741,10 +734,14 @@ def _slot_for(
             warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
             return None
         domain.next_index += 1
-        layout = edits.layout(hostdev)
+        assert look is not None
+        layout, render = look
         slot = (0, index, 0)
         root_port: int | None = index
-        controller, address = _root_port_texts(edits.renderer(layout), index, layout.expanded_empty)
+        kept = render.kept.get((_ROOT_PORT_KEY, index, layout.expanded_empty))
+        controller: str
+        address: str
+        controller, address = kept if kept is not None else _root_port_texts(render, index, layout.expanded_empty)  # type: ignore[misc]
         edits.add_before(hostdev, controller, layout.indent)
         edits.add_guest_address(hostdev, address)
         domain.used[(*slot, 0)] = hostdev
@@ -761,7 +758,8 @@ def _slot_for(
             "i440fx; the companions are left out"
         )
         return None
-    edits.add_guest_address(hostdev, _guest_address(slot, 0, True, edits.layout(hostdev).expanded_empty))
+    assert look is not None
+    edits.add_guest_address(hostdev, _guest_address(slot, 0, True, look[0].expanded_empty))
     domain.used[(*slot, 0)] = hostdev
     return slot, root_port
 
