@@ -143,13 +143,22 @@ def with_read_companions(
     ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
     DRA claim gave are read (no variable can name theirs).
     """
-    if dra_only and not any(spec.variable.startswith(DRA_VARIABLE_PREFIX) for spec in specs):
-        return allocation  # (the usual case: no GPU from a DRA claim)
+    if dra_only:
+        for spec in specs:  # (a plain loop: one per GPU)
+            if spec.variable.startswith(DRA_VARIABLE_PREFIX):
+                break
+        else:
+            return allocation  # (the usual case: no GPU from a DRA claim)
     pci = [
         (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
     ]
     readable = [pair for pair in pci if pair[0].variable.startswith(DRA_VARIABLE_PREFIX)] if dra_only else pci
-    wanted = [(spec, gpu) for spec, gpu in readable if companions_key(spec.variable) not in allocation.companions]
+    keys: dict[str, str | None] = {}  # each resource's companions_key, worked out once (the GPUs share a few)
+    for spec, _ in readable:
+        if spec.variable not in keys:
+            keys[spec.variable] = companions_key(spec.variable)
+    present = allocation.companions
+    wanted = [(spec, gpu) for spec, gpu in readable if keys[spec.variable] not in present]
     if not wanted:
         return allocation
     if len(wanted) > MAX_GPUS:
@@ -171,7 +180,7 @@ def with_read_companions(
                 f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {functions}"
             )
             continue
-        variable = companions_key(spec.variable)
+        variable = keys[spec.variable]
         if functions and variable is not None:
             tables.setdefault(variable, {})[gpu] = functions
     if not tables:
@@ -262,8 +271,6 @@ def _guest_numbers(address: etree._Element) -> tuple[int, int, int, int] | None:
     return numbers  # type: ignore[return-value]
 
 
-_GUEST_PCI_ADDRESSES = etree.XPath("devices//address[@type='pci'][not(parent::source)]")
-"""Every guest PCI address of a device (a ``<source>``'s address is the host's)."""
 _ALIAS_NAMES = etree.XPath("//alias/@name", smart_strings=False)
 
 
@@ -271,34 +278,53 @@ class _Domain:
     """What the placement needs to know of the domain: its bus kind, PCI controller indexes, used addresses."""
 
     def __init__(self, parsed: ParsedDomain) -> None:
+        # The children are walked with iterchildren/iter (lxml's C loops): the same elements, in the same order,
+        # as the paths "os/type", "devices/controller" and "devices//address[@type='pci'][not(parent::source)]"
+        # (every guest PCI address of a device; a <source>'s is the host's), whose evaluation (lxml's ElementPath
+        # in Python, an XPath over every device) cost more than the rest of the pass at one GPU.
         root = parsed.root
-        os_type = root.find("os/type")
-        self.machine = (os_type.get("machine") if os_type is not None else None) or ""
-        controllers = [c for c in root.iterfind("devices/controller") if c.get("type") == "pci"]
-        models = {controller.get("model") for controller in controllers}
-        machine = self.machine
+        os_type = None
+        for os_element in root.iterchildren("os"):
+            os_type = next(os_element.iterchildren("type"), None)
+            if os_type is not None:
+                break
+        self.machine = machine = (os_type.get("machine") if os_type is not None else None) or ""
+        devices = list(root.iterchildren("devices"))
+        self.devices = len(devices)
+        models: set[str | None] = set()
+        self.unindexed = False
+        top = 0
+        for element in devices:
+            for controller in element.iterchildren("controller"):
+                if controller.get("type") != "pci":
+                    continue
+                models.add(controller.get("model"))
+                index = c_number(controller.get("index"), 10)
+                if index is None:
+                    self.unindexed = True
+                elif index > top:
+                    top = index
         if "pcie-root" in models or "q35" in machine or machine.startswith("virt"):
             self.bus_kind: str | None = "pcie"
         elif "pci-root" in models or machine == "pc" or machine.startswith("pc-"):
             self.bus_kind = "pci"
         else:
             self.bus_kind = None
-        indexes = [c_number(controller.get("index"), 10) for controller in controllers]
-        self.unindexed = any(index is None for index in indexes)
-        self.next_index = max((index for index in indexes if index is not None), default=0) + 1
         self.used: dict[tuple[int, int, int, int], Handle] = {}
-        # (no "<address" in the bytes: no address element, and the query would walk every device for nothing)
-        for address in _GUEST_PCI_ADDRESSES(root) if b"<address" in parsed.source else ():  # type: ignore[union-attr]
-            assert isinstance(address, etree._Element)
-            owner = address.getparent()
-            if owner is None:
-                continue
-            numbers = _guest_numbers(address)
-            if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
-                self.used.setdefault(numbers, owner)
-        # An address on bus N makes libvirt add the controllers up to index N that the domain lacks: a new
-        # root port's index (its bus) must be above those too, or its slot 0 may be that address.
-        self.next_index = max([self.next_index, *(key[1] + 1 for key in self.used)])
+        used = self.used
+        # (no "<address" in the bytes: no address element, and the walk would visit every device for nothing)
+        for element in devices if b"<address" in parsed.source else ():
+            for address in element.iter("address"):  # (every guest PCI address of a device: not a <source>'s)
+                owner = address.getparent()
+                if owner is None or owner.tag == "source" or address.get("type") != "pci":
+                    continue
+                numbers = _guest_numbers(address)
+                if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
+                    used.setdefault(numbers, owner)
+                    # An address on bus N makes libvirt add the controllers up to index N that the domain lacks:
+                    # a new root port's index (its bus) must be above those too, or its slot 0 may be that address.
+                    top = max(top, numbers[1])
+        self.next_index = top + 1
 
     def slot_taken(self, domain: int, bus: int, slot: int) -> bool:
         return any(key[:3] == (domain, bus, slot) for key in self.used)
@@ -488,7 +514,7 @@ def companions_pass(
     parsed = writer.parsed
     domain = _Domain(parsed)
     edits = _Placer(writer)
-    if len(parsed.root.findall("devices")) != 1:
+    if domain.devices != 1:
         edits.writer.no_fast()
     aliases = _aliases(parsed, handles)
     added: list[HostdevSpec] = []
