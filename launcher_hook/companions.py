@@ -37,7 +37,7 @@ from typing import NamedTuple, Protocol
 from lxml import etree
 
 from launcher_hook.allocation import EnvAllocation
-from launcher_hook.document import ParsedDomain, append_child, child_slots, indent_of, parse_domain
+from launcher_hook.document import ParsedDomain, append_child, child_slots, parse_domain
 from launcher_hook.domain import hostdev_source_key, hostdevs_from_tree
 from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, renderer_for
 from launcher_hook.hostdevs.base import c_number, device_text
@@ -379,7 +379,11 @@ class _Placer:
         found = self._looks.get(id(hostdev))
         if found is None or found[0] is not hostdev:
             span = self.writer.hostdev_span(hostdev) if self.writer.fast else None
-            layout = self.writer.layout_at(indent_of(hostdev) or "", span[0] if span is not None else None)
+            # indent_of(hostdev) or "", without its two calls (one per GPU)
+            previous, parent = hostdev.getprevious(), hostdev.getparent()
+            before = previous.tail if previous is not None else (parent.text if parent is not None else None)
+            indent = before if before and "\n" in before and not before.strip() else ""
+            layout = self.writer.layout_at(indent, span[0] if span is not None else None)
             found = self._looks[id(hostdev)] = (hostdev, (layout, renderer_for(layout)))
         return found[1]
 
