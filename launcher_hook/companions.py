@@ -37,7 +37,7 @@ from typing import NamedTuple, Protocol
 from lxml import etree
 
 from launcher_hook.allocation import EnvAllocation
-from launcher_hook.document import ParsedDomain, append_child, child_slots, indent_of, parse_domain
+from launcher_hook.document import ParsedDomain, append_child, child_slots, parse_domain
 from launcher_hook.domain import hostdev_source_key, hostdevs_from_tree
 from launcher_hook.hostdev import HostdevRenderer, HostdevSpec, Layout, renderer_for
 from launcher_hook.hostdevs.base import c_number, device_text
@@ -109,6 +109,8 @@ class Companioned:
 
 
 Wanted = tuple[int, HostdevSpec, tuple[PciAddress, ...]]
+Look = tuple[Layout, HostdevRenderer]
+"""How what goes next to a hostdev is laid out, and the renderer of that layout."""
 
 
 class CompanionReader(Protocol):
@@ -141,13 +143,22 @@ def with_read_companions(
     ``dra_only``: the allocation source carries the companion variables (env, environ file), so only GPUs a
     DRA claim gave are read (no variable can name theirs).
     """
-    if dra_only and not any(spec.variable.startswith(DRA_VARIABLE_PREFIX) for spec in specs):
-        return allocation  # (the usual case: no GPU from a DRA claim)
+    if dra_only:
+        for spec in specs:  # (a plain loop: one per GPU)
+            if spec.variable.startswith(DRA_VARIABLE_PREFIX):
+                break
+        else:
+            return allocation  # (the usual case: no GPU from a DRA claim)
     pci = [
         (spec, spec.source) for spec in specs if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress)
     ]
     readable = [pair for pair in pci if pair[0].variable.startswith(DRA_VARIABLE_PREFIX)] if dra_only else pci
-    wanted = [(spec, gpu) for spec, gpu in readable if companions_key(spec.variable) not in allocation.companions]
+    keys: dict[str, str | None] = {}  # each resource's companions_key, worked out once (the GPUs share a few)
+    for spec, _ in readable:
+        if spec.variable not in keys:
+            keys[spec.variable] = companions_key(spec.variable)
+    present = allocation.companions
+    wanted = [(spec, gpu) for spec, gpu in readable if keys[spec.variable] not in present]
     if not wanted:
         return allocation
     if len(wanted) > MAX_GPUS:
@@ -169,7 +180,7 @@ def with_read_companions(
                 f"{spec.label}: its companions cannot be read from sysfs, so it is placed alone: {functions}"
             )
             continue
-        variable = companions_key(spec.variable)
+        variable = keys[spec.variable]
         if functions and variable is not None:
             tables.setdefault(variable, {})[gpu] = functions
     if not tables:
@@ -260,8 +271,6 @@ def _guest_numbers(address: etree._Element) -> tuple[int, int, int, int] | None:
     return numbers  # type: ignore[return-value]
 
 
-_GUEST_PCI_ADDRESSES = etree.XPath("devices//address[@type='pci'][not(parent::source)]")
-"""Every guest PCI address of a device (a ``<source>``'s address is the host's)."""
 _ALIAS_NAMES = etree.XPath("//alias/@name", smart_strings=False)
 
 
@@ -269,34 +278,53 @@ class _Domain:
     """What the placement needs to know of the domain: its bus kind, PCI controller indexes, used addresses."""
 
     def __init__(self, parsed: ParsedDomain) -> None:
+        # The children are walked with iterchildren/iter (lxml's C loops): the same elements, in the same order,
+        # as the paths "os/type", "devices/controller" and "devices//address[@type='pci'][not(parent::source)]"
+        # (every guest PCI address of a device; a <source>'s is the host's), whose evaluation (lxml's ElementPath
+        # in Python, an XPath over every device) cost more than the rest of the pass at one GPU.
         root = parsed.root
-        os_type = root.find("os/type")
-        self.machine = (os_type.get("machine") if os_type is not None else None) or ""
-        controllers = [c for c in root.iterfind("devices/controller") if c.get("type") == "pci"]
-        models = {controller.get("model") for controller in controllers}
-        machine = self.machine
+        os_type = None
+        for os_element in root.iterchildren("os"):
+            os_type = next(os_element.iterchildren("type"), None)
+            if os_type is not None:
+                break
+        self.machine = machine = (os_type.get("machine") if os_type is not None else None) or ""
+        devices = list(root.iterchildren("devices"))
+        self.devices = len(devices)
+        models: set[str | None] = set()
+        self.unindexed = False
+        top = 0
+        for element in devices:
+            for controller in element.iterchildren("controller"):
+                if controller.get("type") != "pci":
+                    continue
+                models.add(controller.get("model"))
+                index = c_number(controller.get("index"), 10)
+                if index is None:
+                    self.unindexed = True
+                elif index > top:
+                    top = index
         if "pcie-root" in models or "q35" in machine or machine.startswith("virt"):
             self.bus_kind: str | None = "pcie"
         elif "pci-root" in models or machine == "pc" or machine.startswith("pc-"):
             self.bus_kind = "pci"
         else:
             self.bus_kind = None
-        indexes = [c_number(controller.get("index"), 10) for controller in controllers]
-        self.unindexed = any(index is None for index in indexes)
-        self.next_index = max((index for index in indexes if index is not None), default=0) + 1
         self.used: dict[tuple[int, int, int, int], Handle] = {}
-        # (no "<address" in the bytes: no address element, and the query would walk every device for nothing)
-        for address in _GUEST_PCI_ADDRESSES(root) if b"<address" in parsed.source else ():  # type: ignore[union-attr]
-            assert isinstance(address, etree._Element)
-            owner = address.getparent()
-            if owner is None:
-                continue
-            numbers = _guest_numbers(address)
-            if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
-                self.used.setdefault(numbers, owner)
-        # An address on bus N makes libvirt add the controllers up to index N that the domain lacks: a new
-        # root port's index (its bus) must be above those too, or its slot 0 may be that address.
-        self.next_index = max([self.next_index, *(key[1] + 1 for key in self.used)])
+        used = self.used
+        # (no "<address" in the bytes: no address element, and the walk would visit every device for nothing)
+        for element in devices if b"<address" in parsed.source else ():
+            for address in element.iter("address"):  # (every guest PCI address of a device: not a <source>'s)
+                owner = address.getparent()
+                if owner is None or owner.tag == "source" or address.get("type") != "pci":
+                    continue
+                numbers = _guest_numbers(address)
+                if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
+                    used.setdefault(numbers, owner)
+                    # An address on bus N makes libvirt add the controllers up to index N that the domain lacks:
+                    # a new root port's index (its bus) must be above those too, or its slot 0 may be that address.
+                    top = max(top, numbers[1])
+        self.next_index = top + 1
 
     def slot_taken(self, domain: int, bus: int, slot: int) -> bool:
         return any(key[:3] == (domain, bus, slot) for key in self.used)
@@ -336,28 +364,27 @@ class _Placer:
     def __init__(self, writer: DomainWriter) -> None:
         self.writer = writer
         self.parsed = writer.parsed
-        self._layouts: dict[int, tuple[etree._Element, Layout]] = {}
-        self._renderer: tuple[Layout, HostdevRenderer] | None = None
+        self._looks: dict[int, tuple[etree._Element, Look]] = {}
+        self._new: Look | None = None
 
-    def renderer(self, layout: Layout) -> HostdevRenderer:
-        """The hostdev renderer of ``layout`` (the last one asked for is kept: the GPUs share one layout)."""
-        kept = self._renderer
-        if kept is None or kept[0] is not layout:
-            kept = self._renderer = (layout, renderer_for(layout))
-        return kept[1]
-
-    def layout(self, hostdev: Handle) -> Layout:
-        """How what goes in and next to ``hostdev`` is laid out: like it (its indentation, the empty-element
-        style of the bytes before it)."""
+    def look(self, hostdev: Handle) -> Look:
+        """How what goes in and next to ``hostdev`` is laid out (like it: its indentation, the empty-element
+        style of the bytes before it), with that layout's renderer; worked out once per hostdev, and once for
+        all the hostdevs the merge adds (they share one layout)."""
         if isinstance(hostdev, NewHostdev):
-            return self.writer.new_layout
-        found = self._layouts.get(id(hostdev))
+            if self._new is None:
+                layout = self.writer.new_layout
+                self._new = (layout, renderer_for(layout))
+            return self._new
+        found = self._looks.get(id(hostdev))
         if found is None or found[0] is not hostdev:
             span = self.writer.hostdev_span(hostdev) if self.writer.fast else None
-            found = self._layouts[id(hostdev)] = (
-                hostdev,
-                self.writer.layout_at(indent_of(hostdev) or "", span[0] if span is not None else None),
-            )
+            # indent_of(hostdev) or "", without its two calls (one per GPU)
+            previous, parent = hostdev.getprevious(), hostdev.getparent()
+            before = previous.tail if previous is not None else (parent.text if parent is not None else None)
+            indent = before if before and "\n" in before and not before.strip() else ""
+            layout = self.writer.layout_at(indent, span[0] if span is not None else None)
+            found = self._looks[id(hostdev)] = (hostdev, (layout, renderer_for(layout)))
         return found[1]
 
     def add_guest_address(self, hostdev: Handle, address_text: str) -> None:
@@ -420,13 +447,15 @@ class _Placer:
                 anchor = element
             anchor.tail = tail
 
-        self.writer.insert_next_to(hostdev, "".join(indent + text for text in texts), tree_fix, after=True)
+        self.writer.insert_next_to(hostdev, indent + indent.join(texts), tree_fix, after=True)  # (texts: not empty)
 
 
 def _only_alias(segment: bytes) -> int | None:
     """Where the one ``<alias`` of a hostdev's bytes starts (None: not exactly one)."""
-    found = [match.start() for match in _ALIAS_START.finditer(segment)]
-    return found[0] if len(found) == 1 else None
+    first = _ALIAS_START.search(segment)
+    if first is None or _ALIAS_START.search(segment, first.end()) is not None:
+        return None
+    return first.start()
 
 
 def _guest_address_end(segment: bytes) -> int | None:
@@ -489,39 +518,52 @@ def companions_pass(
     parsed = writer.parsed
     domain = _Domain(parsed)
     edits = _Placer(writer)
-    if len(parsed.root.findall("devices")) != 1:
+    if domain.devices != 1:
         edits.writer.no_fast()
-    source = parsed.source
-    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
-    may_hold = b"-fn" in source or b"&" in source
-    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
-    aliases.update(handle.spec.alias for handle in handles.values() if isinstance(handle, NewHostdev))
+    aliases = _aliases(parsed, handles)
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     text_of, new_placement = device_text, tuple.__new__
+    new_root_ports = domain.bus_kind == "pcie" and not domain.unindexed
     for index, spec, functions in wanted:
         source_text = text_of(spec.source)
         hostdev = handles.get(("pci", source_text))
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        guest = _guest_of(hostdev)
-        if guest is None and not any(_may_join(c, by_source, joined) for c in functions):
-            # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
+        new = isinstance(hostdev, NewHostdev)
+        guest = None if new else next(hostdev.iterchildren("address"), None)  # type: ignore[union-attr]
+        if guest is None:
+            # Could any companion join a GPU's slot at all: not function 0, not placed by this run already, not
+            # passed by a hostdev of the domain? (A plain loop: one per GPU.)
             for companion in functions:
-                problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
-                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
-            continue
-        where = _slot_for(spec, hostdev, guest, domain, edits, warnings)
-        if where is None:
-            continue
-        slot, root_port = where
+                free = companion.function and companion not in joined
+                if free and (not by_source or ("pci", text_of(companion)) not in by_source):
+                    break
+            else:
+                # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
+                for companion in functions:
+                    problem = _companion_problem(companion, (-1, -1, -1), domain, by_source, joined)
+                    warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+                continue
+        # (a GPU given its slot here needs its layout; for one with an address, only if a companion joins)
+        look = edits.look(hostdev) if guest is None else None
+        if new and new_root_ports:
+            # (_slot_for's PCIe branch for a hostdev the merge adds, the path each of them takes there)
+            bus = _new_root_port(hostdev, spec, domain, look, warnings)  # type: ignore[arg-type]
+            if bus is None:
+                continue
+            writer.new_decorated = True
+            slot: tuple[int, int, int] = (0, bus, 0)
+            root_port: int | None = bus
+        else:
+            where = _slot_for(spec, hostdev, guest, domain, edits, look, warnings)
+            if where is None:
+                continue
+            slot, root_port = where
         placed, joining = _join(index, spec, functions, hostdev, slot, domain, by_source, joined, aliases, warnings)
         if joining:
-            layout = edits.layout(hostdev)
-            texts, specs_added = _companion_texts(edits.renderer(layout), layout, slot, index, spec, tuple(joining))
-            added += specs_added
-            edits.add_after(hostdev, texts, layout.indent)
+            added += _add_companions(edits, hostdev, look, slot, index, spec, tuple(joining))
         # Placement(...) without its keyword handling (one per GPU)
         where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
         placements.append(new_placement(Placement, where_placed))
@@ -546,11 +588,13 @@ def _join(
     placed: list[int] = []
     joining: list[PciAddress] = []
     guest_domain, bus, number = slot
+    text_of = device_text
     alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
     for companion in functions:
         function = companion.function
         at = (guest_domain, bus, number, function)
-        if function == 0 or companion in joined or at in used or (by_source and _passed(companion, by_source)):
+        passed = by_source and by_source.get(("pci", text_of(companion)))  # (a hostdev of the domain passes it)
+        if function == 0 or companion in joined or at in used or passed:
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
                 placed.append(function)
@@ -570,19 +614,66 @@ def _join(
     return placed, joining
 
 
-def _may_join(
-    companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]], joined: Mapping[PciAddress, str]
-) -> bool:
-    """Whether ``companion`` could join a GPU's slot at all: not function 0, not passed by a hostdev of the
-    domain, not placed by this run already."""
-    if companion.function == 0 or companion in joined:
-        return False
-    return not by_source or ("pci", device_text(companion)) not in by_source
+def _aliases(parsed: ParsedDomain, handles: Mapping[SourceKey, Handle]) -> set[str]:
+    """The aliases a companion's must not take: the domain's and those of the hostdevs the merge adds."""
+    source = parsed.source
+    # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
+    may_hold = b"-fn" in source or b"&" in source
+    aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
+    for handle in handles.values():  # (a plain loop: one per GPU)
+        if isinstance(handle, NewHostdev):
+            aliases.add(handle.spec.alias)
+    return aliases
 
 
-def _passed(companion: PciAddress, by_source: Mapping[tuple[str, str], list[etree._Element]]) -> bool:
-    """Whether a hostdev of the domain passes ``companion``."""
-    return bool(by_source.get(("pci", device_text(companion))))
+def _new_root_port(
+    hostdev: NewHostdev,
+    spec: HostdevSpec,
+    domain: _Domain,
+    look: Look,
+    warnings: list[str],
+) -> int | None:
+    """Give ``hostdev`` (one the merge adds, on a PCIe machine whose controllers all have an index) a new
+    ``pcie-root-port`` and the guest address of function 0 in its slot: the index of the port (its bus), or None
+    when no index is left (a warning). :func:`_slot_for`'s PCIe branch; ``look``: the run's layout."""
+    bus = domain.next_index
+    if bus > MAX_BUS:
+        warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
+        return None
+    domain.next_index = bus + 1
+    layout, render = look
+    texts = render.kept.get((_ROOT_PORT_KEY, bus, layout.expanded_empty))
+    if texts is None:
+        texts = _root_port_texts(render, bus, layout.expanded_empty)
+    controller: str
+    controller, hostdev.address = texts  # type: ignore[misc]
+    hostdev.before = [*hostdev.before, controller]  # (NewHostdev.add_before)
+    domain.used[(0, bus, 0, 0)] = hostdev
+    return bus
+
+
+def _add_companions(
+    edits: _Placer,
+    hostdev: Handle,
+    look: Look | None,
+    slot: tuple[int, int, int],
+    index: int,
+    spec: HostdevSpec,
+    companions: tuple[PciAddress, ...],
+) -> tuple[HostdevSpec, ...]:
+    """Put the hostdevs of ``spec``'s ``companions`` next to ``hostdev`` (in ``slot``) and return them;
+    ``look``: ``hostdev``'s (``_Placer.look``), if already asked for."""
+    layout, render = look if look is not None else edits.look(hostdev)
+    kept = render.kept.get((_COMPANIONS, slot, index, spec, companions))
+    texts: tuple[str, ...]
+    specs: tuple[HostdevSpec, ...]
+    texts, specs = kept if kept is not None else _companion_texts(render, layout, slot, index, spec, companions)  # type: ignore[misc]
+    if isinstance(hostdev, NewHostdev):
+        hostdev.after = [*hostdev.after, *texts]  # (NewHostdev.add_after)
+        edits.writer.new_decorated = True
+    else:
+        edits.add_after(hostdev, texts, layout.indent)
+    return specs
 
 
 def _companion_texts(
@@ -623,21 +714,18 @@ def _companion_spec(spec: HostdevSpec, companion: PciAddress, alias: str, variab
     return tuple.__new__(HostdevSpec, fields)
 
 
-def _guest_of(hostdev: Handle) -> etree._Element | None:
-    """The guest ``<address>`` of a GPU's hostdev (none for one the merge adds)."""
-    return None if isinstance(hostdev, NewHostdev) else next(hostdev.iterchildren("address"), None)
-
-
 def _slot_for(
     spec: HostdevSpec,
     hostdev: Handle,
     guest: etree._Element | None,
     domain: _Domain,
     edits: _Placer,
+    look: Look | None,
     warnings: list[str],
 ) -> tuple[tuple[int, int, int], int | None] | None:
     """The guest slot of the GPU (giving it its address, and a root port, when it has none); None: not placed.
-    ``guest``: its guest address (``_guest_of``)."""
+    ``guest``: its guest address (none for one the merge adds); ``look``: the hostdev's (``_Placer.look``), given
+    when ``guest`` is None."""
     if guest is not None:
         numbers = _guest_numbers(guest) if guest.get("type") == "pci" else None
         if numbers is None or numbers[3] != 0:
@@ -676,10 +764,14 @@ def _slot_for(
             warnings.append(f"{spec.label}: no PCI controller index is left for a root port; companions left out")
             return None
         domain.next_index += 1
-        layout = edits.layout(hostdev)
+        assert look is not None
+        layout, render = look
         slot = (0, index, 0)
         root_port: int | None = index
-        controller, address = _root_port_texts(edits.renderer(layout), index, layout.expanded_empty)
+        kept = render.kept.get((_ROOT_PORT_KEY, index, layout.expanded_empty))
+        controller: str
+        address: str
+        controller, address = kept if kept is not None else _root_port_texts(render, index, layout.expanded_empty)  # type: ignore[misc]
         edits.add_before(hostdev, controller, layout.indent)
         edits.add_guest_address(hostdev, address)
         domain.used[(*slot, 0)] = hostdev
@@ -696,7 +788,8 @@ def _slot_for(
             "i440fx; the companions are left out"
         )
         return None
-    edits.add_guest_address(hostdev, _guest_address(slot, 0, True, edits.layout(hostdev).expanded_empty))
+    assert look is not None
+    edits.add_guest_address(hostdev, _guest_address(slot, 0, True, look[0].expanded_empty))
     domain.used[(*slot, 0)] = hostdev
     return slot, root_port
 

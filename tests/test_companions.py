@@ -373,3 +373,89 @@ def test_the_aliases_logged_are_a_fresh_dict_and_the_kept_ones_bounded() -> None
             f"ua-gpu{number}": "0000:86:00.0"
         }
         assert len(builder._aliases_kept) <= builder.ALIASES_KEPT
+
+
+def test_when_no_bus_index_is_left_the_next_gpu_is_placed_alone_and_the_output_says_why() -> None:
+    """A GPU the merge adds on q35 gets a root port of index one above every controller's; at a top index of
+    254 the first GPU takes 255 (the last bus) and the second is left without companions, a warning naming it,
+    and no root port or guest address given to it."""
+    top = b'<controller type="pci" index="254" model="pcie-root-port"></controller>'
+    domain = _seed_domain().replace(b'\t\t<controller type="usb"', b"\t\t" + top + b'\n\t\t<controller type="usb"')
+    assert domain.count(top) == 1
+    result = build_domain(domain, _vmi(), ENV)
+    root = parse_domain(result.domain_xml, DEFAULT_MAX_INPUT_BYTES).root
+    ports = [c.get("index") for c in root.iterfind("devices/controller") if c.get("model") == "pcie-root-port"]
+    assert ports == ["254", "255"]
+    aliases = [str(name) for name in root.xpath("devices/hostdev/alias/@name")]  # type: ignore[union-attr]
+    assert aliases == ["ua-gpu0", "ua-gpu0-fn1", "ua-gpu0-fn2", "ua-gpu0-fn3", "ua-gpu1"]
+    second = root.findall("devices/hostdev")[-1]
+    assert second.find("address") is None
+    assert any(
+        warning.endswith(": no PCI controller index is left for a root port; companions left out")
+        for warning in result.warnings
+    ), result.warnings
+
+
+def test_what_the_pass_reads_of_the_domain_is_what_the_path_expressions_select() -> None:
+    """``_Domain`` walks the tree with lxml's child and descendant loops; on documents with the shapes that
+    tell them apart (a second ``<os>`` and ``<devices>``, namespaced look-alikes, addresses in a ``<source>``,
+    nested deeper or in a comment, controllers without or with a bad index) it finds what the XPath and
+    ElementPath expressions it replaced select: the machine, bus kind, controller indexes and guest addresses."""
+    from lxml import etree
+
+    from launcher_hook.companions import _Domain
+    from launcher_hook.hostdevs.base import c_number
+
+    def expected(parsed: ParsedDomain) -> dict[str, Any]:
+        root = parsed.root
+        os_type = root.find("os/type")
+        machine = (os_type.get("machine") if os_type is not None else None) or ""
+        controllers = [c for c in root.iterfind("devices/controller") if c.get("type") == "pci"]
+        indexes = [c_number(c.get("index"), 10) for c in controllers]
+        used: dict[tuple[int | None, ...], etree._Element | None] = {}
+        selected = etree.XPath("devices//address[@type='pci'][not(parent::source)]")(root)
+        assert isinstance(selected, list)
+        for address in selected:
+            assert isinstance(address, etree._Element)
+            values = [address.get(name) for name in ("domain", "bus", "slot", "function")]
+            numbers = tuple(0 if value is None else c_number(value) for value in values)
+            if None not in numbers and numbers[:3] != (0, 0, 0):
+                used.setdefault(numbers, address.getparent())
+        top = max([0, *(index for index in indexes if index is not None), *(key[1] or 0 for key in used)])
+        models = {c.get("model") for c in controllers}
+        if "pcie-root" in models or "q35" in machine or machine.startswith("virt"):
+            bus_kind: str | None = "pcie"
+        elif "pci-root" in models or machine == "pc" or machine.startswith("pc-"):
+            bus_kind = "pci"
+        else:
+            bus_kind = None
+        return {
+            "machine": machine,
+            "unindexed": None in indexes,
+            "next_index": top + 1,
+            "used": list(used.items()),
+            "devices": len(root.findall("devices")),
+            "bus_kind": bus_kind,
+        }
+
+    pci = 'type="pci" domain="0x0000" bus="0x%02x" slot="0x%02x" function="0x0"'
+    documents = [
+        '<domain><os><type machine="pc-q35-9.0">hvm</type></os><devices/></domain>',
+        '<domain><os/><os><type machine="pc">hvm</type></os><devices>'
+        f'<controller type="pci" index="3" model="pcie-root-port"/><controller type="pci" model="pci-bridge"/>'
+        f'<controller type="usb" index="9"/><hostdev><source><address {pci % (0x40, 0)}/></source></hostdev>'
+        f"<disk><address {pci % (5, 1)}/></disk><interface><rom><address {pci % (7, 2)}/></rom></interface>"
+        f'<!-- <address {pci % (9, 9)}/> --><x:address xmlns:x="urn:x" {pci % (11, 3)}/>'
+        f'<video><address type="drive" bus="0x10"/></video><sound><address {pci % (0, 0)}/></sound>'
+        f"<devices><address {pci % (12, 4)}/></devices></devices>"
+        f'<devices><controller type="pci" index="x"/><memballoon><address {pci % (2, 5)}/></memballoon></devices>'
+        f"<sysinfo><address {pci % (30, 6)}/></sysinfo></domain>",
+        '<domain xmlns:q="urn:q"><q:os><type machine="virt">hvm</type></q:os><os><type>hvm</type></os><devices>'
+        f'<controller type="pci" index="07" model="pcie-root"/><disk><address {pci % (5, 1)}/></disk>'
+        f"<hostdev><address {pci % (5, 1)}/></hostdev><source><address {pci % (6, 1)}/></source></devices></domain>",
+    ]
+    for text in documents:
+        parsed = parse_domain(text.encode(), DEFAULT_MAX_INPUT_BYTES)
+        found = _Domain(parsed)
+        got = {name: getattr(found, name) for name in ("machine", "unindexed", "next_index", "devices", "bus_kind")}
+        assert {**got, "used": list(found.used.items())} == expected(parsed), text
