@@ -23,8 +23,8 @@ goal: median round trip at most 1.3x the floor's on every case. A path that read
 asks the kubelet (PodResources) is also measured against a second floor that does the same reads the simplest
 way (``--reads``: the files the rule needs, unconfined and unbounded, nothing decided), to show what the reads
 themselves cost beside what the hook does with them; the goal stays the first floor. (That floor reads on every
-call; in the steady state the hook reads no sysfs file and opens no DRA file, so it does less I/O than that
-floor, and only the PodResources ``Get`` remains on each call.) The marginal cost of a
+call; in the steady state the hook reads no sysfs file, opens no DRA file and asks the kubelet nothing, so it
+does less I/O than that floor.) The marginal cost of a
 GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us.
 
 The round trips above are the steady state: each server is called 100 times before it is timed. A hook server

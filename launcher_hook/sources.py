@@ -298,6 +298,12 @@ class PodResourcesSource:
 
     ``Get`` is tried first; where the kubelet has it disabled (``UNKNOWN`` "... Get method disabled", or
     ``UNIMPLEMENTED``) the source falls back to ``List`` and remembers to go there directly next time.
+
+    The first answer that gives the container devices is kept for the source's life (``keep_answer``, on by
+    default; docs/kubevirt-hostdevs.md, "Kept for the pod's life"): the kubelet allocates a container's devices
+    before it starts and changes them for no running pod, so KubeVirt's second and third ``OnDefineDomain`` of a
+    VM start ask the kubelet nothing. The caller's VMI is still checked against the kept pod on every call. An
+    answer without devices, or an error, is not kept: the next call asks again.
     """
 
     def __init__(
@@ -308,6 +314,7 @@ class PodResourcesSource:
         pod_namespace: str | None = None,
         timeout: float = POD_RESOURCES_TIMEOUT_SECONDS,
         identity: PodIdentity | None = None,
+        keep_answer: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.container = container
@@ -320,6 +327,8 @@ class PodResourcesSource:
         self._get_disabled = False
         self._own: tuple[str, str] | None = None  # (namespace, name), once found
         self._own_lock = threading.Lock()
+        self._keep_answer = keep_answer
+        self._kept: tuple[podresources.PodResources, Loaded] | None = None  # the pod, its container's allocation
         self._client = pod_resources.PodResourcesClient(socket_path, timeout)
 
     @property
@@ -362,6 +371,13 @@ class PodResourcesSource:
         return self._load(ref)
 
     def _load(self, ref: _VmiRef | None) -> Loaded:
+        with self._own_lock:
+            kept = self._kept
+        if kept is not None:
+            pod, loaded = kept
+            if ref is not None:
+                _check_caller_claim(ref, pod)
+            return loaded
         pod, method = self._own_pod()
         if ref is not None:
             _check_caller_claim(ref, pod)
@@ -373,11 +389,15 @@ class PodResourcesSource:
                 f"{self.container!r} (it has: {', '.join(sorted(containers)) or 'none'})"
             )
         env = env_from_devices((devices.resource_name, list(devices.device_ids)) for devices in chosen.devices)
-        return Loaded(
+        loaded = Loaded(
             env,
             f"PodResources {method} {self.socket_path} pod {pod.namespace}/{pod.name} container {self.container}",
             carries_companions=False,
         )
+        if env and self._keep_answer:
+            with self._own_lock:
+                self._kept = (pod, loaded)
+        return loaded
 
     def _own_pod(self) -> tuple[podresources.PodResources, str]:
         me = self.identity

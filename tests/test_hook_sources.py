@@ -82,7 +82,7 @@ def test_get_reads_the_named_pods_compute_container(directory: Path) -> None:
 def test_a_kubelet_without_get_falls_back_to_list_and_remembers(directory: Path, get: str) -> None:
     kubelet = FakeKubelet([POD], get=get)
     with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
-        source = PodResourcesSource(socket_path, pod_name=POD.name, pod_namespace="cxl")
+        source = PodResourcesSource(socket_path, pod_name=POD.name, pod_namespace="cxl", keep_answer=False)
         first, second = source.load(None), source.load(None)
         source.close()
     assert first.env == second.env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
@@ -129,7 +129,8 @@ def test_without_pod_name_the_hooks_own_launcher_pod_is_found_by_list(directory:
     pods = [launcher_pod(["0000:01:00.0"], vmi="vm-with-gpu-2"), POD, launcher_pod(["0000:02:00.0"], namespace="x")]
     kubelet = FakeKubelet(pods)
     with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
-        source = PodResourcesSource(socket_path, identity=PodIdentity(hostname="vm-with-gpu", namespace="cxl"))
+        identity = PodIdentity(hostname="vm-with-gpu", namespace="cxl")
+        source = PodResourcesSource(socket_path, identity=identity, keep_answer=False)
         loaded = source.load(vmi_json())
         assert source.load(b'{"spec": {}}').env == loaded.env  # no metadata to check: still only our own pod
         with pytest.raises(SourceUnavailable, match="is not the one this hook's pod cxl/virt-launcher-vm-with-gpu-"):
@@ -139,6 +140,42 @@ def test_without_pod_name_the_hooks_own_launcher_pod_is_found_by_list(directory:
         source.close()
     assert loaded.env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
     assert kubelet.calls == ["List", "Get", "Get"]  # found once by List, then asked for by name
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_the_first_answer_with_devices_is_kept_for_the_pods_life(directory: Path, named: bool) -> None:
+    kubelet = FakeKubelet([POD])
+    identity = (
+        PodIdentity(name=POD.name, namespace="cxl", namespace_from="POD_NAMESPACE")
+        if named
+        else PodIdentity(hostname="vm-with-gpu", namespace="cxl")
+    )
+    with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
+        source = PodResourcesSource(socket_path, identity=identity)
+        first = source.load(vmi_json())
+        kubelet.set_pods([launcher_pod(["0000:01:00.0"])])  # what no kubelet does to a running pod
+        second, third = source.load(vmi_json()), source.load(None)
+        with pytest.raises(SourceUnavailable, match="is not the one this hook's pod cxl/virt-launcher-vm-with-gpu-"):
+            source.load(vmi_json(name="vm-with-gpu-2"))  # the caller's VMI is still checked against the kept pod
+        source.close()
+    assert first.env == second.env == third.env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
+    assert second.source == first.source
+    assert kubelet.calls == (["Get"] if named else ["List"])
+
+
+def test_an_answer_without_devices_or_an_error_is_not_kept(directory: Path) -> None:
+    empty = Pod(POD.namespace, POD.name, [Container("compute")])
+    kubelet = FakeKubelet([empty])
+    with fake_kubelet(kubelet, directory / "kubelet.sock") as socket_path:
+        source = PodResourcesSource(socket_path, pod_name=POD.name, pod_namespace="cxl")
+        assert source.load(None).env == {}
+        kubelet.set_pods([])
+        with pytest.raises(SourceUnavailable, match="not found"):
+            source.load(None)
+        kubelet.set_pods([POD])
+        assert source.load(None).env == source.load(None).env == {RTX_VAR: "0000:86:00.0,0000:af:00.0"}
+        source.close()
+    assert kubelet.calls == ["Get", "Get", "List", "Get"]
 
 
 def test_the_launcher_pod_pattern_follows_generate_name() -> None:
