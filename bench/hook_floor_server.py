@@ -6,6 +6,10 @@ that only parses the domain with lxml and serialises it back: the least any hook
 ``--reads FILE`` (with ``floor``): before the parse, each call also does the reads a path of the hook must do
 (:class:`Reads`, a JSON file ``bench/hook_sidecar.py`` writes): the same files, read the simplest way Python can
 (no confinement, no bounds, nothing decided), and the kubelet's PodResources ``Get`` where the hook asks it.
+``--answer FILE`` (with ``floor``): each call parses the call's domain as the floor does, but serialises the
+document in FILE (parsed once at start: the hook's answer to the same call) instead of the call's: the least a
+hook giving that answer must do on this transport, whatever it decides (an answer with companions is several
+times the size of the call's domain).
 Runs until SIGTERM.
 """
 
@@ -66,8 +70,9 @@ class Reads:
 
 
 class FloorCallbacks:
-    def __init__(self, reads: Reads | None = None) -> None:
+    def __init__(self, reads: Reads | None = None, answer: bytes | None = None) -> None:
         self.reads = reads or Reads()
+        self._answer = etree.fromstring(answer, PARSER).getroottree() if answer is not None else None
         self._kubelet = None
         if self.reads.pod_resources:
             channel = grpc.insecure_channel(f"unix:{self.reads.pod_resources[0]}")
@@ -77,8 +82,10 @@ class FloorCallbacks:
         self, request: v1alpha3_pb2.OnDefineDomainParams, context: grpc.ServicerContext
     ) -> v1alpha3_pb2.OnDefineDomainResult:
         self.reads.do(self._kubelet)
-        root = etree.fromstring(request.domainXML, PARSER)
-        return v1alpha3_pb2.OnDefineDomainResult(domainXML=etree.tostring(root.getroottree(), encoding="UTF-8"))
+        tree = etree.fromstring(request.domainXML, PARSER).getroottree()
+        if self._answer is not None:
+            tree = self._answer
+        return v1alpha3_pb2.OnDefineDomainResult(domainXML=etree.tostring(tree, encoding="UTF-8"))
 
     def PreCloudInitIso(
         self, request: v1alpha3_pb2.PreCloudInitIsoParams, context: grpc.ServicerContext
@@ -111,11 +118,13 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--mode", choices=["floor", "idle"], default="floor")
     parser.add_argument("--reads", type=Path, help="a JSON file of Reads: the file work each call also does")
+    parser.add_argument("--answer", type=Path, help="a domain to serialise as each call's answer (parsed once)")
     options = parser.parse_args()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     if options.mode == "floor":
         reads = Reads(**json.loads(options.reads.read_text())) if options.reads else None
-        v1alpha3_pb2_grpc.add_CallbacksServicer_to_server(FloorCallbacks(reads), server)
+        answer = options.answer.read_bytes() if options.answer else None
+        v1alpha3_pb2_grpc.add_CallbacksServicer_to_server(FloorCallbacks(reads, answer), server)
     serve_until_sigterm(server, options.socket)
 
 

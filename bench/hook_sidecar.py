@@ -24,7 +24,10 @@ asks the kubelet (PodResources) is also measured against a second floor that doe
 way (``--reads``: the files the rule needs, unconfined and unbounded, nothing decided), to show what the reads
 themselves cost beside what the hook does with them; the goal stays the first floor. (That floor reads on every
 call; in the steady state the hook reads no sysfs file, opens no DRA file and asks the kubelet nothing, so it
-does less I/O than that floor.) The marginal cost of a
+does less I/O than that floor.) Every case is also measured against a floor that parses the call's domain and
+serialises the hook's own answer to it (``--answer``): what any hook giving that answer pays on this transport
+(the companion paths answer several times the call's bytes), printed as its ratio to the goal's floor and the
+hook's ratio to it, to tell the answer's size from the hook's own work. The marginal cost of a
 GPU, ((hook - floor) at 32 - (hook - floor) at 16) / 16, at most 15 us.
 
 The round trips above are the steady state: each server is called 100 times before it is timed. A hook server
@@ -277,6 +280,8 @@ class Figure:
     """The round trip of the hook of ``--compare``'s tree, measured interleaved with the others."""
     reads_floor_s: float | None = None
     """The round trip of the floor that also does the path's reads (:class:`Case` ``reads``)."""
+    answer_floor_s: float | None = None
+    """The round trip of the floor that parses the call's domain and serialises the hook's answer."""
     cold_hook_s: float | None = None
     """The median first call of a fresh hook server (``--cold``; the paths that read the host)."""
     cold_floor_s: float | None = None
@@ -411,11 +416,17 @@ def run_case(
         assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
         again_params = v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi)
         assert stub.OnDefineDomain(again_params, timeout=60).domainXML == produced, f"{label}: not idempotent"
+        answer_file = directory / f"answer-{current.path}-{current.size}.xml"
+        answer_file.write_bytes(produced)
+        answer_socket = directory / f"answerfloor-{current.path}-{current.size}.sock"
+        command = [*floor_command(answer_socket, "floor"), "--answer", str(answer_file)]
+        stack.enter_context(server(command, answer_socket, base_env))
+        answer_floor = _stub(stack, answer_socket)
         extra = [call for call in (other, reads_floor) if call is not None]
-        hook_s, floor_s, *more = measure([hook, floor, *extra], params, rounds)
+        hook_s, floor_s, answer_s, *more = measure([hook, floor, answer_floor, *extra], params, rounds)
         other_s = more.pop(0) if other is not None else None
         reads_s = more.pop(0) if reads_floor is not None else None
-        figure = Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s)
+        figure = Figure(current, hook_s, floor_s, len(produced), rss_kib(pid), other_s, reads_s, answer_s)
         if cold and current.reads is not None:
             found = cold_calls(current, directory, env, base_env, cold, compare)
             figure.cold_hook_s, figure.cold_floor_s, figure.second_hook_s, figure.second_floor_s = found[:4]
@@ -491,6 +502,12 @@ def describe(figure: Figure) -> str:
         if figure.reads_floor_s
         else ""
     )
+    if figure.answer_floor_s:
+        over_floor, hook_over = figure.answer_floor_s / figure.floor_s, figure.hook_s / figure.answer_floor_s
+        reads += (
+            f"; floor giving the hook's answer {figure.answer_floor_s * 1e6:7.1f} us "
+            f"({over_floor:.2f}x the floor; hook {hook_over:.2f}x it)"
+        )
     cold = ""
     if figure.cold_hook_s is not None and figure.cold_floor_s is not None:
         cold = (
@@ -543,6 +560,12 @@ def report(figures: list[Figure], idle_rss: int, rounds: int, loads: list[float]
         cold_within = [ratio for ratio in cold.values() if ratio is not None and ratio <= LATENCY_GOAL]
         print(f"first call of a fresh server: {len(cold_within)} of {len(cold)} within {LATENCY_GOAL}x a fresh floor's")
     print(json.dumps({f"{f.case.path} x{f.case.size}": round(f.ratio, 3) for f in figures}))
+    answering = {
+        f"answer floor {f.case.path} x{f.case.size}": round(f.answer_floor_s / f.floor_s, 3)
+        for f in figures
+        if f.answer_floor_s
+    }
+    print(json.dumps(answering))
     if cold:
         print(json.dumps({name: round(ratio, 3) for name, ratio in cold.items() if ratio is not None}))
         second = {
