@@ -179,6 +179,8 @@ def count(
         under_callgrind(command, socket_path, env, cwd) as counted,
         grpc.insecure_channel(f"unix:{socket_path}") as channel,
     ):
+        # The socket's file appears at bind(), and under valgrind listen() can come a while later.
+        grpc.channel_ready_future(channel).result(timeout=START_SECONDS)
         call = v1alpha3_pb2_grpc.CallbacksStub(channel).OnDefineDomain
         for index in range(WARM_UP):
             produced = call(params, timeout=CALL_SECONDS).domainXML
