@@ -269,6 +269,27 @@ def case(path: str, size: int, directory: Path) -> Case:
 # ---- the run -------------------------------------------------------------------------------------------
 
 
+def server_env() -> dict[str, str]:
+    """This process's environment without what would change a server's allocation or options (a case's own
+    :attr:`Case.env` goes on top), with this checkout importable."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PCI_RESOURCE", "MDEV_PCI_RESOURCE", "PCI_COMPANIONS", "LAUNCHER_HOOK_", "POD_"))
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def check_answer(current: Case, produced: bytes) -> None:
+    """Fail unless ``produced``, the hook's answer for ``current``, is what the path must give: its hostdevs, no
+    ``type=`` left on a source address, :attr:`Case.must_hold`."""
+    label = f"{current.path} x{current.size}"
+    assert produced.count(b"<hostdev ") == current.hostdevs, f"{label}: {produced.count(b'<hostdev ')} hostdevs"
+    assert not re.search(rb"<source>\s*<address type=", produced), f"{label}: type= left on a source address"
+    assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
+
+
 @dataclass
 class Figure:
     case: Case
@@ -410,10 +431,8 @@ def run_case(
 
         params = v1alpha3_pb2.OnDefineDomainParams(domainXML=current.domain, vmi=current.vmi)
         produced: bytes = stub.OnDefineDomain(params, timeout=60).domainXML
+        check_answer(current, produced)
         label = f"{current.path} x{current.size}"
-        assert produced.count(b"<hostdev ") == current.hostdevs, f"{label}: {produced.count(b'<hostdev ')} hostdevs"
-        assert not re.search(rb"<source>\s*<address type=", produced), f"{label}: type= left on a source address"
-        assert current.must_hold in produced, f"{label}: no {current.must_hold!r} in the output"
         again_params = v1alpha3_pb2.OnDefineDomainParams(domainXML=produced, vmi=current.vmi)
         assert stub.OnDefineDomain(again_params, timeout=60).domainXML == produced, f"{label}: not idempotent"
         answer_file = directory / f"answer-{current.path}-{current.size}.xml"
@@ -456,12 +475,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown paths: {', '.join(unknown)}")
     directory = Path(tempfile.mkdtemp(prefix="hkbench", dir="/tmp"))
-    base_env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("PCI_RESOURCE", "MDEV_PCI_RESOURCE", "PCI_COMPANIONS", "LAUNCHER_HOOK_", "POD_"))
-    }
-    base_env["PYTHONPATH"] = str(ROOT)
+    base_env = server_env()
     figures: list[Figure] = []
     loads = [os.getloadavg()[0]]
     try:
