@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs and starts what the libvirt checks need: Debian's libvirt, QEMU and pci.ids, and libvirtd with
-# the QEMU driver. As root it installs what is missing; otherwise it says what is missing. Under CI=true
-# anything missing fails (exit 1) instead of letting the libvirt tests skip.
+# the QEMU driver (and valgrind, which tests/test_bench_hook_instructions.py runs the hook under). As root it
+# installs what is missing; otherwise it says what is missing. Under CI=true anything missing fails (exit 1)
+# instead of letting the libvirt tests skip.
 #
 # Idempotent: on a machine where everything is in place it only checks (a few virsh calls, each with a
 # timeout) and exits 0. Every step that waits has a bound and says what it waited for.
@@ -15,7 +16,7 @@
 #               answer within 60 s, or this fails naming the likely cause.
 # tests/test_ensure_system.py runs it against stand-ins for virsh, ps, pgrep, pkill and libvirtd.
 set -uo pipefail
-packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 qemu-utils ovmf pci.ids gcc python3-venv python3-dev)
+packages=(libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients libvirt-dev pkg-config qemu-system-x86 qemu-utils ovmf pci.ids gcc python3-venv python3-dev valgrind)
 ci=0
 [ "${CI:-}" = true ] && ci=1
 is_root=0

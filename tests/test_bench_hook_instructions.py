@@ -2,8 +2,8 @@
 
 The figures are the benchmark's job (``python -m bench.hook_instructions``); here only that it takes the
 paths and sizes of ``bench/hook_sidecar.py``, reads callgrind's dumps right, subtracts the floor before the
-marginal cost of a GPU, and, where valgrind is installed (scripts/ensure-system.sh does not install it, so it is
-skipped without it, under CI too), runs one case end to end.
+marginal cost of a GPU, and runs one case end to end under valgrind (scripts/ensure-system.sh installs it; without
+it the case skips, and fails under CI=true).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from bench.hook_instructions import (
     report,
 )
 from bench.hook_sidecar import PATHS, SIZES
+from tests.libvirt_support import missing
 
 
 def test_every_path_and_size_by_default() -> None:
@@ -90,10 +91,9 @@ def test_marginal_per_gpu_subtracts_the_floor_at_both_sizes() -> None:
     assert lines[-1] == '{"add x16": 1.25, "add x32": 1.385, "merge x16": 1.333, "dra x1": 2.0}'
 
 
-@pytest.mark.skipif(
-    shutil.which("valgrind") is None or shutil.which("callgrind_control") is None, reason="valgrind is not installed"
-)
 def test_one_case_under_callgrind(capsys: pytest.CaptureFixture[str]) -> None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        missing("valgrind is not installed (scripts/ensure-system.sh installs it)", "valgrind missing")
     assert main(["--paths", "add", "--sizes", "1", "--calls", "2"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("add               x1 "))
