@@ -75,21 +75,17 @@ class BarSource(Protocol):
     def describe(self) -> str: ...
 
 
-def _align(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
-
-
-def _power_of_two_at_least(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
-
 def port_window(device: DeviceBars) -> tuple[int, int]:
     """(size, alignment) of the 64-bit window a root port needs for ``device``'s 64-bit BARs: BARs packed largest
-    first, each naturally aligned (so none leaves a gap), rounded to the bridge granularity. (0, 0): none."""
-    sizes = sorted((_power_of_two_at_least(bar.size) for bar in device.bars_64bit), reverse=True)
-    if not sizes:
+    first, each naturally aligned (so none leaves a gap), rounded to the bridge granularity. (0, 0): none.
+
+    Each BAR takes the power of two at least its size; packed largest first they leave no gap, so the span is
+    their sum, and the window's alignment is the largest (the arithmetic inline: it runs per device per call)."""
+    bars = device.bars_64bit
+    if not bars:
         return 0, 0
-    return _align(sum(sizes), BRIDGE_GRANULARITY), max(sizes[0], BRIDGE_GRANULARITY)
+    sizes = [1 << max(bar.size - 1, 0).bit_length() for bar in bars]
+    return -(-sum(sizes) // BRIDGE_GRANULARITY) * BRIDGE_GRANULARITY, max(*sizes, BRIDGE_GRANULARITY)
 
 
 def needed_bytes(devices: Sequence[DeviceBars]) -> int:
@@ -102,8 +98,14 @@ def needed_bytes(devices: Sequence[DeviceBars]) -> int:
     if not ports:
         return 0
     least = min(alignment for _, alignment in ports)
-    spare = min(_align(size, alignment) - size for size, alignment in ports if alignment == least)
-    return sum(_align(size, alignment) for size, alignment in ports) - spare
+    total = 0
+    spare = -1
+    for size, alignment in ports:
+        taken = -(-size // alignment) * alignment
+        total += taken
+        if alignment == least and (spare < 0 or taken - size < spare):
+            spare = taken - size
+    return total - spare
 
 
 def window_for(needed: int, own_ports: int = 0) -> int:
