@@ -185,7 +185,7 @@ def with_read_companions(
             tables.setdefault(variable, {})[gpu] = functions
     if not tables:
         return allocation
-    kept = allocation.derived.get(_WITH_READ)
+    kept: tuple[object, EnvAllocation] | None = allocation.derived.get(_WITH_READ)
     if kept is not None and kept[0] == tables:
         return kept[1]  # (what the last call read: the same allocation, with what was derived of it)
     merged = dict(allocation.companions)
@@ -390,7 +390,7 @@ class _Placer:
         self._hostdev: etree._Element | None = None
         """The hostdev whose edits below are not given to the writer yet."""
         self._before: list[tuple[str, str]] = []
-        self._after: list[tuple[tuple[str, ...], str]] = []
+        self._after: list[tuple[Sequence[str], str]] = []
         self._inside: tuple[Callable[[bytes], int | None], str] | None = None
         self._fix_inside: Callable[[], None] | None = None
 
@@ -474,7 +474,7 @@ class _Placer:
             return
         if self._hostdev is not hostdev:
             self._editing(hostdev)
-        self._after.append((tuple(texts), indent))
+        self._after.append((texts, indent))
 
     def flush(self) -> None:
         """Give the writer the edits gathered for the hostdev being edited, in one call."""
@@ -502,7 +502,7 @@ def _address_before(alias: etree._Element, address_text: str, whitespace: str) -
 
 
 def _around(
-    hostdev: etree._Element, before: Sequence[tuple[str, str]], after: Sequence[tuple[tuple[str, ...], str]]
+    hostdev: etree._Element, before: Sequence[tuple[str, str]], after: Sequence[tuple[Sequence[str], str]]
 ) -> None:
     """The tree's side of :meth:`_Placer.add_before` and :meth:`_Placer.add_after` (each text, then the
     indentation after each of its elements)."""
@@ -711,7 +711,7 @@ def _aliases(parsed: ParsedDomain, handles: Sequence[Handle | None]) -> set[str]
     aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
     for handle in handles:  # (a plain loop: one per GPU)
         if type(handle) is NewHostdev:
-            aliases.add(handle.spec.alias)  # type: ignore[union-attr]
+            aliases.add(handle.spec.alias)
     return aliases
 
 
