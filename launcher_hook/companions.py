@@ -324,11 +324,22 @@ class _Domain:
             self.bus_kind = None
         self.used: dict[tuple[int, int, int, int], Handle] = {}
         used = self.used
+        self.guests: dict[etree._Element, etree._Element] = {}
+        """Each hostdev's first ``<address>`` child (its guest address, of any type), found by the same walk;
+        a hostdev with none is not in it. (No pass before this one adds an address to the tree.)"""
+        guests = self.guests
         # (no "<address" in the bytes: no address element, and the walk would visit every device for nothing)
         for element in devices if b"<address" in parsed.source else ():
             for address in element.iter("address"):  # (every guest PCI address of a device: not a <source>'s)
                 owner = address.getparent()
-                if owner is None or owner.tag == "source" or address.get("type") != "pci":
+                if owner is None:
+                    continue
+                tag = owner.tag
+                if tag == "source":
+                    continue
+                if tag == "hostdev" and owner not in guests:
+                    guests[owner] = address  # (in document order: the first child named address)
+                if address.get("type") != "pci":
                     continue
                 numbers = _guest_numbers(address)
                 if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
@@ -435,13 +446,18 @@ class _Placer:
             hostdev.address = address_text
             self.writer.new_decorated = True
             return
-        alias = next(hostdev.iterchildren("alias"), None)  # (hostdev.find("alias"), without ElementPath)
+        # hostdev.find("alias") and its getprevious(), in one loop over the children (cheaper in lxml)
+        alias = previous = None
+        for child in hostdev:
+            if child.tag == "alias":
+                alias = child
+                break
+            previous = child
         if alias is None:
             self.writer.no_fast()
             self.writer.tree_changed()
             append_child(hostdev, etree.fromstring(address_text), *child_slots(hostdev, self.writer.unit))
             return
-        previous = alias.getprevious()
         whitespace = previous.tail if previous is not None else hostdev.text
         whitespace = whitespace if whitespace and not whitespace.strip() else ""
         if self._hostdev is not hostdev:
@@ -523,10 +539,17 @@ def _around(
 
 def _only_alias(segment: bytes) -> int | None:
     """Where the one ``<alias`` of a hostdev's bytes starts (None: not exactly one)."""
-    first = _ALIAS_START.search(segment)
-    if first is None or _ALIAS_START.search(segment, first.end()) is not None:
+    if segment.count(b"<alias") == 1:  # (the usual case, without the regular expression)
+        first = segment.find(b"<alias")
+        return first if segment[first + 6 : first + 7] in _AFTER_ALIAS else None
+    found = _ALIAS_START.search(segment)
+    if found is None or _ALIAS_START.search(segment, found.end()) is not None:
         return None
-    return first.start()
+    return found.start()
+
+
+_AFTER_ALIAS = frozenset((b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b"/", b">"))
+"""The bytes :data:`_ALIAS_START` allows after ``<alias``."""
 
 
 def _guest_address_end(segment: bytes) -> int | None:
@@ -595,22 +618,19 @@ def companions_pass(
     if domain.devices != 1:
         edits.writer.no_fast()
     aliases = _aliases(parsed, handles)
-    # A companion is never a source of ``specs`` (wanted_companions leaves those out): when every hostdev of
-    # the domain is one of ``handles``, none passes a companion, and no companion's source needs looking up.
-    kinds = list(map(type, handles))
-    elements = len(kinds) - kinds.count(NewHostdev) - kinds.count(_NONE_TYPE)
-    passes = by_source if len(by_source) > elements else None
+    passes = _passing(handles, by_source)
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     text_of, new_placement = device_text, tuple.__new__
     new_root_ports = domain.bus_kind == "pcie" and not domain.unindexed
+    guests = domain.guests  # (next(hostdev.iterchildren("address"), None) of each, without an lxml walk per GPU)
     for index, spec, functions in wanted:
         hostdev = handles[index]
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
         new = type(hostdev) is NewHostdev
-        guest = None if new else next(hostdev.iterchildren("address"), None)  # type: ignore[union-attr]
+        guest = None if new else guests.get(hostdev)  # type: ignore[arg-type]
         if guest is None:
             # Could any companion join a GPU's slot at all: not function 0, not placed by this run already, not
             # passed by a hostdev of the domain? (A plain loop: one per GPU.)
@@ -652,6 +672,18 @@ def companions_pass(
     return Placed(added, placements, warnings)
 
 
+def _passing(
+    handles: Sequence[Handle | None], by_source: Mapping[SourceKey, list[etree._Element]]
+) -> Mapping[SourceKey, list[etree._Element]] | None:
+    """``by_source`` where a hostdev of the domain may pass a companion, else None.
+
+    A companion is never a source of the specs (wanted_companions leaves those out): when every hostdev of the
+    domain is one of ``handles``, none passes a companion, and no companion's source needs looking up."""
+    kinds = list(map(type, handles))
+    elements = len(kinds) - kinds.count(NewHostdev) - kinds.count(_NONE_TYPE)
+    return by_source if len(by_source) > elements else None
+
+
 def _join(
     index: int,
     spec: HostdevSpec,
@@ -672,7 +704,8 @@ def _join(
     placed: list[int] = []
     joining: list[PciAddress] = []
     guest_domain, bus, number = slot
-    alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
+    # COMPANION_ALIAS % (index, function) is this and the function's digit (needed only if aliases could collide)
+    alias_prefix = _ALIAS_PREFIX % index if aliases else ""
     label = spec.label
     for companion in functions:
         function = companion.function
@@ -689,8 +722,7 @@ def _join(
             else:
                 warnings.append(f"{label}: companion {companion} is not placed: {problem}")
             continue
-        alias = alias_prefix + _DIGITS[function]
-        if alias in aliases:
+        if aliases and (alias := alias_prefix + _DIGITS[function]) in aliases:
             raise InputError(
                 f"alias {alias!r} is already used in the domain; it would collide with the companion "
                 f"{companion} of {label}"
