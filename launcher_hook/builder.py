@@ -171,7 +171,7 @@ def build_domain(
             hostdevs, allocation, options.companion_reader, warnings, dra_only=options.allocation_carries_companions
         )
     if companions and allocation.companions:
-        placed = companions_pass(writer, hostdevs, allocation, merged.handles, merged.by_source)
+        placed = companions_pass(writer, hostdevs, allocation, merged.placed, merged.by_source)
         hostdevs, placements = hostdevs + placed.hostdevs, placed.placements
         warnings += placed.warnings
     mmio = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
@@ -185,9 +185,20 @@ def with_read_companions(
             tables.setdefault(variable, {})[gpu] = functions
     if not tables:
         return allocation
+    kept: tuple[object, EnvAllocation] | None = allocation.derived.get(_WITH_READ)
+    if kept is not None and kept[0] == tables:
+        return kept[1]  # (what the last call read: the same allocation, with what was derived of it)
     merged = dict(allocation.companions)
     merged.update((name, MappingProxyType(table)) for name, table in tables.items())
-    return replace(allocation, companions=MappingProxyType(merged))
+    result = replace(allocation, companions=MappingProxyType(merged))
+    allocation.derived[_WITH_READ] = (tables, result)
+    return result
+
+
+_WITH_READ = object()
+"""Where in ``allocation.derived`` the last :func:`with_read_companions` result is kept, with the companions
+read for it: a call that reads the same gets the same allocation (and what was derived of it, such as
+:func:`wanted_companions`)."""
 
 
 def _read_one(
@@ -272,6 +283,7 @@ def _guest_numbers(address: etree._Element) -> tuple[int, int, int, int] | None:
 
 
 _ALIAS_NAMES = etree.XPath("//alias/@name", smart_strings=False)
+_NONE_TYPE = type(None)
 
 
 class _Domain:
@@ -312,11 +324,22 @@ class _Domain:
             self.bus_kind = None
         self.used: dict[tuple[int, int, int, int], Handle] = {}
         used = self.used
+        self.guests: dict[etree._Element, etree._Element] = {}
+        """Each hostdev's first ``<address>`` child (its guest address, of any type), found by the same walk;
+        a hostdev with none is not in it. (No pass before this one adds an address to the tree.)"""
+        guests = self.guests
         # (no "<address" in the bytes: no address element, and the walk would visit every device for nothing)
         for element in devices if b"<address" in parsed.source else ():
             for address in element.iter("address"):  # (every guest PCI address of a device: not a <source>'s)
                 owner = address.getparent()
-                if owner is None or owner.tag == "source" or address.get("type") != "pci":
+                if owner is None:
+                    continue
+                tag = owner.tag
+                if tag == "source":
+                    continue
+                if tag == "hostdev" and owner not in guests:
+                    guests[owner] = address  # (in document order: the first child named address)
+                if address.get("type") != "pci":
                     continue
                 numbers = _guest_numbers(address)
                 if numbers is not None and numbers[:3] != (0, 0, 0):  # domain, bus, slot 0: "assign one" to libvirt
@@ -359,33 +382,63 @@ def _guest_address(slot: tuple[int, int, int], function: int, multifunction: boo
 
 class _Placer:
     """The pass's edits of one GPU's hostdev (an element of the domain, or one the merge adds), made on the tree
-    and given to the writer."""
+    and given to the writer.
+
+    The edits of a domain's hostdev (a root port before it, its guest address or ``multifunction``, its
+    companions after it) are gathered while the GPU is placed and given to the writer in one call
+    (:meth:`flush`), which finds the hostdev's bytes once; those of a hostdev the merge adds go into it.
+    """
 
     def __init__(self, writer: DomainWriter) -> None:
         self.writer = writer
         self.parsed = writer.parsed
-        self._looks: dict[int, tuple[etree._Element, Look]] = {}
+        self._looks: dict[str, Look] = {}
+        """By indentation, the looks of the domain's hostdevs where the empty-element style is the same at every
+        offset (the bytes have no ``/>``, or the tree is serialised): worked out once for all of them."""
+        self._styled = self.parsed.has_self_closing
+        """Whether the empty-element style may differ from one offset of the bytes to another."""
         self._new: Look | None = None
+        self._hostdev: etree._Element | None = None
+        """The hostdev whose edits below are not given to the writer yet."""
+        self._before: list[tuple[str, str]] = []
+        self._after: list[tuple[Sequence[str], str]] = []
+        self._inside: tuple[Callable[[bytes], int | None], str] | None = None
+        self._fix_inside: Callable[[], None] | None = None
 
     def look(self, hostdev: Handle) -> Look:
         """How what goes in and next to ``hostdev`` is laid out (like it: its indentation, the empty-element
-        style of the bytes before it), with that layout's renderer; worked out once per hostdev, and once for
-        all the hostdevs the merge adds (they share one layout)."""
+        style of the bytes before it), with that layout's renderer; one for all the hostdevs the merge adds
+        (they share one layout)."""
         if isinstance(hostdev, NewHostdev):
             if self._new is None:
                 layout = self.writer.new_layout
                 self._new = (layout, renderer_for(layout))
             return self._new
-        found = self._looks.get(id(hostdev))
-        if found is None or found[0] is not hostdev:
-            span = self.writer.hostdev_span(hostdev) if self.writer.fast else None
-            # indent_of(hostdev) or "", without its two calls (one per GPU)
-            previous, parent = hostdev.getprevious(), hostdev.getparent()
-            before = previous.tail if previous is not None else (parent.text if parent is not None else None)
-            indent = before if before and "\n" in before and not before.strip() else ""
-            layout = self.writer.layout_at(indent, span[0] if span is not None else None)
-            found = self._looks[id(hostdev)] = (hostdev, (layout, renderer_for(layout)))
-        return found[1]
+        # indent_of(hostdev) or "", without its two calls (one per GPU)
+        previous = hostdev.getprevious()
+        if previous is not None:
+            before = previous.tail
+        else:
+            parent = hostdev.getparent()
+            before = parent.text if parent is not None else None
+        indent = before if before and "\n" in before and not before.strip() else ""
+        writer = self.writer
+        if writer.fast and self._styled:  # the style of the bytes just before the hostdev
+            span = writer.hostdev_span(hostdev)
+            layout = writer.layout_at(indent, span[0] if span is not None else None)
+            return (layout, renderer_for(layout))
+        found = self._looks.get(indent)
+        if found is None:
+            layout = writer.layout_at(indent, None)  # (what any offset gives)
+            found = self._looks[indent] = (layout, renderer_for(layout))
+        return found
+
+    def _editing(self, hostdev: etree._Element) -> None:
+        """The edits that follow are ``hostdev``'s (those of another hostdev before are given to the writer)."""
+        if self._hostdev is not hostdev:
+            if self._hostdev is not None:
+                self.flush()
+            self._hostdev = hostdev
 
     def add_guest_address(self, hostdev: Handle, address_text: str) -> None:
         """Give ``hostdev`` its guest address, before its alias (or last)."""
@@ -393,41 +446,40 @@ class _Placer:
             hostdev.address = address_text
             self.writer.new_decorated = True
             return
-        alias = hostdev.find("alias")
+        # hostdev.find("alias") and its getprevious(), in one loop over the children (cheaper in lxml)
+        alias = previous = None
+        for child in hostdev:
+            if child.tag == "alias":
+                alias = child
+                break
+            previous = child
         if alias is None:
             self.writer.no_fast()
             self.writer.tree_changed()
             append_child(hostdev, etree.fromstring(address_text), *child_slots(hostdev, self.writer.unit))
             return
-        previous = alias.getprevious()
         whitespace = previous.tail if previous is not None else hostdev.text
         whitespace = whitespace if whitespace and not whitespace.strip() else ""
-
-        def tree_fix() -> None:
-            element = etree.fromstring(address_text)
-            element.tail = whitespace or None
-            alias.addprevious(element)
-
-        self.writer.insert_in(hostdev, _only_alias, address_text + whitespace, tree_fix)
+        if self._hostdev is not hostdev:
+            self._editing(hostdev)
+        self._inside = (_only_alias, address_text + whitespace)
+        self._fix_inside = functools.partial(_address_before, alias, address_text, whitespace)
 
     def add_multifunction(self, hostdev: Handle, address: etree._Element) -> None:
         assert not isinstance(hostdev, NewHostdev)  # (a hostdev the merge adds has no guest address)
-        self.writer.insert_in(
-            hostdev, _guest_address_end, ' multifunction="on"', functools.partial(address.set, "multifunction", "on")
-        )
+        if self._hostdev is not hostdev:
+            self._editing(hostdev)
+        self._inside = (_guest_address_end, ' multifunction="on"')
+        self._fix_inside = functools.partial(address.set, "multifunction", "on")
 
     def add_before(self, hostdev: Handle, text: str, indent: str) -> None:
         if isinstance(hostdev, NewHostdev):
             hostdev.add_before(text)
             self.writer.new_decorated = True
             return
-
-        def tree_fix() -> None:
-            element = etree.fromstring(text)
-            element.tail = indent or None
-            hostdev.addprevious(element)
-
-        self.writer.insert_next_to(hostdev, text + indent, tree_fix, after=False)
+        if self._hostdev is not hostdev:
+            self._editing(hostdev)
+        self._before.append((text, indent))
 
     def add_after(self, hostdev: Handle, texts: Sequence[str], indent: str) -> None:
         if not texts:
@@ -436,26 +488,68 @@ class _Placer:
             hostdev.add_after(texts)
             self.writer.new_decorated = True
             return
+        if self._hostdev is not hostdev:
+            self._editing(hostdev)
+        self._after.append((texts, indent))
 
-        def tree_fix() -> None:
-            tail = hostdev.tail
-            anchor = hostdev
-            for text in texts:
-                element = etree.fromstring(text)
-                anchor.tail = indent or None
-                anchor.addnext(element)
-                anchor = element
-            anchor.tail = tail
+    def flush(self) -> None:
+        """Give the writer the edits gathered for the hostdev being edited, in one call."""
+        hostdev = self._hostdev
+        if hostdev is None:
+            return
+        before, after = self._before, self._after
+        self._hostdev, self._before, self._after = None, [], []
+        inside, fix_inside = self._inside, self._fix_inside
+        self._inside = self._fix_inside = None
+        fix_around = functools.partial(_around, hostdev, before, after) if before or after else None
+        before_text = after_text = ""
+        for text, indent in before:  # (one at most, in the pass's use: a root port)
+            before_text += text + indent
+        for texts, indent in after:  # (one at most: the companions)
+            after_text += indent + indent.join(texts)
+        self.writer.insert_around(hostdev, before_text, after_text, inside, fix_around, fix_inside)
 
-        self.writer.insert_next_to(hostdev, indent + indent.join(texts), tree_fix, after=True)  # (texts: not empty)
+
+def _address_before(alias: etree._Element, address_text: str, whitespace: str) -> None:
+    """The tree's side of :meth:`_Placer.add_guest_address`: the address before the hostdev's alias."""
+    element = etree.fromstring(address_text)
+    element.tail = whitespace or None
+    alias.addprevious(element)
+
+
+def _around(
+    hostdev: etree._Element, before: Sequence[tuple[str, str]], after: Sequence[tuple[Sequence[str], str]]
+) -> None:
+    """The tree's side of :meth:`_Placer.add_before` and :meth:`_Placer.add_after` (each text, then the
+    indentation after each of its elements)."""
+    for text, indent in before:
+        element = etree.fromstring(text)
+        element.tail = indent or None
+        hostdev.addprevious(element)
+    for texts, indent in after:
+        tail = hostdev.tail
+        anchor = hostdev
+        for text in texts:
+            element = etree.fromstring(text)
+            anchor.tail = indent or None
+            anchor.addnext(element)
+            anchor = element
+        anchor.tail = tail
 
 
 def _only_alias(segment: bytes) -> int | None:
     """Where the one ``<alias`` of a hostdev's bytes starts (None: not exactly one)."""
-    first = _ALIAS_START.search(segment)
-    if first is None or _ALIAS_START.search(segment, first.end()) is not None:
+    if segment.count(b"<alias") == 1:  # (the usual case, without the regular expression)
+        first = segment.find(b"<alias")
+        return first if segment[first + 6 : first + 7] in _AFTER_ALIAS else None
+    found = _ALIAS_START.search(segment)
+    if found is None or _ALIAS_START.search(segment, found.end()) is not None:
         return None
-    return first.start()
+    return found.start()
+
+
+_AFTER_ALIAS = frozenset((b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b"/", b">"))
+"""The bytes :data:`_ALIAS_START` allows after ``<alias``."""
 
 
 def _guest_address_end(segment: bytes) -> int | None:
@@ -497,7 +591,10 @@ def place_companions(
     parsed = parse_domain(domain_xml, max_bytes)
     writer = DomainWriter(parsed, allow_fast=allow_fast)
     by_source = hostdevs_from_tree(parsed).by_source
-    handles: dict[SourceKey, Handle] = {key: found[0] for key, found in by_source.items()}
+    text = device_text
+    handles: list[Handle | None] = [
+        found[0] if (found := by_source.get(("pci", text(spec.source)))) else None for spec in specs
+    ]
     placed = companions_pass(writer, specs, allocation, handles, by_source)
     return Companioned(writer.result(), placed.hostdevs, placed.placements, placed.warnings)
 
@@ -506,11 +603,11 @@ def companions_pass(
     writer: DomainWriter,
     specs: Sequence[HostdevSpec],
     allocation: EnvAllocation,
-    handles: Mapping[SourceKey, Handle],
+    handles: Sequence[Handle | None],
     by_source: Mapping[SourceKey, list[etree._Element]],
 ) -> Placed:
     """Every GPU's companions in its guest slot: ``handles`` says where each of ``specs`` is (the merge's
-    result), ``by_source`` the domain's hostdevs."""
+    result, in the same order; None: nowhere), ``by_source`` the domain's hostdevs."""
     warnings: list[str] = []
     wanted = wanted_companions(specs, allocation, warnings)
     if not wanted:
@@ -521,24 +618,25 @@ def companions_pass(
     if domain.devices != 1:
         edits.writer.no_fast()
     aliases = _aliases(parsed, handles)
+    passes = _passing(handles, by_source)
     added: list[HostdevSpec] = []
     placements: list[Placement] = []
     joined: dict[PciAddress, str] = {}  # companions placed in this run → the GPU whose slot each joined
     text_of, new_placement = device_text, tuple.__new__
     new_root_ports = domain.bus_kind == "pcie" and not domain.unindexed
+    guests = domain.guests  # (next(hostdev.iterchildren("address"), None) of each, without an lxml walk per GPU)
     for index, spec, functions in wanted:
-        source_text = text_of(spec.source)
-        hostdev = handles.get(("pci", source_text))
+        hostdev = handles[index]
         if hostdev is None:
             continue  # (the merge wrote one for every spec)
-        new = isinstance(hostdev, NewHostdev)
-        guest = None if new else next(hostdev.iterchildren("address"), None)  # type: ignore[union-attr]
+        new = type(hostdev) is NewHostdev
+        guest = None if new else guests.get(hostdev)  # type: ignore[arg-type]
         if guest is None:
             # Could any companion join a GPU's slot at all: not function 0, not placed by this run already, not
             # passed by a hostdev of the domain? (A plain loop: one per GPU.)
             for companion in functions:
                 free = companion.function and companion not in joined
-                if free and (not by_source or ("pci", text_of(companion)) not in by_source):
+                if free and (passes is None or ("pci", text_of(companion)) not in passes):
                     break
             else:
                 # none could join: leave the GPU as it is rather than give it a slot of its own for nothing
@@ -561,13 +659,29 @@ def companions_pass(
             if where is None:
                 continue
             slot, root_port = where
-        placed, joining = _join(index, spec, functions, hostdev, slot, domain, by_source, joined, aliases, warnings)
+        held, joining = _join(
+            index, spec, functions, hostdev, slot, domain, passes, by_source, joined, aliases, warnings
+        )
         if joining:
-            added += _add_companions(edits, hostdev, look, slot, index, spec, tuple(joining))
+            added += _add_companions(edits, hostdev, look, slot, index, spec, joining)
+        edits.flush()
         # Placement(...) without its keyword handling (one per GPU)
-        where_placed = (spec.alias, source_text, slot, tuple(sorted(placed)), root_port)
+        where_placed = (spec.alias, text_of(spec.source), slot, held, root_port)
         placements.append(new_placement(Placement, where_placed))
+    edits.flush()
     return Placed(added, placements, warnings)
+
+
+def _passing(
+    handles: Sequence[Handle | None], by_source: Mapping[SourceKey, list[etree._Element]]
+) -> Mapping[SourceKey, list[etree._Element]] | None:
+    """``by_source`` where a hostdev of the domain may pass a companion, else None.
+
+    A companion is never a source of the specs (wanted_companions leaves those out): when every hostdev of the
+    domain is one of ``handles``, none passes a companion, and no companion's source needs looking up."""
+    kinds = list(map(type, handles))
+    elements = len(kinds) - kinds.count(NewHostdev) - kinds.count(_NONE_TYPE)
+    return by_source if len(by_source) > elements else None
 
 
 def _join(
@@ -577,51 +691,58 @@ def _join(
     hostdev: Handle,
     slot: tuple[int, int, int],
     domain: _Domain,
+    passes: Mapping[tuple[str, str], list[etree._Element]] | None,
     by_source: Mapping[tuple[str, str], list[etree._Element]],
     joined: dict[PciAddress, str],
     aliases: Collection[str],
     warnings: list[str],
-) -> tuple[list[int], list[PciAddress]]:
-    """The functions of ``slot`` that ``spec``'s companions hold (those already there too) and the companions
-    that join it now (recorded in ``domain.used`` and ``joined``); a companion that cannot is a warning."""
+) -> tuple[tuple[int, ...], tuple[PciAddress, ...]]:
+    """The functions of ``slot`` that ``spec``'s companions hold (those already there too), in order, and the
+    companions that join it now (recorded in ``domain.used`` and ``joined``); a companion that cannot is a
+    warning. ``passes``: the domain's hostdevs where one may pass a companion (None: none does)."""
     used = domain.used
     placed: list[int] = []
     joining: list[PciAddress] = []
     guest_domain, bus, number = slot
-    text_of = device_text
-    alias_prefix = _ALIAS_PREFIX % index  # COMPANION_ALIAS % (index, function) is this and the function's digit
+    # COMPANION_ALIAS % (index, function) is this and the function's digit (needed only if aliases could collide)
+    alias_prefix = _ALIAS_PREFIX % index if aliases else ""
+    label = spec.label
     for companion in functions:
         function = companion.function
         at = (guest_domain, bus, number, function)
-        passed = by_source and by_source.get(("pci", text_of(companion)))  # (a hostdev of the domain passes it)
-        if function == 0 or companion in joined or at in used or passed:
+        if (
+            function == 0
+            or companion in joined
+            or at in used
+            or (passes is not None and passes.get(("pci", device_text(companion))))  # (a hostdev passes it)
+        ):
             problem = _companion_problem(companion, slot, domain, by_source, joined)
             if problem == "there":
                 placed.append(function)
             else:
-                warnings.append(f"{spec.label}: companion {companion} is not placed: {problem}")
+                warnings.append(f"{label}: companion {companion} is not placed: {problem}")
             continue
-        alias = alias_prefix + _DIGITS[function]
-        if alias in aliases:
+        if aliases and (alias := alias_prefix + _DIGITS[function]) in aliases:
             raise InputError(
                 f"alias {alias!r} is already used in the domain; it would collide with the companion "
-                f"{companion} of {spec.label}"
+                f"{companion} of {label}"
             )
         used[at] = hostdev
-        joined[companion] = spec.label
+        joined[companion] = label
         placed.append(function)
         joining.append(companion)
-    return placed, joining
+    placed.sort()
+    return tuple(placed), tuple(joining)
 
 
-def _aliases(parsed: ParsedDomain, handles: Mapping[SourceKey, Handle]) -> set[str]:
+def _aliases(parsed: ParsedDomain, handles: Sequence[Handle | None]) -> set[str]:
     """The aliases a companion's must not take: the domain's and those of the hostdevs the merge adds."""
     source = parsed.source
     # A companion's alias (ua-gpuN-fnF) can be held only where "-fn" is in the bytes (or behind a reference).
     may_hold = b"-fn" in source or b"&" in source
     aliases = {str(name) for name in _ALIAS_NAMES(parsed.root)} if may_hold else set()  # type: ignore[union-attr]
-    for handle in handles.values():  # (a plain loop: one per GPU)
-        if isinstance(handle, NewHostdev):
+    for handle in handles:  # (a plain loop: one per GPU)
+        if type(handle) is NewHostdev:
             aliases.add(handle.spec.alias)
     return aliases
 

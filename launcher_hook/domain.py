@@ -391,15 +391,6 @@ class Merged:
     """Where each of ``hostdevs`` is: the domain's hostdev, or the one the merge adds."""
     by_source: dict[SourceKey, list[etree._Element]]
 
-    @property
-    def handles(self) -> dict[SourceKey, Handle]:
-        """:attr:`placed` by source."""
-        names = _TYPE_NAMES
-        return {
-            (names[spec.kind], device_text(spec.source)): handle
-            for spec, handle in zip(self.hostdevs, self.placed, strict=True)
-        }
-
 
 def merge_pass(writer: DomainWriter, specs: Sequence[HostdevSpec], existing: HostdevsInDomain) -> Merged:
     """One ``<hostdev>`` per spec: a hostdev already there for the same source (virt-launcher's) is kept and only

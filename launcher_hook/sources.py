@@ -38,7 +38,7 @@ import grpc
 from launcher_hook.allocation import allocation_variables, parse_environ
 from launcher_hook.document import CallInputs, ParsedDomain
 from launcher_hook.domain import HostdevsInDomain, hostdevs_of, read_hostdevs
-from launcher_hook.hostdevs import model_for_type
+from launcher_hook.hostdevs import MODELS_BY_TYPE
 from launcher_hook.matching import KUBEVIRT_ALIAS_PREFIX, KUBEVIRT_USB_ALIAS_PREFIX
 from runtime import pod_resources
 from runtime.files import read_regular_file
@@ -589,32 +589,40 @@ def env_from_domain(
     aliases = (hostdevs if hostdevs is not None else read_hostdevs(parsed)).view.alias_sources
     devices = vmi.spec.domain.devices
     pools: dict[str, list[str]] = {}
-    holder: dict[tuple[str, str], str] = {}
+    holder: dict[tuple[str, str], tuple[str, int, str, str | None]] = {}  # each device → the entry holding it
     problems: list[str] = []
+    variables: dict[tuple[object, str], str] = {}
     entries: list[tuple[str, int, str, str | None]] = [
         ("gpus", index, gpu.name, gpu.device_name) for index, gpu in enumerate(devices.gpus)
     ] + [("hostDevices", index, host.name, host.device_name) for index, host in enumerate(devices.host_devices)]
-    for list_name, index, name, device_name in entries:
+    for entry in entries:
+        list_name, index, name, device_name = entry
         if not device_name:
             continue  # a DRA entry: its device comes from its claim's metadata
-        label = f"{list_name}[{index}] {name!r} (deviceName {device_name})"
         if list_name == "hostDevices" and KUBEVIRT_USB_ALIAS_PREFIX + name in aliases:
             continue  # a USB device virt-launcher rendered and owns
-        wanted = (KUBEVIRT_ALIAS_PREFIX[list_name] + name, f"{_OWN_ALIAS_PREFIX[list_name]}{index}")
-        alias = next((alias for alias in wanted if alias in aliases), None)
-        if alias is None:
-            problems.append(f"{label} has no <hostdev> aliased {' or '.join(repr(a) for a in wanted)}")
-            continue
+        alias = KUBEVIRT_ALIAS_PREFIX[list_name] + name  # (virt-launcher's alias, else the hook's own)
+        if alias not in aliases:
+            alias = f"{_OWN_ALIAS_PREFIX[list_name]}{index}"
+            if alias not in aliases:
+                wanted = (KUBEVIRT_ALIAS_PREFIX[list_name] + name, alias)
+                problems.append(f"{_label(entry)} has no <hostdev> aliased {' or '.join(repr(a) for a in wanted)}")
+                continue
         key = aliases[alias]
-        model = model_for_type(key[0]) if key is not None else None
+        model = MODELS_BY_TYPE.get(key[0] or "") if key is not None else None  # (model_for_type)
         if key is None or model is None:
-            problems.append(f"{label}: its <hostdev> {alias!r} has no PCI address or mdev UUID the hook reads")
+            problems.append(f"{_label(entry)}: its <hostdev> {alias!r} has no PCI address or mdev UUID the hook reads")
             continue
         if key in holder:
-            problems.append(f"{label}: its <hostdev> {alias!r} passes {key[1]}, which {holder[key]} holds too")
+            problems.append(
+                f"{_label(entry)}: its <hostdev> {alias!r} passes {key[1]}, which {_label(holder[key])} holds too"
+            )
             continue
-        holder[key] = label
-        pools.setdefault(model.kind.env_var(device_name), []).append(key[1])
+        holder[key] = entry
+        variable = variables.get((model, device_name))
+        if variable is None:  # (worked out once per resource: the GPUs share a few)
+            variable = variables[(model, device_name)] = model.kind.env_var(device_name)
+        pools.setdefault(variable, []).append(key[1])
     if problems:
         shown = "; ".join(problems[:_PROBLEMS_SHOWN])
         more = f" (and {len(problems) - _PROBLEMS_SHOWN} more)" if len(problems) > _PROBLEMS_SHOWN else ""
@@ -624,6 +632,12 @@ def env_from_domain(
             "did an earlier hook change it?)"
         )
     return {variable: ",".join(ids) for variable, ids in pools.items()}
+
+
+def _label(entry: tuple[str, int, str, str | None]) -> str:
+    """An entry of :func:`env_from_domain` as its messages name it."""
+    list_name, index, name, device_name = entry
+    return f"{list_name}[{index}] {name!r} (deviceName {device_name})"
 
 
 _PROBLEMS_SHOWN = 8

@@ -176,39 +176,47 @@ class DomainWriter:
             return
         self._reserialised[id(hostdev)] = (hostdev, expanded_empty)
 
-    def insert_in(
-        self, hostdev: etree._Element, find: Callable[[bytes], int | None], text: str, tree_fix: Callable[[], None]
+    def insert_around(
+        self,
+        hostdev: etree._Element,
+        before: str = "",
+        after: str = "",
+        inside: tuple[Callable[[bytes], int | None], str] | None = None,
+        fix_around: Callable[[], None] | None = None,
+        fix_inside: Callable[[], None] | None = None,
     ) -> None:
-        """Insert ``text`` inside ``hostdev``, at the offset ``find`` finds in the hostdev's original bytes (None:
-        not found; the tree is serialised); ``tree_fix`` makes the same change on the tree. A hostdev written
-        anew from the tree needs no insertion (its ``tree_fix`` is made before it is written)."""
+        """One pass's insertions at one hostdev, found in the bytes once: ``before`` (elements) just before it,
+        ``after`` just after it, ``inside[1]`` inside it at the offset ``inside[0]`` finds in its original bytes
+        (None: not found; the tree is serialised); ``fix_around`` and ``fix_inside`` make the same changes on
+        the tree. A hostdev written anew from the tree needs no insertion inside (its ``fix_inside`` is made
+        before it is written)."""
         self.changed = True
-        if self.fast and id(hostdev) in self._reserialised:
-            tree_fix()
-            return
-        self._tree_fixes.append(tree_fix)
-        if not self.fast:
-            return
-        span = self.hostdev_span(hostdev)
-        offset = find(self.parsed.source[span[0] : span[1]]) if span is not None else None
-        if span is None or offset is None:
-            self.no_fast()
-            return
-        self._splices.append((span[0] + offset, span[0] + offset, text.encode()))
-
-    def insert_next_to(self, hostdev: etree._Element, text: str, tree_fix: Callable[[], None], *, after: bool) -> None:
-        """Insert ``text`` (elements) just before (or after) ``hostdev``; ``tree_fix`` makes the same change on
-        the tree."""
-        self.changed = True
-        self._tree_fixes.append(tree_fix)
-        if not self.fast:
+        fast = self.fast
+        if inside is not None and fast and id(hostdev) in self._reserialised:
+            fix_inside()  # type: ignore[misc]
+            inside = fix_inside = None
+        if fix_around is not None:
+            self._tree_fixes.append(fix_around)
+        if fix_inside is not None:
+            self._tree_fixes.append(fix_inside)
+        if not fast:
             return
         span = self.hostdev_span(hostdev)
         if span is None:
             self.no_fast()
             return
-        at = span[1] if after else span[0]
-        self._splices.append((at, at, text.encode()))
+        start, end = span
+        splices = self._splices
+        if before:
+            splices.append((start, start, before.encode()))
+        if inside is not None:
+            offset = inside[0](self.parsed.source[start:end])
+            if offset is None:
+                self.no_fast()
+                return
+            splices.append((start + offset, start + offset, inside[1].encode()))
+        if after:
+            splices.append((end, end, after.encode()))
 
     def add_hostdevs(self, devices: etree._Element, items: list[NewHostdev], layout: Layout, at: int | None) -> None:
         """Append ``items`` to ``devices`` (the last ``<devices>``): inserted at ``at`` of the bytes, laid out

@@ -125,10 +125,11 @@ class SysfsCompanions:
                         if kept is not None:
                             kept.put(gpu, read)
         found_all: list[tuple[PciAddress, ...] | InputError] = []
+        others = gpus if isinstance(gpus, (set, frozenset)) else frozenset(gpus)
         for each in facts:
             if each is None or isinstance(each, InputError):
                 found_all.append(each or ())  # (None: never, every GPU was found or read)
-            elif gpus and any(address in gpus for address in each.companions):
+            elif others and not others.isdisjoint(each.companions):
                 # select_companions with ``gpus`` is its choice without them, less the VM's GPUs
                 found_all.append(tuple(address for address in each.companions if address not in gpus))
             else:

@@ -400,7 +400,8 @@ def test_what_the_pass_reads_of_the_domain_is_what_the_path_expressions_select()
     """``_Domain`` walks the tree with lxml's child and descendant loops; on documents with the shapes that
     tell them apart (a second ``<os>`` and ``<devices>``, namespaced look-alikes, addresses in a ``<source>``,
     nested deeper or in a comment, controllers without or with a bad index) it finds what the XPath and
-    ElementPath expressions it replaced select: the machine, bus kind, controller indexes and guest addresses."""
+    ElementPath expressions it replaced select: the machine, bus kind, controller indexes and guest addresses, and
+    each hostdev's first ``<address>`` child."""
     from lxml import etree
 
     from launcher_hook.companions import _Domain
@@ -436,6 +437,11 @@ def test_what_the_pass_reads_of_the_domain_is_what_the_path_expressions_select()
             "used": list(used.items()),
             "devices": len(root.findall("devices")),
             "bus_kind": bus_kind,
+            "guests": [
+                (hostdev, guest)
+                for hostdev in root.iterfind("devices/hostdev")
+                if (guest := next(hostdev.iterchildren("address"), None)) is not None
+            ],
         }
 
     pci = 'type="pci" domain="0x0000" bus="0x%02x" slot="0x%02x" function="0x0"'
@@ -453,9 +459,15 @@ def test_what_the_pass_reads_of_the_domain_is_what_the_path_expressions_select()
         '<domain xmlns:q="urn:q"><q:os><type machine="virt">hvm</type></q:os><os><type>hvm</type></os><devices>'
         f'<controller type="pci" index="07" model="pcie-root"/><disk><address {pci % (5, 1)}/></disk>'
         f"<hostdev><address {pci % (5, 1)}/></hostdev><source><address {pci % (6, 1)}/></source></devices></domain>",
+        '<domain><os><type machine="q35">hvm</type></os><devices>'
+        f'<hostdev><source><address {pci % (0x41, 0)}/></source><address type="drive"/><address {pci % (8, 0)}/>'
+        f"</hostdev><hostdev><rom><address {pci % (9, 0)}/></rom></hostdev><hostdev/><x:hostdev xmlns:x='urn:x'>"
+        f"<address {pci % (10, 0)}/></x:hostdev></devices><devices><hostdev><address {pci % (13, 0)}/></hostdev>"
+        "</devices></domain>",
     ]
     for text in documents:
         parsed = parse_domain(text.encode(), DEFAULT_MAX_INPUT_BYTES)
         found = _Domain(parsed)
         got = {name: getattr(found, name) for name in ("machine", "unindexed", "next_index", "devices", "bus_kind")}
-        assert {**got, "used": list(found.used.items())} == expected(parsed), text
+        guests = list(found.guests.items())
+        assert {**got, "used": list(found.used.items()), "guests": guests} == expected(parsed), text
