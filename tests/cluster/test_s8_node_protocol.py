@@ -96,20 +96,33 @@ def _view(node: Any) -> dict[str, Any]:
 
 
 def _watch(history: NodeHistory) -> None:
+    """Every change of the Node, in order. Each watch ends after 5 s (so the thread notices ``stop``) and the
+    next resumes from the last resourceVersion seen: the API server replays what came in between, so a state
+    that lasted less than the gap between two watches is not lost (on a loaded machine that gap is long). A 410
+    (that version compacted away) starts over from the current state, the one gap the API allows."""
     kubernetes.config.load_kube_config(config_file=str(kit.STATE / "admin.kubeconfig"))
     api = kubernetes.client.CoreV1Api()
     last: dict[str, Any] | None = None
+    version: str | None = None
     while not history.stop.is_set():
         watch = kubernetes.watch.Watch()
+        resume = {"resource_version": version} if version else {}
         try:
-            for event in watch.stream(api.list_node, field_selector=f"metadata.name={kit.NODE}", timeout_seconds=5):
-                view = _view(event["object"])
+            for event in watch.stream(
+                api.list_node, field_selector=f"metadata.name={kit.NODE}", timeout_seconds=5, **resume
+            ):
+                node = event["object"]
+                version = node.metadata.resource_version or version
+                view = _view(node)
                 if view != last:
                     with history.lock:
                         history.changes.append(view)
                     last = view
                 if history.stop.is_set():
                     break
+        except kubernetes.client.ApiException as error:
+            if error.status == 410:
+                version = None
         except Exception:  # a dropped watch: start another (the history keeps what it saw)
             continue
         finally:
