@@ -367,7 +367,8 @@ def _step(
         _first(changes, f"{resource} offered", lambda c: resource in c["allocatable"], done)
     assert changes[-1][VGPU_STATE_LABEL] == ("success" if workload == "vm-vgpu" else None)
     if workload == "container":
-        assert not cluster.pods(PLUGIN_NAMESPACE, PLUGIN_SELECTOR)
+        # The DaemonSet no longer selects the node: its pod goes (terminating takes a while on a loaded node).
+        wait_until("the device plugin's pods gone", lambda: not cluster.pods(PLUGIN_NAMESPACE, PLUGIN_SELECTOR))
         assert "nvidia.com/gpu.count" not in node["metadata"]["labels"]
     assert (VALIDATIONS / "workload-type").read_text() == f"{workload}\n"
 
