@@ -157,6 +157,10 @@ def test_a_reconnecting_kubelet_is_served_while_old_streams_linger(base: Path) -
         kubelet.wait_for_devices(TU106, lambda devices: len(devices) == 4)
         lingering = _idle_streams(kubelet_dir / TU106_SOCKET, 7)  # the cap's worth stay open, the rest refused
         try:
+            # Each call answered (its first message, or its refusal) before the kubelet restarts: a call still
+            # connecting then (a loaded machine) would reach the *new* server on the same path, take one of its
+            # slots, or even the grant its Register makes, and the counts below would say so.
+            assert [_refused(call) for _, call in lingering].count(True) == 7 - MAX_OTHER_STREAMS
             kubelet.restart()  # the kubelet comes back: deletes the sockets, the plugin serves and registers anew
             kubelet.wait_for_registration(TU106, count=2)
             kubelet.wait_for_devices(TU106, lambda devices: devices == dict.fromkeys(devices, "Healthy") != {})
@@ -186,6 +190,7 @@ def _remove_at_once(directory: Path) -> None:
     gone = directory.with_name(directory.name + ".removed")
     directory.rename(gone)
     shutil.rmtree(gone)
+
 
 def test_kubelet_dir_removed_is_logged_red_and_served_again_when_back(
     base: Path, caplog: pytest.LogCaptureFixture
