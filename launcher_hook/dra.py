@@ -14,29 +14,25 @@ This module does the reading (the only I/O of the DRA path, below a :class:`runt
 the matcher (:mod:`launcher_hook.matching`) decides what each outcome means, since a file the hook cannot find
 is fine when virt-launcher has rendered the entry itself and an error otherwise.
 
-**Kept while the file stays the same.** A reader made by :meth:`MetadataFiles.keeping` (the one a
-``HookService`` holds) keeps, per request directory, the file it found there and the device that file names, with
-the identity (:func:`runtime.confined.identity`: device, inode, size, modification and change times) of the
-directory and of the file as they were opened. A later call checks both with one ``stat`` each (the file's not
-following a link) and uses what it kept only when both are unchanged; anything else (a file rewritten, renamed,
-added beside it, a path that now leads elsewhere, a ``stat`` that fails) reads again the confined way. No file is
-opened for a kept entry. The check is cheap and needed by nothing Kubernetes promises to do: the files are written
-when the claim is prepared for the pod (KEP 5304: the kubelet writes the driver's metadata of a prepared claim and
-the container runtime mounts it through CDI), the claim's allocation cannot change while the pod is among its
-``reservedFor``, and a prepared claim is not prepared again for the same pod; the check covers a driver that
-rewrites its file anyway. It is safe with an unconfined ``stat``: an entry is used only when the path names the
-very file that was read inside the root, unchanged since. Outcomes that are not a device (no file, an error) are
-never kept. At most :data:`runtime.sysfs_paths.MAX_KEPT` directories, the oldest evicted.
+**Kept for the pod's life.** A reader made by :meth:`MetadataFiles.keeping` (the one a ``HookService`` holds)
+keeps, per request directory, the device its one file named, and a later call uses it without a system call, as
+the sysfs facts of the pod's devices are kept (:mod:`runtime.sysfs_paths`). The device cannot change while the
+pod holds the claim: the file is written when the claim is prepared for the pod (KEP 5304: the kubelet writes
+the driver's metadata of a prepared claim and the container runtime mounts it through CDI), a claim's allocation
+is immutable once made and cannot be taken from a pod among its ``reservedFor``, and a prepared claim is not
+prepared again for the same pod; a migration target is another pod, with its own sidecar. (Checking the
+directory's and the file's identity on every call cost two ``stat`` calls per claim, 64 for a VM of 32 claimed
+GPUs, for a change nothing Kubernetes does makes.) Outcomes that are not a device (no file, an error) are never
+kept, so a file that appears later is read. At most :data:`runtime.sysfs_paths.MAX_KEPT` directories, the oldest
+evicted.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from launcher_hook.claims import ClaimOutcome, EntryKey, dra_entries
-from runtime.confined import ConfinedRoot, Identity, NotInRoot, OpenRoot, identity
+from runtime.confined import ConfinedRoot, NotInRoot, OpenRoot
 from runtime.sysfs_paths import MAX_KEPT, KeptFacts
 from schemas import InputError, PciAddress, ResourceKind
 from schemas.dra_metadata import (
@@ -54,27 +50,16 @@ MAX_DIRECTORY_ENTRIES = 64
 """Most names a request's directory may hold (one file per driver; KubeVirt takes one)."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeptFile:
-    """What a request directory held when it was read: its one metadata file's ``name``, the identities of the
-    directory and of the file as opened, and the ``outcome`` (a device) the file gave."""
-
-    name: str
-    directory: Identity
-    file: Identity
-    outcome: ClaimOutcome
-
-
 class MetadataFiles:
     """The metadata files below ``root`` (virt-launcher's :data:`DEFAULT_ROOT` in its container; in a sidecar,
     wherever the files are visible, e.g. ``/proc/<pid>/root`` + that path).
 
     One :meth:`resolve` opens the root once, the first time an entry needs it, and reads every claim through
     that descriptor (:class:`runtime.confined.OpenRoot`): per claim, its request directory resolved inside the
-    root and listed, and the one file read relative to it. ``kept`` (:meth:`keeping`): what was read, per request
-    directory, used again while the directory and the file are unchanged; None: every call reads."""
+    root and listed, and the one file read relative to it. ``kept`` (:meth:`keeping`): the device read, per request
+    directory, used again for the reader's life; None: every call reads."""
 
-    def __init__(self, root: Path | str = DEFAULT_ROOT, kept: KeptFacts[str, KeptFile] | None = None) -> None:
+    def __init__(self, root: Path | str = DEFAULT_ROOT, kept: KeptFacts[str, ClaimOutcome] | None = None) -> None:
         self.root = Path(root)
         self._confined = ConfinedRoot(self.root, "DRA metadata root")
         self.kept = kept
@@ -88,12 +73,13 @@ class MetadataFiles:
 
     def resolve(self, vmi: VirtualMachineInstance) -> dict[EntryKey, ClaimOutcome]:
         outcomes: dict[EntryKey, ClaimOutcome] = {}
-        read: dict[str, tuple[DeviceMetadata, os.stat_result] | None] = {}
+        read: dict[str, DeviceMetadata | None] = {}
         tree: OpenRoot | None = None
         root_missing = False
         entries = dra_entries(vmi)
         if not entries:
             return outcomes
+        kept = self.kept
         claims: dict[str, ResourceClaim] = {}
         for each in vmi.spec.resource_claims:
             claims.setdefault(each.name, each)  # the first of a name, as vmi.spec.resource_claim (virt-launcher)
@@ -107,7 +93,7 @@ class MetadataFiles:
                         directory = request_subpath("claim", claim.resource_claim_name, request)
                     else:
                         directory = request_subpath("template", claim_name, request)
-                    found = self._kept(directory)
+                    found = kept.get(directory) if kept is not None else None
                     if found is not None:
                         outcomes[key] = found
                         continue
@@ -125,29 +111,12 @@ class MetadataFiles:
                 tree.close()
         return outcomes
 
-    def _kept(self, directory: str) -> ClaimOutcome | None:
-        """The outcome kept for ``directory`` when the directory and its file are still the ones read (one
-        ``stat`` each), else None."""
-        kept = self.kept
-        found = kept.get(directory) if kept is not None else None
-        if found is None:
-            return None
-        path = self._confined.path_text(directory)
-        try:
-            if identity(os.stat(path)) != found.directory:
-                return None
-            if identity(os.stat(f"{path}/{found.name}", follow_symlinks=False)) != found.file:
-                return None
-        except (OSError, ValueError):  # (ValueError: a NUL in the path, which no kept entry has)
-            return None
-        return found.outcome
-
     def _outcome(
         self,
         tree: OpenRoot | None,
         directory: str,
         request: str,
-        read: dict[str, tuple[DeviceMetadata, os.stat_result] | None],
+        read: dict[str, DeviceMetadata | None],
     ) -> ClaimOutcome:
         shown_dir = self._confined.path_text(directory)
         if tree is None:
@@ -172,21 +141,19 @@ class MetadataFiles:
             shown = f"{shown_dir}/{names[0]}"
             if relative not in read:
                 try:
-                    data, info = listing.read_stat(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
+                    data = listing.read(names[0], MAX_FILE_BYTES, "DRA metadata file", repr(shown))
                 except NotInRoot:
                     read[relative] = None
                 else:
-                    read[relative] = (parse_metadata(data, shown), info)
-            directory_info = listing.info
-        parsed = read[relative]
-        if parsed is None:
+                    read[relative] = parse_metadata(data, shown)
+        metadata = read[relative]
+        if metadata is None:
             return ClaimOutcome(None, None, shown, f"{shown} disappeared while it was read")
-        metadata, file_info = parsed
         found = claimed_device(metadata, request, shown)
         if found.kind == "mdev":
             outcome = ClaimOutcome(ResourceKind.MDEV, found.id, shown)
         else:
             outcome = ClaimOutcome(ResourceKind.PCI, PciAddress.parse(found.id), shown)
         if self.kept is not None:
-            self.kept.put(directory, KeptFile(names[0], identity(directory_info), identity(file_info), outcome))
+            self.kept.put(directory, outcome)
         return outcome

@@ -8,7 +8,7 @@ builder refuses (with its message), ``FAILED_PRECONDITION`` for an allocation so
 
 A service keeps, for its own life, what its readers read of the host about the pod's devices: each reader in
 its ``BuildOptions`` that can keep (``keeping()``: the sysfs companions and BARs per PCI address, the DRA
-metadata per request directory while the file is unchanged) is replaced by one with a store of its own, so two
+metadata per request directory) is replaced by one with a store of its own, so two
 services, a test's and ``xmlgen``'s, share nothing. One ``launcher-hook serve`` process serves one virt-launcher
 pod, whose devices are fixed while it holds them (:mod:`runtime.sysfs_paths` says why): KubeVirt's second and
 third ``OnDefineDomain`` of a VM start read nothing again. Errors are never kept. The shim (a process per call)

@@ -26,7 +26,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from runtime.files import read_open_file_stat
+from runtime.files import read_open_file
 from runtime.hostroot import HostRoot
 from schemas.errors import InputError
 
@@ -44,17 +44,6 @@ _UNAVAILABLE = (errno.ENOSYS, errno.EPERM)
 
 class NotInRoot(InputError):
     """The path does not exist below the root (or resolves to nothing there)."""
-
-
-Identity = tuple[int, int, int, int, int]
-"""What tells one version of a file from another: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``."""
-
-
-def identity(info: os.stat_result) -> Identity:
-    """The :data:`Identity` of a ``stat``: another file (device and inode), or the same one written to or renamed
-    since (size, modification and change times: a write sets both times, a rename the change time, and the
-    change time cannot be set back by ``utime``), has another."""
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _parts(relative: str) -> list[str]:
@@ -149,7 +138,6 @@ class OpenRoot:
         if descriptor is None:
             descriptor = self._walk_dir(relative, shown)
         try:
-            info = os.fstat(descriptor)  # before the listing: an entry added after it changes the times
             names: list[str] = []
             with os.scandir(descriptor) as entries:
                 for entry in entries:
@@ -163,18 +151,12 @@ class OpenRoot:
             os.close(descriptor)
             raise
         names.sort()
-        return Listing(self, relative, descriptor, names, info)
+        return Listing(self, relative, descriptor, names)
 
     def read_file(self, relative: str, max_bytes: int, what: str, shown: str | None = None) -> bytes:
         """The bytes of the regular file ``relative`` (at most ``max_bytes``); NotInRoot when it is absent,
         InputError naming ``what`` and the file (``shown``, default its path quoted) when it is not a regular
         file, unreadable or too large."""
-        return self.read_file_stat(relative, max_bytes, what, shown)[0]
-
-    def read_file_stat(
-        self, relative: str, max_bytes: int, what: str, shown: str | None = None
-    ) -> tuple[bytes, os.stat_result]:
-        """:meth:`read_file` and the file's ``fstat`` (:func:`runtime.files.read_open_file_stat`)."""
         if shown is None:
             shown = repr(self.confined.path_text(relative))
         try:
@@ -183,7 +165,7 @@ class OpenRoot:
             raise NotInRoot(f"{what} {shown} does not exist") from None
         if descriptor is None:
             descriptor = self._walk_file(relative, what, shown)
-        return read_open_file_stat(descriptor, max_bytes, what, shown)
+        return read_open_file(descriptor, max_bytes, what, shown)
 
     # ------------------------------------------------------------------------------ the walk, in Python
 
@@ -271,16 +253,15 @@ class OpenRoot:
 
 
 class Listing:
-    """A directory opened inside the root (:meth:`OpenRoot.directory`), its sorted ``names`` and its ``info``
-    (``fstat``, taken before the listing); reads a name without resolving the directory again."""
+    """A directory opened inside the root (:meth:`OpenRoot.directory`) and its sorted ``names``; reads a name
+    without resolving the directory again."""
 
-    __slots__ = ("_fd", "_root", "info", "names", "relative")
+    __slots__ = ("_fd", "_root", "names", "relative")
 
-    def __init__(self, root: OpenRoot, relative: str, descriptor: int, names: list[str], info: os.stat_result) -> None:
+    def __init__(self, root: OpenRoot, relative: str, descriptor: int, names: list[str]) -> None:
         self._root = root
         self.relative = relative
         self.names = names
-        self.info = info
         self._fd = descriptor
 
     def close(self) -> None:
@@ -301,22 +282,18 @@ class Listing:
         One component opened ``O_NOFOLLOW`` relative to the directory's descriptor: it cannot lead out of the
         root (no ``/``, no ``..``, a link is not followed). A name that is a link, or any other refusal, is read
         the careful way, resolved inside the root from its start."""
-        return self.read_stat(name, max_bytes, what, shown)[0]
-
-    def read_stat(self, name: str, max_bytes: int, what: str, shown: str | None = None) -> tuple[bytes, os.stat_result]:
-        """:meth:`read` and the file's ``fstat`` (:func:`runtime.files.read_open_file_stat`)."""
         relative = name if self.relative in ("", ".") else f"{self.relative}/{name}"
         if shown is None:
             shown = repr(self._root.confined.path_text(relative))
         if not name or "/" in name or "\0" in name or name in (".", "..") or self._fd < 0:
-            return self._root.read_file_stat(relative, max_bytes, what, shown)
+            return self._root.read_file(relative, max_bytes, what, shown)
         try:
             descriptor = os.open(name, _FILE_FLAGS, dir_fd=self._fd)
         except FileNotFoundError:
             raise NotInRoot(f"{what} {shown} does not exist") from None
         except OSError:
-            return self._root.read_file_stat(relative, max_bytes, what, shown)  # a link (ELOOP) or another refusal
-        return read_open_file_stat(descriptor, max_bytes, what, shown)
+            return self._root.read_file(relative, max_bytes, what, shown)  # a link (ELOOP) or another refusal
+        return read_open_file(descriptor, max_bytes, what, shown)
 
 
 def _lstat(current: int, part: str, shown: str) -> os.stat_result:

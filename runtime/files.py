@@ -39,12 +39,6 @@ def read_regular_file(path: Path, max_bytes: int, what: str, *, shown: str | Non
 
 def read_open_file(fd: int, max_bytes: int, what: str, name: str) -> bytes:
     """:func:`read_regular_file` for a descriptor the caller opened (``O_NONBLOCK``); closes it."""
-    return read_open_file_stat(fd, max_bytes, what, name)[0]
-
-
-def read_open_file_stat(fd: int, max_bytes: int, what: str, name: str) -> tuple[bytes, os.stat_result]:
-    """:func:`read_open_file`, and the ``fstat`` of the file taken before its first byte was read (so a file
-    changed while it is read has, by then, another modification time than this says)."""
     try:
         info = os.fstat(fd)
         mode = info.st_mode
@@ -62,4 +56,4 @@ def read_open_file_stat(fd: int, max_bytes: int, what: str, name: str) -> tuple[
         raise InputError(f"{what} {name} cannot be read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    return b"".join(chunks), info
+    return b"".join(chunks)
