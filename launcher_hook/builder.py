@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from launcher_hook.allocation import EnvAllocation, allocation_from_env
-from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey, dra_entries
+from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey
 from launcher_hook.companions import (
     CompanionReader,
     Placement,
@@ -127,7 +127,7 @@ def _read_claims(vmi: VirtualMachineInstance | None, options: BuildOptions) -> M
     """The DRA entries' devices from ``options.claims``; None without a reader (or a VMI)."""
     if vmi is None or options.claims is None:
         return None
-    return options.claims.resolve(vmi) if dra_entries(vmi) else {}
+    return options.claims.resolve(vmi)
 
 
 def build_domain(

@@ -29,7 +29,8 @@ class ClaimOutcome:
 
 
 class ClaimResolver(Protocol):
-    """Reads the device of every DRA entry of a VMI; InputError for a file that is there and wrong."""
+    """Reads the device of every DRA entry of a VMI (nothing, and an empty answer, for a VMI without one);
+    InputError for a file that is there and wrong."""
 
     def describe(self) -> str: ...
 

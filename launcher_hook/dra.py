@@ -46,6 +46,10 @@ from schemas.dra_metadata import (
 )
 from schemas.vmi import ResourceClaim, VirtualMachineInstance
 
+KeptDirectory = tuple[bool, str, str]
+"""A request directory as the kept store names it: (a ResourceClaim's own directory, not a template's; the
+claim's directory name; the request)."""
+
 MAX_DIRECTORY_ENTRIES = 64
 """Most names a request's directory may hold (one file per driver; KubeVirt takes one)."""
 
@@ -59,7 +63,9 @@ class MetadataFiles:
     root and listed, and the one file read relative to it. ``kept`` (:meth:`keeping`): the device read, per request
     directory, used again for the reader's life; None: every call reads."""
 
-    def __init__(self, root: Path | str = DEFAULT_ROOT, kept: KeptFacts[str, ClaimOutcome] | None = None) -> None:
+    def __init__(
+        self, root: Path | str = DEFAULT_ROOT, kept: KeptFacts[KeptDirectory, ClaimOutcome] | None = None
+    ) -> None:
         self.root = Path(root)
         self._confined = ConfinedRoot(self.root, "DRA metadata root")
         self.kept = kept
@@ -88,21 +94,21 @@ class MetadataFiles:
                 claim = claims.get(claim_name)
                 if claim is None:
                     continue  # the matcher names the entry and the missing resourceClaims[] entry
+                # (the directory by its parts: a kept one was checked when it was read, and is not built again)
+                own = claim.resource_claim_name
+                kept_as: KeptDirectory = (True, own, request) if own else (False, claim_name, request)
+                found = kept.get(kept_as) if kept is not None else None
+                if found is not None:
+                    outcomes[key] = found
+                    continue
                 try:
-                    if claim.resource_claim_name:
-                        directory = request_subpath("claim", claim.resource_claim_name, request)
-                    else:
-                        directory = request_subpath("template", claim_name, request)
-                    found = kept.get(directory) if kept is not None else None
-                    if found is not None:
-                        outcomes[key] = found
-                        continue
+                    directory = request_subpath("claim" if own else "template", kept_as[1], request)
                     if tree is None and not root_missing:
                         try:
                             tree = self._confined.open()
                         except NotInRoot:
                             root_missing = True  # every entry: no file matches its pattern
-                    outcomes[key] = self._outcome(tree, directory, request, read)
+                    outcomes[key] = self._outcome(tree, directory, request, read, kept_as)
                 except InputError as exc:
                     label = f"{key[0]}[{key[1]}] {name!r} (claimName {claim_name}, requestName {request})"
                     raise InputError(f"{label}: {exc}") from None
@@ -117,6 +123,7 @@ class MetadataFiles:
         directory: str,
         request: str,
         read: dict[str, DeviceMetadata | None],
+        kept_as: KeptDirectory,
     ) -> ClaimOutcome:
         shown_dir = self._confined.path_text(directory)
         if tree is None:
@@ -155,5 +162,5 @@ class MetadataFiles:
         else:
             outcome = ClaimOutcome(ResourceKind.PCI, PciAddress.parse(found.id), shown)
         if self.kept is not None:
-            self.kept.put(directory, outcome)
+            self.kept.put(kept_as, outcome)
         return outcome
