@@ -166,6 +166,25 @@ def plan_window(devices: Iterable[DeviceBars]) -> MmioPlan:
     return MmioPlan(listed, needed, window_for(needed, sum(1 for device in listed if device.bars_64bit)))
 
 
+PLANS_KEPT = 16
+"""Plans :func:`kept_plan` keeps."""
+_plans: dict[tuple[int, ...], MmioPlan] = {}
+
+
+def kept_plan(devices: Sequence[DeviceBars]) -> MmioPlan:
+    """:func:`plan_window` of ``devices``, kept for the very same objects (the BARs a service keeps for its pod
+    are the same objects on every call, ``runtime.pci_bars.SysfsBars.keeping``): found by their identities, which
+    stay theirs while the plan, which holds them, is kept. A plan is a pure function of immutable objects."""
+    key = tuple(map(id, devices))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = plan_window(devices)
+        if len(_plans) >= PLANS_KEPT:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 # ---- the domain ------------------------------------------------------------------------------------------
 
 _X86 = frozenset(("x86_64", "i686"))
@@ -295,7 +314,7 @@ def window_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], source: B
             f"{exc}; the 64-bit PCI window of this EFI guest is sized from its devices' BARs under sysfs root "
             f"{source.describe()!r} (--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT; --pci-mmio64 off to skip it)"
         ) from None
-    plan = outcome.plan = plan_window(bars)
+    plan = outcome.plan = kept_plan(bars)
     outcome.explicit = explicit_window(root)
     if outcome.explicit is not None:
         outcome.warnings += _explicit_warnings(outcome.explicit, plan)

@@ -67,10 +67,10 @@ class SysfsBars:
         if kept is None:
             with SysfsView(self.root, f"reading the BARs of {listed[0]}") as view:
                 return [self._read(view, address) for address in listed]
-        found = [kept.get(address) for address in listed]
+        found = kept.get_all(listed)
+        if all(found):  # (a DeviceBars is always true: every one kept)
+            return found  # type: ignore[return-value]
         missing = [address for address, bars in zip(listed, found, strict=True) if bars is None]
-        if not missing:
-            return [bars for bars in found if bars is not None]  # (every one)
         read: dict[PciAddress, DeviceBars] = {}
         with SysfsView(self.root, f"reading the BARs of {missing[0]}") as view:
             for address in missing:

@@ -98,14 +98,11 @@ class SysfsCompanions:
         if not wanted:
             return []
         kept = self.kept
-        facts: list[SlotFacts | InputError | None] = [None] * len(wanted)
-        missing: list[int] = []
-        for index, gpu in enumerate(wanted):
-            found = kept.get(gpu) if kept is not None else None
-            if found is None:
-                missing.append(index)
-            else:
-                facts[index] = found
+        facts: list[SlotFacts | InputError | None] = (
+            [*kept.get_all(wanted)] if kept is not None else [None] * len(wanted)
+        )
+        # (a SlotFacts is a non-empty tuple: true; all() finds a missing one without a Python-level loop)
+        missing = [] if all(facts) else [index for index, found in enumerate(facts) if found is None]
         if missing:
             try:
                 view = SysfsView(self.root, f"reading the companions of {wanted[missing[0]]}")

@@ -32,7 +32,7 @@ import errno
 import os
 import stat
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import ClassVar, Generic, NamedTuple, TypeVar
 
@@ -68,6 +68,12 @@ class KeptFacts(Generic[_Key, _Value]):
 
     def get(self, key: _Key) -> _Value | None:
         return self._entries.get(key)  # (one dict lookup: atomic under the GIL)
+
+    def get_all(self, keys: Iterable[_Key]) -> list[_Value | None]:
+        """:meth:`get` of each of ``keys``, in order (one C loop: a VM's every device on every call). The values
+        are truthy (``all()`` of the answer says whether each key was found) when, as the readers' are, they are
+        objects without a ``__bool__`` or ``__len__`` that makes them false."""
+        return list(map(self._entries.get, keys))
 
     def put(self, key: _Key, value: _Value) -> None:
         with self._lock:

@@ -23,10 +23,13 @@ from launcher_hook.mmio_window import (
     HOTPLUG_PORTS,
     MIB,
     OVMF_DEFAULT_WINDOW,
+    PLANS_KEPT,
+    _plans,
     explicit_window,
     guest_firmware,
     insert_qemu_args_text,
     insert_qemu_args_tree,
+    kept_plan,
     needed_bytes,
     plan_window,
 )
@@ -412,3 +415,20 @@ def test_a_domain_within_the_cap_gets_its_window_by_the_tree_edit_too() -> None:
     capped = build_domain(domain, None, env(FIRST), BuildOptions(bars=a100s(FIRST), max_input_bytes=len(domain)))
     assert capped.domain_xml == build_domain(domain, None, env(FIRST), BuildOptions(bars=a100s(FIRST))).domain_xml
     assert b"string=262144" in capped.domain_xml and b"<!-- the VM's devices -->" in capped.domain_xml
+
+
+def test_a_plan_is_kept_for_the_very_same_bars_objects_only() -> None:
+    """The BARs a service keeps are the same objects on every call: their plan is worked out once. Equal BARs in
+    other objects (a reader that keeps nothing) get a plan worked out for them, the same as plan_window's."""
+    bars = [device(FIRST, *A100_80GB), device(SECOND, *H100_80GB)]
+    first = kept_plan(bars)
+    assert first == plan_window(bars) and kept_plan(list(bars)) is first
+    equal = [device(FIRST, *A100_80GB), device(SECOND, *H100_80GB)]
+    again = kept_plan(equal)
+    assert again == first and again is not first and again.devices[0] is equal[0]
+    other = kept_plan([device(FIRST, *A30)])
+    assert other.needed < first.needed and other == plan_window([device(FIRST, *A30)])
+    for n in range(PLANS_KEPT + 1):  # more plans than kept: the store is bounded, answers stay right
+        many = [device(f"0000:{n + 1:02x}:00.0", *L40S)]
+        assert kept_plan(many) == plan_window(many)
+    assert len(_plans) <= PLANS_KEPT
