@@ -6,7 +6,8 @@ the allocated devices need and writes that item into EFI domains. The facts behi
 (OVMF's default, alignment, hotplug padding; why libvirt's ``<sysinfo type='fwcfg'>`` cannot carry it) are in
 docs/large-bar.md.
 
-- :func:`plan_window` is pure: BARs in, window out.
+- :func:`plan_window` is pure: BARs in, window out; :func:`kept_plan` keeps its answer for the very same
+  (kept, immutable) BARs objects, which a service gets on every call of its pod.
 - :func:`guest_firmware` and :func:`explicit_window` read a parsed domain.
 - :func:`window_pass` (step 2, the last pass, on the call's one parsed document) decides to write
   ``-fw_cfg name=opt/ovmf/X-PciMmio64Mb,string=<N>`` into ``<qemu:commandline>``; the one writer
