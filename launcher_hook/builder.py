@@ -6,7 +6,8 @@ One call is one flow over one parsed document:
    with the allocation source that reads the domain);
 2. passes, each deciding edits on that document: the hostdev merge (:func:`launcher_hook.domain.merge_pass`:
    virt-launcher's hostdevs corrected, the hook's added, display/ramfb, DRA entries' devices), the companions
-   and their root ports (:func:`launcher_hook.companions.companions_pass`), the 64-bit MMIO window
+   and their root ports (:func:`launcher_hook.companions.companions_pass`), the GPUDirect P2P cliques of GPUs
+   that share a host PCIe switch (:func:`launcher_hook.cliques.clique_pass`), the 64-bit MMIO window
    (:func:`launcher_hook.mmio_window.window_pass`);
 3. write (:mod:`launcher_hook.writer`): one writer applies every pass's edits once.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from launcher_hook.allocation import EnvAllocation, allocation_from_env
 from launcher_hook.claims import ClaimOutcome, ClaimResolver, EntryKey
+from launcher_hook.cliques import CliqueOutcome, TopologyReader, clique_pass
 from launcher_hook.companions import (
     CompanionReader,
     Placement,
@@ -64,6 +66,9 @@ class BuildOptions:
     """Where passthrough GPUs' companions are read (sysfs) when the allocation has no companion variable for
     their resource: set for sources that cannot carry one (PodResources, DRA). None: the variable only
     (docs/kubevirt-hostdevs.md, "Companions")."""
+    topology: TopologyReader | None = None
+    """Where the GPUs' places in the host's PCIe tree are read (sysfs), for their GPUDirect cliques
+    (docs/p2p.md); None: no clique is written."""
     allocation_carries_companions: bool = False
     """The allocation source carries the companion variables (env, environ file): ``companion_reader`` is then
     used only for GPUs a DRA claim gave, which no variable can describe."""
@@ -80,6 +85,8 @@ class BuildResult:
     """Where each GPU with companions went (its guest slot and functions; docs/kubevirt-hostdevs.md)."""
     mmio: WindowOutcome | None = None
     """What was decided about the guest's 64-bit PCI window (None: not looked at)."""
+    cliques: CliqueOutcome | None = None
+    """The GPUDirect cliques written (None: not looked at)."""
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -174,8 +181,12 @@ def build_domain(
         placed = companions_pass(writer, hostdevs, allocation, merged.placed, merged.by_source)
         hostdevs, placements = hostdevs + placed.hostdevs, placed.placements
         warnings += placed.warnings
+    cliques = None
+    if options.topology is not None and (vmi is None or vmi.metadata.cliques):
+        cliques = clique_pass(writer, hostdevs, options.topology)
+        warnings += cliques.warnings
     mmio = None
     if options.bars is not None:
         mmio = window_pass(writer, hostdevs, options.bars)
         warnings += mmio.warnings
-    return BuildResult(writer.result(), hostdevs, warnings, vmi, placements, mmio)
+    return BuildResult(writer.result(), hostdevs, warnings, vmi, placements, mmio, cliques)

@@ -45,6 +45,7 @@ from runtime.env import hook_env
 from runtime.logs import configure_logging
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT, SysfsBars
 from runtime.pci_companions import SysfsCompanions
+from runtime.pci_topology import SysfsTopology
 from runtime.signals import stop_on_signals
 from runtime.sockets import SocketInUse
 from schemas.dra_metadata import DEFAULT_ROOT as DEFAULT_DRA_METADATA_ROOT
@@ -264,6 +265,7 @@ def serve(
             bars=bar_source(pci_mmio64, sysfs_root),
             claims=claim_reader(dra_metadata_root),
             companion_reader=companion_reader(sysfs_root),
+            topology=SysfsTopology(sysfs_root),
         )
         sockets = {"hooks": (socket_path,), "plugins": (plugin_socket_path,), "both": (socket_path, plugin_socket_path)}
         _serve(api, sockets[api], socket_mode, pod_resources_socket, environ_file, container, options)

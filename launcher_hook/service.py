@@ -7,7 +7,7 @@ builder refuses (with its message), ``FAILED_PRECONDITION`` for an allocation so
 ``INTERNAL`` for anything else. There is no partial result: either the whole new domain or a fault.
 
 A service keeps, for its own life, what its readers read of the host about the pod's devices: each reader in
-its ``BuildOptions`` that can keep (``keeping()``: the sysfs companions and BARs per PCI address, the DRA
+its ``BuildOptions`` that can keep (``keeping()``: the sysfs companions, BARs and PCIe places per PCI address, the DRA
 metadata per request directory) is replaced by one with a store of its own, so two
 services, a test's and ``xmlgen``'s, share nothing. One ``launcher-hook serve`` process serves one virt-launcher
 pod, whose devices are fixed while it holds them (:mod:`runtime.sysfs_paths` says why): KubeVirt's second and
@@ -94,6 +94,7 @@ def keeping_options(options: BuildOptions) -> BuildOptions:
         bars=_keeping(options.bars),
         claims=_keeping(options.claims),
         companion_reader=_keeping(options.companion_reader),
+        topology=_keeping(options.topology),
     )
 
 

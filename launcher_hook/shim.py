@@ -37,6 +37,7 @@ from launcher_hook.cli import (
 )
 from launcher_hook.service import COMPONENT, HookFault, HookService
 from runtime.logs import configure_logging
+from runtime.pci_topology import SysfsTopology
 from schemas.logformat import LogFormat
 
 
@@ -72,6 +73,7 @@ def on_define_domain(
             bars=bar_source(pci_mmio64, sysfs_root),
             claims=claim_reader(dra_metadata_root),
             companion_reader=companion_reader(sysfs_root),
+            topology=SysfsTopology(sysfs_root),
         )
         outcome = HookService(source, options).define_domain(
             os.fsencode(domain_xml), os.fsencode(vmi_json), via="onDefineDomain"

@@ -350,6 +350,29 @@ class SysfsView:
         except OSError as exc:
             raise self._failed(address, relative, exc) from None
 
+    def device_link(self, address: str) -> str | None:
+        """The target of the link ``bus/pci/devices/<address>`` (read, not followed), or None when there is no
+        such entry or it is no link."""
+        listed = self._listed
+        if self._resolver is None:
+            if listed is None:
+                listed = self._listed = self._list_devices(address)
+            if address not in listed:
+                return None
+        try:
+            if self._resolver is not None:
+                devices = self._resolver.resolve("bus/pci/devices", f"PCI device {address}")
+                return os.readlink(devices / address)
+            directory = self._beneath("bus/pci/devices", _DIRECTORY)
+        except OSError:
+            return None
+        try:
+            return os.readlink(address, dir_fd=directory)
+        except OSError:
+            return None
+        finally:
+            os.close(directory)
+
     def _list_devices(self, address: str) -> frozenset[str]:
         """The names in ``bus/pci/devices`` (links and all, as ``os.path.lexists`` sees them), listed once per view:
         a function that is not there then costs nothing (most of a slot's eight are not)."""

@@ -28,6 +28,9 @@ T = TypeVar("T")
 COMPANIONS_ANNOTATION = "gpu-passthrough.kubevirt.io/companions"
 """``"off"`` keeps each passthrough GPU alone, as KubeVirt places it; ``"on"`` (the default) puts its companion
 functions in its guest slot (docs/kubevirt-hostdevs.md, "Companions")."""
+CLIQUES_ANNOTATION = "gpu-passthrough.kubevirt.io/gpudirect-cliques"
+"""``"off"``: no GPU gets a GPUDirect P2P clique; ``"on"`` (the default): GPUs that share a host PCIe switch get
+one (docs/p2p.md)."""
 _SWITCH_VALUES = {"on": True, "off": False}
 
 
@@ -119,6 +122,8 @@ class ObjectMeta:
     namespace: str = ""
     companions: bool = True
     """:data:`COMPANIONS_ANNOTATION`: whether GPUs get their companions in their guest slot."""
+    cliques: bool = True
+    """:data:`CLIQUES_ANNOTATION`: whether GPUs that share a host PCIe switch get a GPUDirect P2P clique."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,19 +251,25 @@ class _Reader:
         )
 
     def metadata(self, document: dict[str, Any], where: str) -> ObjectMeta:
+        companions, cliques = self.child(document, "annotations", where, self.switches, True) or (True, True)
         return ObjectMeta(
             self.text(document, "name", where, "") or "",
             self.text(document, "namespace", where, "") or "",
-            self.child(document, "annotations", where, self.companions, True) is not False,
+            companions,
+            cliques,
         )
 
-    def companions(self, annotations: dict[str, Any], where: str) -> bool:
-        value = annotations.get(COMPANIONS_ANNOTATION, "on")
-        switch = _SWITCH_VALUES.get(value) if isinstance(value, str) else None
-        if switch is None:
-            self._problem(f"{where}.{COMPANIONS_ANNOTATION}", f"{value!r} should be 'on' or 'off'")
-            return True
-        return switch
+    def switches(self, annotations: dict[str, Any], where: str) -> tuple[bool, bool]:
+        """The project's on/off annotations: (:data:`COMPANIONS_ANNOTATION`, :data:`CLIQUES_ANNOTATION`)."""
+        found = []
+        for name in (COMPANIONS_ANNOTATION, CLIQUES_ANNOTATION):
+            value = annotations.get(name, "on")
+            switch = _SWITCH_VALUES.get(value) if isinstance(value, str) else None
+            if switch is None:
+                self._problem(f"{where}.{name}", f"{value!r} should be 'on' or 'off'")
+                switch = True
+            found.append(switch)
+        return found[0], found[1]
 
     def vmi(self, document: dict[str, Any]) -> VirtualMachineInstance:
         if "spec" not in document:
@@ -382,9 +393,11 @@ def _fast_vmi(document: dict[str, Any]) -> VirtualMachineInstance | None:
             return None
         value = annotations.get(COMPANIONS_ANNOTATION, "on") if annotations else "on"
         companions = _SWITCH_VALUES.get(value) if type(value) is str else None
-        if companions is None:
+        value = annotations.get(CLIQUES_ANNOTATION, "on") if annotations else "on"
+        cliques = _SWITCH_VALUES.get(value) if type(value) is str else None
+        if companions is None or cliques is None:
             return None
-        meta = ObjectMeta(name, namespace, companions)
+        meta = ObjectMeta(name, namespace, companions, cliques)
     return VirtualMachineInstance(VMISpec(DomainSpec(Devices(gpus, host_devices)), tuple(claims)), meta)
 
 

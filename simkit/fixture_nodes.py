@@ -259,3 +259,39 @@ A100_NODE = Node(
 """Large BARs: ``nvidia.com/GA100_A100_PCIE_80GB`` x2 (``0000:3b:00.0`` on NUMA 0, ``0000:d8:00.0`` on NUMA 1)."""
 
 NODES = {node.name: node for node in (NODE01, VGPU_NODE, MIXED_NODE, SRIOV_VGPU_NODE, A100_NODE)}
+
+PLX = 0x10B5
+PEX_8747 = 0x8747
+RTX_A6000 = 0x2230
+A6000_AUDIO = 0x1AEF
+
+
+def _switched_card(port: str, bus: int, group: int) -> tuple[Function, ...]:
+    """An RTX A6000 (display and HDMI audio, one IOMMU group) on bus ``bus`` below the switch port ``port``."""
+    return (
+        Function(
+            f"0000:{bus:02x}:00.0", NVIDIA, RTX_A6000, CLASS_VGA, "vfio-pci", group, 0, parent=port, bars=TU106_BARS
+        ),
+        Function(f"0000:{bus:02x}:00.1", NVIDIA, A6000_AUDIO, CLASS_AUDIO, "vfio-pci", group, 0, parent=port),
+    )
+
+
+WORKSTATION_NODE = Node(
+    name="gpu-ws01",
+    functions=(
+        Function("0000:00:01.0", INTEL, 0x1901, CLASS_PCI_BRIDGE, "pcieport", 1, 0, revision=0x07),
+        # A PEX 8747 switch: its upstream port below the root port, two downstream ports, a card below each
+        # (ACS on the downstream ports gives each card an IOMMU group of its own).
+        Function("0000:01:00.0", PLX, PEX_8747, CLASS_PCI_BRIDGE, "pcieport", 2, 0, parent="0000:00:01.0"),
+        Function("0000:02:08.0", PLX, PEX_8747, CLASS_PCI_BRIDGE, "pcieport", 3, 0, parent="0000:01:00.0"),
+        Function("0000:02:10.0", PLX, PEX_8747, CLASS_PCI_BRIDGE, "pcieport", 4, 0, parent="0000:01:00.0"),
+        *_switched_card("0000:02:08.0", 0x03, 5),
+        *_switched_card("0000:02:10.0", 0x04, 6),
+        # A third card on a root port of its own: no switch between it and the root complex.
+        Function("0000:00:03.0", INTEL, 0x1905, CLASS_PCI_BRIDGE, "pcieport", 7, 0, revision=0x07),
+        *_switched_card("0000:00:03.0", 0x05, 8),
+    ),
+    pci_ids=PCI_IDS_EXCERPT,
+)
+"""A PCIe workstation: RTX A6000s at ``0000:03:00.0`` and ``0000:04:00.0`` below one PEX 8747 switch (one
+GPUDirect clique, docs/p2p.md), a third at ``0000:05:00.0`` on its own root port. Not in :data:`NODES`."""

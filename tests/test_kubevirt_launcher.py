@@ -24,7 +24,7 @@ import pytest
 import yaml
 from lxml import etree
 
-from simkit.fixture_nodes import A100_NODE
+from simkit.fixture_nodes import A100_NODE, WORKSTATION_NODE
 from simkit.sysfs_fixture import build
 from tests.kubevirt_harness_support import HarnessRun, aliases, hostdev_sources, hostdevs, run_harness, unique_vmi
 from tests.libvirt_support import missing, qemu_argv
@@ -245,6 +245,21 @@ def test_an_efi_a100_gets_its_64_bit_window_on_every_call(tmp_path: Path) -> Non
     command_line = qemu_argv(final)
     assert FW_CFG.findall(command_line) == ["262144"]
     assert "OVMF_CODE" in command_line
+
+
+def test_gpus_below_one_host_switch_get_their_gpudirect_clique_on_every_call(tmp_path: Path) -> None:
+    """docs/p2p.md: the workstation's two A6000s below one PEX switch share a clique, the third has none; KubeVirt's
+    read-back drops ``<qemu:override>`` as it drops ``<qemu:commandline>``, so each call's output has it anew."""
+    sysfs = build(WORKSTATION_NODE, tmp_path / "node") / "sys"
+    vmi = seed_vmi()
+    vmi["spec"]["domain"]["devices"]["gpus"] = [{"name": f"g{i}", "deviceName": RTX} for i in range(3)]
+    addresses = ["0000:03:00.0", "0000:04:00.0", "0000:05:00.0"]
+    run = run_harness(vmi, {RTX_VAR: ",".join(addresses)}, hook_args=["--sysfs-root", str(sysfs)])
+    final = assert_sound(run, {f"ua-gpu-g{i}": address for i, address in enumerate(addresses)})
+    for number, call in enumerate(run.report["hookCalls"]):
+        assert call["output"].count("x-nv-gpudirect-clique") == 2, number
+    devices = qemu_devices(qemu_argv(final))
+    assert [devices[f"ua-gpu-g{i}"].get("x-nv-gpudirect-clique") for i in range(3)] == [0, 0, None]
 
 
 def test_force_gpu_aliases_renames_kubevirts_gpus_on_every_call() -> None:

@@ -1,0 +1,223 @@
+"""GPUDirect peer-to-peer cliques: GPUs that share a host PCIe switch get one ``x-nv-gpudirect-clique``.
+
+NVIDIA's guest driver lets two passed-through GPUs read and write each other's memory directly only when QEMU
+says they may: ``vfio-pci``'s ``x-nv-gpudirect-clique=<0-15>`` adds a vendor capability to each GPU, and GPUs
+with the same number form a clique (docs/p2p.md). KubeVirt sets nothing of the kind, so P2P between a VM's GPUs
+goes through system memory. This pass gives each group of the VM's GPUs that sit below one host PCIe switch
+(:attr:`runtime.pci_topology.PciPlace.switch`, read from sysfs by a :class:`TopologyReader`) its own clique
+number, written through libvirt's ``<qemu:override>`` on the GPU's ``ua-`` alias (libvirt 8.2+ passes the
+property on the device's ``-device`` JSON):
+
+- only NVIDIA display-class physical functions count (QEMU refuses the property on anything else); a GPU alone
+  below its switch, or with no switch between it and the root complex, gets none;
+- a GPU the domain already gives a clique (a ``<qemu:property name="x-nv-gpudirect-clique">`` in a
+  ``<qemu:override>``) keeps it, and the numbers in use there are not given to another group;
+- more groups than the 16 numbers: the groups beyond are left out with a warning;
+- the VMI's annotation :data:`schemas.vmi.CLIQUES_ANNOTATION` ``"off"`` turns the pass off.
+
+Step 2, the last pass but the 64-bit window's (on the call's one parsed document, after the hostdev merge and
+the companions): it decides the clique of each GPU and the one writer (:mod:`launcher_hook.writer`) writes them
+before ``</domain>``, a splice in the bytes when the document is elements and text only and has no
+``<qemu:override>`` yet, an edit of the tree otherwise. A VM with fewer than two GPUs reads nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lxml import etree
+
+from launcher_hook.document import append_child, child_slots, indent_unit
+from launcher_hook.hostdev import HostdevSpec
+from launcher_hook.mmio_window import QEMU_NS
+from launcher_hook.writer import DomainWriter, Splice
+from schemas import InputError, PciAddress, ResourceKind
+from schemas.pci_topology import PciPlace
+
+CLIQUE_PROPERTY = "x-nv-gpudirect-clique"
+MAX_CLIQUES = 16
+"""Clique numbers QEMU takes: 0-15 (a 4-bit field of the capability)."""
+
+
+class TopologyReader(Protocol):
+    """Where the GPUs' places in the host's PCIe tree come from (``runtime.pci_topology.SysfsTopology``)."""
+
+    def read_all(self, addresses: Sequence[PciAddress]) -> list[PciPlace]: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Clique:
+    """One clique: its number, the host switch (its upstream port) the GPUs share, their aliases."""
+
+    number: int
+    switch: PciAddress
+    aliases: tuple[str, ...]
+
+
+@dataclass
+class CliqueOutcome:
+    """What the pass decided: the cliques it wrote, those the domain already had (alias → number), warnings."""
+
+    cliques: list[Clique] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _candidates(hostdevs: Sequence[HostdevSpec]) -> list[HostdevSpec]:
+    """The hostdevs that may be in a clique: whole PCI functions with a user alias (what ``<qemu:device>`` names)."""
+    return [
+        spec
+        for spec in hostdevs
+        if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress) and spec.alias.startswith("ua-")
+    ]
+
+
+def existing_cliques(root: etree._Element) -> dict[str, str]:
+    """alias → clique value the domain's ``<qemu:override>`` elements already give."""
+    found: dict[str, str] = {}
+    for override in root.iterchildren(f"{{{QEMU_NS}}}override"):
+        for device in override.iterchildren(f"{{{QEMU_NS}}}device"):
+            alias = device.get("alias")
+            for frontend in device.iterchildren(f"{{{QEMU_NS}}}frontend"):
+                for prop in frontend.iterchildren(f"{{{QEMU_NS}}}property"):
+                    if alias and prop.get("name") == CLIQUE_PROPERTY:
+                        found.setdefault(alias, prop.get("value") or "")
+    return found
+
+
+def plan_cliques(
+    specs: Sequence[HostdevSpec], places: Sequence[PciPlace], kept: Mapping[str, str]
+) -> tuple[list[Clique], list[str]]:
+    """The cliques of ``specs`` (their ``places`` in the same order): one per host switch below which two or
+    more NVIDIA GPUs sit, numbered in the order of their first GPU, skipping the numbers ``kept`` (the domain's
+    own cliques) uses; GPUs in ``kept`` keep theirs. Pure."""
+    groups: dict[PciAddress, list[str]] = {}
+    for spec, place in zip(specs, places, strict=True):
+        switch = place.switch
+        if place.nvidia_gpu and switch is not None and spec.alias not in kept:
+            groups.setdefault(switch, []).append(spec.alias)
+    taken = {_number(value) for value in kept.values()}
+    free = (number for number in range(MAX_CLIQUES) if number not in taken)
+    cliques: list[Clique] = []
+    warnings: list[str] = []
+    for switch, aliases in groups.items():
+        if len(aliases) < 2:
+            continue
+        number = next(free, None)
+        if number is None:
+            warnings.append(
+                f"GPUs {', '.join(aliases)} share the host PCIe switch {switch} but get no GPUDirect clique: all "
+                f"{MAX_CLIQUES} clique numbers are taken"
+            )
+            continue
+        cliques.append(Clique(number, switch, tuple(aliases)))
+    return cliques, warnings
+
+
+def _number(value: str) -> int | None:
+    """A property value as libvirt reads an ``unsigned`` one (decimal, or ``0x`` hex), or None."""
+    try:
+        return int(value, 0)
+    except ValueError:
+        return None
+
+
+def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: TopologyReader) -> CliqueOutcome:
+    """The cliques of ``hostdevs``' GPUs (their places read by ``reader``), given to ``writer``."""
+    outcome = CliqueOutcome()
+    specs = _candidates(hostdevs)
+    if len(specs) < 2:
+        return outcome
+    try:
+        places = reader.read_all([spec.source for spec in specs])  # type: ignore[misc]
+    except InputError as exc:
+        raise InputError(
+            f"{exc}; GPUDirect cliques are read from the PCIe tree under sysfs root {reader.describe()!r} "
+            "(--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT)"
+        ) from None
+    root = writer.parsed.root
+    outcome.kept = kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
+    cliques, outcome.warnings = plan_cliques(specs, places, kept)
+    if not cliques:
+        return outcome
+    outcome.cliques = cliques
+    has_override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None) is not None
+    splices = None if has_override or not writer.fast else _override_splices(writer, cliques)
+    if splices is not None:
+        writer.late(splices, lambda: _override_into_tree(writer, cliques))
+    else:
+        writer.no_fast()
+        writer.tree_changed()
+        _override_into_tree(writer, cliques)
+    return outcome
+
+
+def _device_texts(prefix: str, cliques: Sequence[Clique], before: str, unit: str, expanded: bool) -> str:
+    end = f"></{prefix}:property>" if expanded else "/>"
+    inner, innermost = before + unit, before + unit + unit
+    texts = []
+    for clique in cliques:
+        for alias in clique.aliases:
+            texts.append(
+                f'{before}<{prefix}:device alias="{alias}">{inner}<{prefix}:frontend>{innermost}'
+                f'<{prefix}:property name="{CLIQUE_PROPERTY}" type="unsigned" value="{clique.number}"{end}'
+                f"{inner}</{prefix}:frontend>{before}</{prefix}:device>"
+            )
+    return "".join(texts)
+
+
+def _override_splices(writer: DomainWriter, cliques: Sequence[Clique]) -> Callable[[bool], list[Splice]] | None:
+    """The splice writing ``<qemu:override>`` before ``</domain>`` (its namespace declared on it where the root
+    does not declare libvirt's), given the output's empty-element style; None where the place is ambiguous."""
+    parsed = writer.parsed
+    root, source = parsed.root, parsed.source
+    end = source.rfind(b"</domain")
+    if end < 0 or source[end:].rstrip() != b"</domain>" or not len(root):
+        return None
+    unit = indent_unit(root)
+    before, closing = child_slots(root, unit)
+    if before is None or closing is None:
+        before = closing = None  # (compact: no layout to follow)
+    cut = end - len(closing or "")
+    if source[cut:end] != (closing or "").encode():
+        return None
+    prefix = next((str(p) for p, uri in root.nsmap.items() if uri == QEMU_NS and p is not None), None)
+    declare = "" if prefix is not None else f' xmlns:qemu="{QEMU_NS}"'
+    name = prefix or "qemu"
+    indent = before or ""
+    step = unit if before else ""
+
+    def splices(expanded: bool) -> list[Splice]:
+        body = _device_texts(name, cliques, indent + step, step, expanded)
+        return [(cut, cut, f"{indent}<{name}:override{declare}>{body}{indent}</{name}:override>".encode())]
+
+    return splices
+
+
+def _override_into_tree(writer: DomainWriter, cliques: Sequence[Clique]) -> None:
+    """The same on the tree: the devices appended to the domain's first ``<qemu:override>`` (one made, with its
+    own namespace declaration where the root has none, when there is none)."""
+    root = writer.parsed.root
+    unit = indent_unit(root)
+    override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None)
+    if override is None:
+        override = etree.Element(f"{{{QEMU_NS}}}override", nsmap={"qemu": QEMU_NS} if _undeclared(root) else None)
+        append_child(root, override, *child_slots(root, unit))
+    for clique in cliques:
+        for alias in clique.aliases:
+            device = etree.Element(f"{{{QEMU_NS}}}device", alias=alias)
+            append_child(override, device, *child_slots(override, unit))
+            frontend = etree.Element(f"{{{QEMU_NS}}}frontend")
+            append_child(device, frontend, *child_slots(device, unit))
+            prop = etree.Element(
+                f"{{{QEMU_NS}}}property", name=CLIQUE_PROPERTY, type="unsigned", value=str(clique.number)
+            )
+            append_child(frontend, prop, *child_slots(frontend, unit))
+
+
+def _undeclared(root: etree._Element) -> bool:
+    return all(uri != QEMU_NS for uri in root.nsmap.values())
