@@ -68,12 +68,10 @@ class CliqueOutcome:
 
 
 def _candidates(hostdevs: Sequence[HostdevSpec]) -> list[HostdevSpec]:
-    """The hostdevs that may be in a clique: whole PCI functions with a user alias (what ``<qemu:device>`` names)."""
-    return [
-        spec
-        for spec in hostdevs
-        if spec.kind is ResourceKind.PCI and isinstance(spec.source, PciAddress) and spec.alias.startswith("ua-")
-    ]
+    """The hostdevs that may be in a clique: whole PCI functions with a user alias (what ``<qemu:device>`` names).
+    (A PCI hostdev's source is a PciAddress.)"""
+    pci = ResourceKind.PCI
+    return [spec for spec in hostdevs if spec.kind is pci and spec.alias.startswith("ua-")]
 
 
 def existing_cliques(root: etree._Element) -> dict[str, str]:
@@ -126,6 +124,29 @@ def _number(value: str) -> int | None:
         return None
 
 
+GROUPS_KEPT = 16
+"""Answers :func:`_shared_switches` keeps."""
+_groups: dict[tuple[int, ...], tuple[tuple[PciPlace, ...], bool]] = {}
+
+
+def _shared_switches(places: Sequence[PciPlace]) -> bool:
+    """Whether two of the NVIDIA GPUs at ``places`` are below one host switch: kept for the very same place
+    objects (a service keeps each GPU's place for its pod, so it gets the same objects on every call; found by
+    their identities, which stay theirs while the answer, which holds them, is kept). A VM whose GPUs share no
+    switch, the usual case, then costs one lookup per call."""
+    key = tuple(map(id, places))
+    found = _groups.get(key)
+    if found is not None:
+        return found[1]
+    switches = [place.switch for place in places if place.nvidia_gpu]
+    present = [switch for switch in switches if switch is not None]
+    shared = len(set(present)) < len(present)
+    if len(_groups) >= GROUPS_KEPT:
+        _groups.clear()
+    _groups[key] = (tuple(places), shared)
+    return shared
+
+
 def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: TopologyReader) -> CliqueOutcome:
     """The cliques of ``hostdevs``' GPUs (their places read by ``reader``), given to ``writer``."""
     outcome = CliqueOutcome()
@@ -139,6 +160,8 @@ def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: T
             f"{exc}; GPUDirect cliques are read from the PCIe tree under sysfs root {reader.describe()!r} "
             "(--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT)"
         ) from None
+    if not _shared_switches(places):
+        return outcome
     root = writer.parsed.root
     outcome.kept = kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
     cliques, outcome.warnings = plan_cliques(specs, places, kept)

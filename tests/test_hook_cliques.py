@@ -17,7 +17,15 @@ from lxml import etree
 
 from bench.workloads import CARD_VARIABLE, gpu_vmi, kubevirt_sized_domain, rendered_domain
 from launcher_hook import BuildOptions, build_domain
-from launcher_hook.cliques import CLIQUE_PROPERTY, MAX_CLIQUES, existing_cliques, plan_cliques
+from launcher_hook.cliques import (
+    CLIQUE_PROPERTY,
+    GROUPS_KEPT,
+    MAX_CLIQUES,
+    _groups,
+    _shared_switches,
+    existing_cliques,
+    plan_cliques,
+)
 from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.mmio_window import QEMU_NS
 from runtime.pci_companions import SysfsCompanions
@@ -211,3 +219,20 @@ def test_a_domain_with_its_own_override_keeps_it_and_gets_the_devices_in_it(sys_
     root = etree.fromstring(result)
     (override,) = root.iterchildren(f"{{{QEMU_NS}}}override")
     assert [device.get("alias") for device in override] == ["ua-data0", "ua-other", "ua-gpu0", "ua-gpu1"]
+
+
+def test_whether_gpus_share_a_switch_is_kept_for_the_same_places_only() -> None:
+    shared = [
+        _place("0000:00:01.0", "0000:01:00.0", "0000:02:08.0"),
+        _place("0000:00:01.0", "0000:01:00.0", "0000:02:10.0"),
+    ]
+    apart = [_place("0000:00:01.0", "0000:01:00.0", "0000:02:08.0"), _place("0000:00:03.0")]
+    assert _shared_switches(shared) and _shared_switches(list(shared))
+    assert not _shared_switches(apart) and not _shared_switches(
+        [shared[0], _place("0000:00:01.0", "0000:01:00.0", "0000:02:10.0", gpu=False)]
+    )
+    for n in range(GROUPS_KEPT + 1):  # bounded, and the answers stay right
+        assert not _shared_switches(
+            [_place(f"0000:00:{n + 1:02x}.0"), _place("0000:00:01.0", "0000:01:00.0", "0000:02:08.0")]
+        )
+    assert len(_groups) <= GROUPS_KEPT and _shared_switches(shared)
