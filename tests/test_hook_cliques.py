@@ -236,3 +236,23 @@ def test_whether_gpus_share_a_switch_is_kept_for_the_same_places_only() -> None:
             [_place(f"0000:00:{n + 1:02x}.0"), _place("0000:00:01.0", "0000:01:00.0", "0000:02:08.0")]
         )
     assert len(_groups) <= GROUPS_KEPT and _shared_switches(shared)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["xmlns-on-root", "no-xmlns"])
+def test_the_tree_path_and_the_splice_write_the_same_cliques(sys_dir: Path, declared: bool) -> None:
+    """A comment in the domain makes the writer serialise the tree; a root without ``xmlns:qemu`` gets the
+    declaration on the new element. Either way libvirt reads the same cliques."""
+    domain = kubevirt_sized_domain()
+    if not declared:
+        domain = re.sub(rb' xmlns:qemu="[^"]*"', b"", domain, count=1)
+        domain = re.sub(rb"\t<qemu:commandline>.*</qemu:commandline>\n", b"", domain, flags=re.DOTALL)
+        assert b"xmlns:qemu" not in domain and b"qemu:" not in domain
+    env = {CARD_VARIABLE: ",".join(GPUS)}
+    spliced = build_domain(domain, gpu_vmi(3), env, _options(sys_dir)).domain_xml
+    commented = domain.replace(b"<devices>", b"<!-- kept --><devices>", 1)
+    tree = build_domain(commented, gpu_vmi(3), env, _options(sys_dir)).domain_xml
+    assert b"<!-- kept -->" in tree
+    for written in (spliced, tree):
+        assert _cliques(written) == {"ua-gpu0": "0", "ua-gpu1": "0"}
+        libvirt_verdict(written)
+        assert f'"{CLIQUE_PROPERTY}":0' in qemu_argv(written)
