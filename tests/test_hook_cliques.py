@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from lxml import etree
 
 from bench.workloads import CARD_VARIABLE, gpu_vmi, kubevirt_sized_domain, rendered_domain
@@ -36,6 +37,7 @@ from schemas.vmi import CLIQUES_ANNOTATION
 from simkit.fixture_nodes import WORKSTATION_NODE
 from simkit.sysfs_fixture import build
 from tests.libvirt_support import libvirt_verdict, qemu_argv
+from xmlgen.cli import cli
 
 PAIR = ["0000:03:00.0", "0000:04:00.0"]
 ALONE = "0000:05:00.0"
@@ -256,3 +258,15 @@ def test_the_tree_path_and_the_splice_write_the_same_cliques(sys_dir: Path, decl
         assert _cliques(written) == {"ua-gpu0": "0", "ua-gpu1": "0"}
         libvirt_verdict(written)
         assert f'"{CLIQUE_PROPERTY}":0' in qemu_argv(written)
+
+
+def test_xmlgen_render_names_the_cliques(sys_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "domain.xml").write_bytes(kubevirt_sized_domain())
+    (tmp_path / "vmi.json").write_bytes(gpu_vmi(3))
+    (tmp_path / "environ").write_text(f"{CARD_VARIABLE}={','.join(GPUS)}\n")
+    args = ["render", "--domain", str(tmp_path / "domain.xml"), "--vmi", str(tmp_path / "vmi.json")]
+    args += ["--environ-file", str(tmp_path / "environ"), "--sysfs-root", str(sys_dir)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "gpudirect clique 0: ua-gpu0, ua-gpu1 (below host switch 0000:01:00.0)" in result.stderr
+    assert _cliques(result.stdout_bytes) == {"ua-gpu0": "0", "ua-gpu1": "0"}

@@ -11,6 +11,7 @@ from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
 from launcher_hook.cli import PCI_MMIO64_CHOICES, bar_source, claim_reader, dra_metadata_option
 from runtime.pci_bars import DEFAULT_SYSFS_ROOT
+from runtime.pci_topology import SysfsTopology
 from schemas.companions import is_companions_variable
 from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
 
@@ -57,7 +58,8 @@ from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_std
     type=click.Path(file_okay=False, path_type=Path),
     default=DEFAULT_SYSFS_ROOT,
     show_default=True,
-    help="Where BAR sizes are read: <root>/bus/pci/devices/<address>/resource (a fixture tree's sys/).",
+    help="Where BAR sizes (<root>/bus/pci/devices/<address>/resource) and the GPUs' places in the PCIe tree "
+    "(for GPUDirect cliques, docs/p2p.md) are read (a fixture tree's sys/).",
 )
 @dra_metadata_option
 @max_input_bytes_option
@@ -92,12 +94,18 @@ def render(
         force_gpu_aliases=force_gpu_aliases,
         bars=bar_source(pci_mmio64, sysfs_root),
         claims=claim_reader(dra_metadata_root),
+        topology=SysfsTopology(sysfs_root),
     )
     result = build_domain(domain, vmi, env, options)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     for placement in result.placements:
         click.echo(f"companions: {placement.describe()}", err=True)
+    for clique in result.cliques.cliques if result.cliques else ():
+        click.echo(
+            f"gpudirect clique {clique.number}: {', '.join(clique.aliases)} (below host switch {clique.switch})",
+            err=True,
+        )
     if not result.hostdevs:
         click.echo("warning: no PCI_RESOURCE_*/MDEV_PCI_RESOURCE_* variable requested any device", err=True)
     write_stdout(result.domain_xml)
