@@ -23,6 +23,7 @@ before ``</domain>``, a splice in the bytes when the document is elements and te
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -58,20 +59,21 @@ class Clique:
     aliases: tuple[str, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CliqueOutcome:
     """What the pass decided: the cliques it wrote, those the domain already had (alias → number), warnings."""
 
-    cliques: list[Clique] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
+    cliques: tuple[Clique, ...] = ()
+    kept: Mapping[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
 
-def _candidates(hostdevs: Sequence[HostdevSpec]) -> list[HostdevSpec]:
-    """The hostdevs that may be in a clique: whole PCI functions with a user alias (what ``<qemu:device>`` names).
-    (A PCI hostdev's source is a PciAddress.)"""
-    pci = ResourceKind.PCI
-    return [spec for spec in hostdevs if spec.kind is pci and spec.alias.startswith("ua-")]
+NO_CLIQUES = CliqueOutcome()
+"""The outcome of a VM whose GPUs share no switch (most): nothing written."""
+
+
+_SOURCE = operator.itemgetter(1)
+"""``HostdevSpec.source`` (a NamedTuple's second field) as a C function."""
 
 
 def existing_cliques(root: etree._Element) -> dict[str, str]:
@@ -96,7 +98,8 @@ def plan_cliques(
     groups: dict[PciAddress, list[str]] = {}
     for spec, place in zip(specs, places, strict=True):
         switch = place.switch
-        if place.nvidia_gpu and switch is not None and spec.alias not in kept:
+        # (a user alias: libvirt keeps only those of its input, so only they name a device in <qemu:override>)
+        if place.nvidia_gpu and switch is not None and spec.alias.startswith("ua-") and spec.alias not in kept:
             groups.setdefault(switch, []).append(spec.alias)
     taken = {_number(value) for value in kept.values()}
     free = (number for number in range(MAX_CLIQUES) if number not in taken)
@@ -149,34 +152,32 @@ def _shared_switches(places: Sequence[PciPlace]) -> bool:
 
 def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: TopologyReader) -> CliqueOutcome:
     """The cliques of ``hostdevs``' GPUs (their places read by ``reader``), given to ``writer``."""
-    outcome = CliqueOutcome()
-    specs = _candidates(hostdevs)
+    pci = ResourceKind.PCI
+    specs = [spec for spec in hostdevs if spec.kind is pci]  # (whole PCI functions: their sources are addresses)
     if len(specs) < 2:
-        return outcome
+        return NO_CLIQUES
     try:
-        places = reader.read_all([spec.source for spec in specs])  # type: ignore[misc]
+        places = reader.read_all(list(map(_SOURCE, specs)))
     except InputError as exc:
         raise InputError(
             f"{exc}; GPUDirect cliques are read from the PCIe tree under sysfs root {reader.describe()!r} "
             "(--sysfs-root, LAUNCHER_HOOK_SYSFS_ROOT)"
         ) from None
     if not _shared_switches(places):
-        return outcome
+        return NO_CLIQUES
     root = writer.parsed.root
-    outcome.kept = kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
-    cliques, outcome.warnings = plan_cliques(specs, places, kept)
-    if not cliques:
-        return outcome
-    outcome.cliques = cliques
-    has_override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None) is not None
-    splices = None if has_override or not writer.fast else _override_splices(writer, cliques)
-    if splices is not None:
-        writer.late(splices, lambda: _override_into_tree(writer, cliques))
-    else:
-        writer.no_fast()
-        writer.tree_changed()
-        _override_into_tree(writer, cliques)
-    return outcome
+    kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
+    cliques, warnings = plan_cliques(specs, places, kept)
+    if cliques:
+        has_override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None) is not None
+        splices = None if has_override or not writer.fast else _override_splices(writer, cliques)
+        if splices is not None:
+            writer.late(splices, lambda: _override_into_tree(writer, cliques))
+        else:
+            writer.no_fast()
+            writer.tree_changed()
+            _override_into_tree(writer, cliques)
+    return CliqueOutcome(tuple(cliques), kept, tuple(warnings))
 
 
 def _device_texts(prefix: str, cliques: Sequence[Clique], before: str, unit: str, expanded: bool) -> str:
