@@ -15,7 +15,9 @@ server runs in its own process on a unix socket, as in a pod, and one client her
 - ``efi-window``: ``add`` for an OVMF guest whose GPUs' 128 GiB BARs (read from the sysfs tree) need the 64-bit
   PCI window: ``-fw_cfg opt/ovmf/X-PciMmio64Mb`` is written;
 - ``dra``: every GPU from a DRA claim (KEP 5304 metadata files under ``--dra-metadata-root``), companions from
-  the sysfs tree.
+  the sysfs tree;
+- ``cliques``: ``add`` on a sysfs tree where every two GPUs sit below one PCIe switch: each pair gets a GPUDirect
+  clique through ``<qemu:override>`` (docs/p2p.md).
 
 Each case (path, size) gets its own ``launcher-hook serve``; it is measured against a gRPC server that only
 parses and serialises the same domain with lxml (``bench/hook_floor_server.py``), interleaved in the same run;
@@ -86,7 +88,7 @@ MARGINAL_GOAL_US = 15.0
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SERVER = Path(__file__).resolve().parent / "hook_floor_server.py"
 KUBELET_SERVER = Path(__file__).resolve().parent / "hook_kubelet_server.py"
-PATHS = ("add", "merge", "companions-env", "companions-sysfs", "companions-domain", "efi-window", "dra")
+PATHS = ("add", "merge", "companions-env", "companions-sysfs", "companions-domain", "efi-window", "dra", "cliques")
 SIZES = (1, 4, 16, 32)
 POD = ("ml", "virt-launcher-big-abcde")
 
@@ -177,6 +179,37 @@ def build_sysfs_tree(directory: Path, count: int) -> Path:
     return build(node, directory / f"node{count}") / "sys"
 
 
+def switched_tree(directory: Path, count: int) -> Path:
+    """A node's sysfs with ``count`` display functions on vfio-pci, every two below one PCIe switch (a root port,
+    the switch's upstream port, a downstream port per GPU): the GPUDirect cliques of docs/p2p.md."""
+    sys_dir = directory / f"switched{count}" / "sys"
+    if sys_dir.is_dir():
+        return sys_dir
+    from simkit.fixture_nodes import A100_80GB_BARS, CLASS_PCI_BRIDGE, CLASS_VGA, INTEL, NVIDIA, PCI_IDS_EXCERPT, PLX
+    from simkit.sysfs_fixture import Function, Node, build
+
+    functions = []
+    for index, address in enumerate(gpu_addresses(count)):
+        pair, member = divmod(index, 2)
+        root_port, upstream = f"0000:00:{pair + 1:02x}.0", f"0000:{0xC0 + pair:02x}:00.0"
+        downstream = f"0000:{0xC0 + pair:02x}:{member + 1:02x}.0"
+        if member == 0:
+            functions.append(Function(root_port, INTEL, 0x1901, CLASS_PCI_BRIDGE, "pcieport", 1000 + pair, 0))
+            functions.append(
+                Function(upstream, PLX, 0x8747, CLASS_PCI_BRIDGE, "pcieport", 2000 + pair, 0, parent=root_port)
+            )
+        functions.append(
+            Function(downstream, PLX, 0x8747, CLASS_PCI_BRIDGE, "pcieport", 3000 + index, 0, parent=upstream)
+        )
+        functions.append(
+            Function(
+                address, NVIDIA, 0x1F08, CLASS_VGA, "vfio-pci", 100 + index, 0, parent=downstream, bars=A100_80GB_BARS
+            )
+        )
+    node = Node(name="bench-switched", functions=tuple(functions), pci_ids=PCI_IDS_EXCERPT)
+    return build(node, directory / f"switched{count}") / "sys"
+
+
 def dra_tree(directory: Path, count: int) -> Path:
     """The KEP 5304 metadata files of :func:`gpu_vmi` ``(count, dra=True)``'s claims, each naming one GPU."""
     from schemas.vmi import parse_vmi
@@ -263,6 +296,11 @@ def case(path: str, size: int, directory: Path) -> Case:
         companion_reads.json = [str(file) for file in files]
         dra_vmi = gpu_vmi(size, dra=True)
         return Case(path, size, plain, dra_vmi, {}, options, None, with_companions, b"ua-gpu0-fn1", companion_reads)
+    if path == "cliques":
+        options = ["--sysfs-root", str(switched_tree(directory, size))]
+        return Case(
+            path, size, plain, vmi, allocation, options, None, size, b"x-nv-gpudirect-clique" if size > 1 else b""
+        )
     raise ValueError(f"unknown path {path!r}")
 
 
