@@ -72,8 +72,8 @@ NO_CLIQUES = CliqueOutcome()
 """The outcome of a VM whose GPUs share no switch (most): nothing written."""
 
 
-_SOURCE = operator.itemgetter(1)
-"""``HostdevSpec.source`` (a NamedTuple's second field) as a C function."""
+_KIND, _SOURCE = operator.itemgetter(0), operator.itemgetter(1)
+"""``HostdevSpec.kind`` and ``.source`` (a NamedTuple's first two fields) as C functions."""
 
 
 def existing_cliques(root: etree._Element) -> dict[str, str]:
@@ -152,8 +152,12 @@ def _shared_switches(places: Sequence[PciPlace]) -> bool:
 
 def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: TopologyReader) -> CliqueOutcome:
     """The cliques of ``hostdevs``' GPUs (their places read by ``reader``), given to ``writer``."""
+    if len(hostdevs) < 2:
+        return NO_CLIQUES
     pci = ResourceKind.PCI
-    specs = [spec for spec in hostdevs if spec.kind is pci]  # (whole PCI functions: their sources are addresses)
+    # whole PCI functions (their sources are addresses); all of them in most VMs, found without a Python loop
+    only_pci = list(map(_KIND, hostdevs)).count(pci) == len(hostdevs)  # (count: identity first, in C)
+    specs = hostdevs if only_pci else [spec for spec in hostdevs if spec.kind is pci]
     if len(specs) < 2:
         return NO_CLIQUES
     try:
