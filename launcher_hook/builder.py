@@ -183,7 +183,8 @@ def build_domain(
         warnings += placed.warnings
     cliques = None
     if options.topology is not None and (vmi is None or vmi.metadata.cliques):
-        cliques = clique_pass(writer, hostdevs, options.topology)
+        # (the merge's hostdevs: the companions the last pass added are functions of a GPU's own slot, not GPUs)
+        cliques = clique_pass(writer, merged.hostdevs, options.topology)
         warnings += cliques.warnings
     mmio = None
     if options.bars is not None:
