@@ -16,7 +16,9 @@ The choice, for the IDs left after ``must_include``:
    PCIe root can hold them all, then the node with the fewest candidates (best fit, which keeps large nodes
    whole for large VMs), then the lower node number; devices with unknown NUMA node only after known nodes;
 3. within that node, under one PCIe root when one can hold them (same order of preference); otherwise whole
-   roots, largest first;
+   roots, largest first; within the root, below one PCIe switch when one can hold them (the must-include
+   devices' switch first, then best fit): GPUs below one switch get a GPUDirect P2P clique in the VM
+   (docs/p2p.md);
 4. when no node can hold them, whole nodes, must-include's and then the largest first, the last one partly.
 
 The result is the must-include IDs then the chosen ones, each part sorted by ID: the same answer for the
@@ -29,8 +31,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from plugin.inventory import Device
+from schemas.pci_topology import switch_of
 
 K = TypeVar("K", bound=Hashable)
+_NONE: set[str] = set()
+"""No anchors (never changed)."""
 
 
 class PreferenceError(ValueError):
@@ -52,21 +57,42 @@ def _root_of(device: Device) -> str:
     return device.pcie_root or ""
 
 
-def _best_root_fit(devices: list[Device], count: int, anchors: set[str]) -> list[Device] | None:
-    """``count`` devices under one PCIe root, if one root has that many (anchored, then best fit, then name)."""
+def _switch_of(device: Device) -> str:
+    return switch_of(device.pcie_path) or ""
+
+
+def _best_switch_fit(members: list[Device], count: int, anchors: set[str]) -> list[Device]:
+    """``count`` of one root's ``members``: below one PCIe switch when one holds that many (anchored, then best
+    fit, then name), else by ID."""
+    by_id = sorted(members, key=lambda device: device.id)
+    switches = _groups(by_id, _switch_of)
+    fitting = [switch for switch, below in switches.items() if switch and len(below) >= count]
+    if not fitting:
+        return by_id[:count]
+    switch = min(fitting, key=lambda name: (name not in anchors, len(switches[name]), name))
+    return switches[switch][:count]
+
+
+def _best_root_fit(
+    devices: list[Device], count: int, anchors: set[str], switch_anchors: set[str] = _NONE
+) -> list[Device] | None:
+    """``count`` devices under one PCIe root, if one root has that many (anchored, then best fit, then name),
+    below one switch of it when one has that many (:func:`_best_switch_fit`)."""
     roots = _groups(devices, _root_of)
     fitting = [root for root, members in roots.items() if root and len(members) >= count]
     if not fitting:
         return None
     root = min(fitting, key=lambda name: (name not in anchors, len(roots[name]), name))
-    return sorted(roots[root], key=lambda device: device.id)[:count]
+    return _best_switch_fit(roots[root], count, switch_anchors)
 
 
-def _fill_by_roots(devices: list[Device], count: int, anchors: set[str]) -> list[Device]:
+def _fill_by_roots(
+    devices: list[Device], count: int, anchors: set[str], switch_anchors: set[str] = _NONE
+) -> list[Device]:
     """``count`` of ``devices``, under one root if possible, else whole roots (anchored, largest first)."""
     if count >= len(devices):
         return list(devices)
-    single = _best_root_fit(devices, count, anchors)
+    single = _best_root_fit(devices, count, anchors, switch_anchors)
     if single is not None:
         return single
     roots = _groups(devices, _root_of)
@@ -80,7 +106,13 @@ def _fill_by_roots(devices: list[Device], count: int, anchors: set[str]) -> list
     return chosen
 
 
-def _choose(candidates: list[Device], count: int, numa_anchors: set[int], root_anchors: set[str]) -> list[Device]:
+def _choose(
+    candidates: list[Device],
+    count: int,
+    numa_anchors: set[int],
+    root_anchors: set[str],
+    switch_anchors: set[str] = _NONE,
+) -> list[Device]:
     """``count`` of the healthy known ``candidates`` (``count`` ≤ their number), topology first."""
     if count <= 0:
         return []
@@ -99,7 +131,7 @@ def _choose(candidates: list[Device], count: int, numa_anchors: set[int], root_a
     fitting = [node for node, members in nodes.items() if len(members) >= count]
     if fitting:
         node = min(fitting, key=node_order)
-        return _fill_by_roots(nodes[node], count, root_anchors)
+        return _fill_by_roots(nodes[node], count, root_anchors, switch_anchors)
     spill = sorted(
         nodes,
         key=lambda node: (node is None, node not in numa_anchors, -len(nodes[node]), -1 if node is None else node),
@@ -146,7 +178,9 @@ def preferred_allocation(
     anchors = [known[device_id] for device_id in must]
     numa_anchors = {device.numa_node for device in anchors if device.numa_node is not None}
     root_anchors = {device.pcie_root for device in anchors if device.pcie_root}
-    chosen = [device.id for device in _choose(healthy, min(count, len(healthy)), numa_anchors, root_anchors)]
+    switch_anchors = {switch for device in anchors if (switch := _switch_of(device))}
+    picked = _choose(healthy, min(count, len(healthy)), numa_anchors, root_anchors, switch_anchors)
+    chosen = [device.id for device in picked]
     if len(chosen) < count:
         unhealthy = [device_id for device_id in rest if not known[device_id].healthy]
         chosen.extend(unhealthy[: count - len(chosen)])

@@ -3,13 +3,25 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
 
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 
 MAX_LINK_BYTES = 4096
 """Longest link target taken (PATH_MAX)."""
+
+
+_Bridge = TypeVar("_Bridge")
+
+
+def switch_of(bridges: Sequence[_Bridge]) -> _Bridge | None:
+    """The upstream port of the PCIe switch a function is behind, given its upstream ``bridges`` (root port
+    first): the first bridge below the root port when another bridge (the switch's downstream port) follows it;
+    None on a root port itself or behind a lone bridge, where nothing but the root complex joins it to others.
+    The rule the hook's cliques (docs/p2p.md) and the device plugin's preferred allocation share."""
+    return bridges[1] if len(bridges) >= 3 else None
 
 
 class PciPlace(NamedTuple):
@@ -23,8 +35,7 @@ class PciPlace(NamedTuple):
     def switch(self) -> PciAddress | None:
         """The upstream port of the PCIe switch below the root port that the function is behind, or None (on
         the root port itself, or behind a lone bridge: no switch between it and the root complex)."""
-        bridges = self.bridges
-        return bridges[1] if len(bridges) >= 3 else None
+        return switch_of(self.bridges)
 
 
 ABSENT = PciPlace((), False)

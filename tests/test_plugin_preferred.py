@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from plugin.inventory import Device
 from plugin.preferred import PreferenceError, preferred_allocation
 from schemas.naming import ResourceKind
-from simkit.fixture_nodes import MIXED_NODE, NODE01
+from simkit.fixture_nodes import MIXED_NODE, NODE01, WORKSTATION_NODE
 from tests.discovery_support import build_node, discover
 
 RTX = "nvidia.com/TU106_GEFORCE_RTX_2060_REV__A"
@@ -199,3 +200,29 @@ def test_properties(request: tuple[list[Device], list[str], list[str], int], rng
         assert picked[0].numa_node is not None
     if need and not must and any(n >= need for root, n in by_root.items() if root and ROOTS[root] is not None):
         assert len({device.pcie_root for device in picked}) == 1
+
+
+def _below(device_id: str, *path: str) -> Device:
+    return replace(gpu(device_id, 0, "pci0000:00"), pcie_path=path)
+
+
+def test_within_a_root_gpus_below_one_switch_come_first() -> None:
+    """docs/p2p.md: the hook gives GPUs below one PCIe switch a GPUDirect clique, so the plugin offers them."""
+    switch = ("0000:00:01.0", "0000:01:00.0")
+    alone = _below("0000:00:03.0", "0000:00:03.0")  # (its ID sorts first: a choice by ID would take it)
+    pair = [_below("0000:05:00.0", *switch, "0000:02:08.0"), _below("0000:06:00.0", *switch, "0000:02:10.0")]
+    other = [_below("0000:0a:00.0", "0000:00:04.0", "0000:09:00.0", "0000:0b:08.0")]  # a switch of one GPU
+    devices = [alone.id, *(d.id for d in pair), other[0].id]
+    known = [alone, *pair, *other]
+    assert preferred_allocation(known, devices, [], 2) == ["0000:05:00.0", "0000:06:00.0"]
+    assert preferred_allocation(known, devices, ["0000:06:00.0"], 2) == ["0000:06:00.0", "0000:05:00.0"]
+    assert preferred_allocation(known, devices, [], 3) == ["0000:00:03.0", "0000:05:00.0", "0000:06:00.0"]
+    assert preferred_allocation(known, [alone.id, other[0].id], [], 2) == [alone.id, other[0].id]
+
+
+def test_the_workstations_pair_is_found_below_its_switch(tmp_path: Path) -> None:
+    devices = discover(build_node(WORKSTATION_NODE, tmp_path)).resources[0].devices
+    assert {d.id: d.pcie_path for d in devices}["0000:03:00.0"] == ("0000:00:01.0", "0000:01:00.0", "0000:02:08.0")
+    ids = [d.id for d in devices]
+    assert preferred_allocation(devices, ids, ["0000:04:00.0"], 2) == ["0000:04:00.0", "0000:03:00.0"]
+    assert preferred_allocation(devices, ids, ["0000:05:00.0"], 2) == ["0000:05:00.0", "0000:03:00.0"]
