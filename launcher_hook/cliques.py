@@ -27,6 +27,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+from xml.sax.saxutils import escape
 
 from lxml import etree
 
@@ -184,6 +185,11 @@ def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: T
     return CliqueOutcome(tuple(cliques), kept, tuple(warnings))
 
 
+def _attribute(value: str) -> str:
+    """``value`` for a double-quoted attribute (an alias read from the domain may hold any character)."""
+    return escape(value, {'"': "&quot;"})
+
+
 def _device_texts(prefix: str, cliques: Sequence[Clique], before: str, unit: str, expanded: bool) -> str:
     end = f"></{prefix}:property>" if expanded else "/>"
     inner, innermost = before + unit, before + unit + unit
@@ -191,7 +197,7 @@ def _device_texts(prefix: str, cliques: Sequence[Clique], before: str, unit: str
     for clique in cliques:
         for alias in clique.aliases:
             texts.append(
-                f'{before}<{prefix}:device alias="{alias}">{inner}<{prefix}:frontend>{innermost}'
+                f'{before}<{prefix}:device alias="{_attribute(alias)}">{inner}<{prefix}:frontend>{innermost}'
                 f'<{prefix}:property name="{CLIQUE_PROPERTY}" type="unsigned" value="{clique.number}"{end}'
                 f"{inner}</{prefix}:frontend>{before}</{prefix}:device>"
             )

@@ -22,6 +22,8 @@ from launcher_hook.cliques import (
     CLIQUE_PROPERTY,
     GROUPS_KEPT,
     MAX_CLIQUES,
+    Clique,
+    _device_texts,
     _groups,
     _shared_switches,
     existing_cliques,
@@ -270,3 +272,16 @@ def test_xmlgen_render_names_the_cliques(sys_dir: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "gpudirect clique 0: ua-gpu0, ua-gpu1 (below host switch 0000:01:00.0)" in result.stderr
     assert _cliques(result.stdout_bytes) == {"ua-gpu0": "0", "ua-gpu1": "0"}
+
+
+def test_an_alias_with_markup_characters_is_written_escaped(sys_dir: Path) -> None:
+    """virt-launcher's aliases are ``ua-gpu-<the VMI entry's name>``; whatever the domain holds, the override is
+    well-formed and names the GPUs by the aliases their hostdevs have in the output."""
+    domain = rendered_domain(PAIR).replace(b'"ua-gpu-gpu0"', b'"ua-gpu-a&amp;b&quot;&lt;c"')
+    result = build_domain(domain, gpu_vmi(2), {CARD_VARIABLE: ",".join(PAIR)}, _options(sys_dir)).domain_xml
+    root = etree.fromstring(result)
+    aliases = [alias.get("name") for alias in root.iterfind("devices/hostdev/alias")]
+    assert sorted(_cliques(result)) == sorted(aliases) and len(aliases) == 2
+    assert _device_texts("q", [Clique(0, PciAddress.parse(PAIR[0]), ('a&b"<c',))], "", "", False).startswith(
+        '<q:device alias="a&amp;b&quot;&lt;c">'
+    )
