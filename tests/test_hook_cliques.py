@@ -280,7 +280,7 @@ def test_an_alias_with_markup_characters_is_written_escaped(sys_dir: Path) -> No
     domain = rendered_domain(PAIR).replace(b'"ua-gpu-gpu0"', b'"ua-gpu-a&amp;b&quot;&lt;c"')
     result = build_domain(domain, gpu_vmi(2), {CARD_VARIABLE: ",".join(PAIR)}, _options(sys_dir)).domain_xml
     root = etree.fromstring(result)
-    aliases = [alias.get("name") for alias in root.iterfind("devices/hostdev/alias")]
+    aliases = [str(alias.get("name")) for alias in root.iterfind("devices/hostdev/alias")]
     assert sorted(_cliques(result)) == sorted(aliases) and len(aliases) == 2
     assert _device_texts("q", [Clique(0, PciAddress.parse(PAIR[0]), ('a&b"<c',))], "", "", False).startswith(
         '<q:device alias="a&amp;b&quot;&lt;c">'
