@@ -24,7 +24,7 @@ before ``</domain>``, a splice in the bytes when the document is elements and te
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from xml.sax.saxutils import escape
@@ -172,17 +172,35 @@ def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: T
         return NO_CLIQUES
     root = writer.parsed.root
     kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
-    cliques, warnings = plan_cliques(specs, places, kept)
+    cliques, warnings = _kept_plan(specs, places, kept)
     if cliques:
         has_override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None) is not None
-        splices = None if has_override or not writer.fast else _override_splices(writer, cliques)
-        if splices is not None:
-            writer.late(splices, lambda: _override_into_tree(writer, cliques))
+        splice = None if has_override or not writer.fast else _override_splice(writer, cliques)
+        if splice is not None:
+            writer.splice(splice[0], splice[1], splice[2], lambda: _override_into_tree(writer, cliques))
         else:
             writer.no_fast()
             writer.tree_changed()
             _override_into_tree(writer, cliques)
-    return CliqueOutcome(tuple(cliques), kept, tuple(warnings))
+    return CliqueOutcome(cliques, kept, warnings)
+
+
+_plans: dict[tuple[object, ...], tuple[tuple[PciPlace, ...], tuple[Clique, ...], tuple[str, ...]]] = {}
+
+
+def _kept_plan(
+    specs: Sequence[HostdevSpec], places: Sequence[PciPlace], kept: Mapping[str, str]
+) -> tuple[tuple[Clique, ...], tuple[str, ...]]:
+    """:func:`plan_cliques`, kept for the same aliases, the very same place objects (see :func:`_shared_switches`)
+    and the same cliques of the domain's own: a pod's calls plan the same VM."""
+    key = (tuple(map(id, places)), tuple(spec.alias for spec in specs), tuple(kept.items()))
+    found = _plans.get(key)
+    if found is None:
+        cliques, warnings = plan_cliques(specs, places, kept)
+        if len(_plans) >= GROUPS_KEPT:
+            _plans.clear()
+        found = _plans[key] = (tuple(places), tuple(cliques), tuple(warnings))
+    return found[1], found[2]
 
 
 def _attribute(value: str) -> str:
@@ -204,9 +222,13 @@ def _device_texts(prefix: str, cliques: Sequence[Clique], before: str, unit: str
     return "".join(texts)
 
 
-def _override_splices(writer: DomainWriter, cliques: Sequence[Clique]) -> Callable[[bool], list[Splice]] | None:
+_texts: dict[tuple[object, ...], bytes] = {}
+
+
+def _override_splice(writer: DomainWriter, cliques: Sequence[Clique]) -> Splice | None:
     """The splice writing ``<qemu:override>`` before ``</domain>`` (its namespace declared on it where the root
-    does not declare libvirt's), given the output's empty-element style; None where the place is ambiguous."""
+    does not declare libvirt's; empty elements as the document writes them, as a serialised tree would); None
+    where the place is ambiguous. The text is kept per cliques and layout (a pod's calls write the same)."""
     parsed = writer.parsed
     root, source = parsed.root, parsed.source
     end = source.rfind(b"</domain")
@@ -220,16 +242,19 @@ def _override_splices(writer: DomainWriter, cliques: Sequence[Clique]) -> Callab
     if source[cut:end] != (closing or "").encode():
         return None
     prefix = next((str(p) for p, uri in root.nsmap.items() if uri == QEMU_NS and p is not None), None)
-    declare = "" if prefix is not None else f' xmlns:qemu="{QEMU_NS}"'
-    name = prefix or "qemu"
-    indent = before or ""
-    step = unit if before else ""
-
-    def splices(expanded: bool) -> list[Splice]:
-        body = _device_texts(name, cliques, indent + step, step, expanded)
-        return [(cut, cut, f"{indent}<{name}:override{declare}>{body}{indent}</{name}:override>".encode())]
-
-    return splices
+    key = (tuple(cliques), prefix, before, unit, parsed.expanded_empty)
+    text = _texts.get(key)
+    if text is None:
+        declare = "" if prefix is not None else f' xmlns:qemu="{QEMU_NS}"'
+        name = prefix or "qemu"
+        indent = before or ""
+        step = unit if before else ""
+        body = _device_texts(name, cliques, indent + step, step, parsed.expanded_empty)
+        text = f"{indent}<{name}:override{declare}>{body}{indent}</{name}:override>".encode()
+        if len(_texts) >= GROUPS_KEPT:
+            _texts.clear()
+        _texts[key] = text
+    return (cut, cut, text)
 
 
 def _override_into_tree(writer: DomainWriter, cliques: Sequence[Clique]) -> None:
