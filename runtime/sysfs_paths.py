@@ -12,7 +12,8 @@ writes, or a tree of ours).
 **Kept for the serving process's life.** What the hook reads here about the devices allocated to its pod is
 kept by the reader a :class:`launcher_hook.service.HookService` holds (:class:`KeptFacts`, one per reader, so
 per service, never module-wide): per PCI address the facts the companion rule needs
-(:class:`runtime.pci_companions.SysfsCompanions`) and the BARs (:class:`runtime.pci_bars.SysfsBars`). A device
+(:class:`runtime.pci_companions.SysfsCompanions`), the BARs (:class:`runtime.pci_bars.SysfsBars`) and the
+function's place in the PCIe tree (:class:`runtime.pci_topology.SysfsTopology`). A device
 found there costs no system call; one that is not is read as described above (confined, bounded, the same
 errors), and an error is never kept. Why that is safe: one sidecar process serves one virt-launcher pod (KubeVirt
 starts a hook sidecar per VMI pod; a migration target is a new pod with a new sidecar), and the devices it is
