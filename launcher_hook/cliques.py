@@ -11,7 +11,8 @@ property on the device's ``-device`` JSON):
 - only NVIDIA display-class physical functions count (QEMU refuses the property on anything else); a GPU alone
   below its switch, or with no switch between it and the root complex, gets none;
 - a GPU the domain already gives a clique (a ``<qemu:property name="x-nv-gpudirect-clique">`` in a
-  ``<qemu:override>``) keeps it, and the numbers in use there are not given to another group;
+  ``<qemu:override>``) keeps it and the other GPUs below its switch join it; the numbers in use there are not
+  given to another group;
 - more groups than the 16 numbers: the groups beyond are left out with a warning;
 - the VMI's annotation :data:`schemas.vmi.CLIQUES_ANNOTATION` ``"off"`` turns the pass off.
 
@@ -78,7 +79,8 @@ _KIND, _SOURCE = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def existing_cliques(root: etree._Element) -> dict[str, str]:
-    """alias → clique value the domain's ``<qemu:override>`` elements already give."""
+    """alias → clique value the domain's ``<qemu:override>`` elements already give (the last one for an alias
+    named more than once: libvirt applies them in order, so the last is what QEMU gets)."""
     found: dict[str, str] = {}
     for override in root.iterchildren(f"{{{QEMU_NS}}}override"):
         for device in override.iterchildren(f"{{{QEMU_NS}}}device"):
@@ -86,7 +88,7 @@ def existing_cliques(root: etree._Element) -> dict[str, str]:
             for frontend in device.iterchildren(f"{{{QEMU_NS}}}frontend"):
                 for prop in frontend.iterchildren(f"{{{QEMU_NS}}}property"):
                     if alias and prop.get("name") == CLIQUE_PROPERTY:
-                        found.setdefault(alias, prop.get("value") or "")
+                        found[alias] = prop.get("value") or ""
     return found
 
 
@@ -95,37 +97,48 @@ def plan_cliques(
 ) -> tuple[list[Clique], list[str]]:
     """The cliques of ``specs`` (their ``places`` in the same order): one per host switch below which two or
     more NVIDIA GPUs sit, numbered in the order of their first GPU, skipping the numbers ``kept`` (the domain's
-    own cliques) uses; GPUs in ``kept`` keep theirs. Pure."""
+    own cliques, alias → value) uses. GPUs in ``kept`` keep theirs, and the others below their switch join it
+    (none do when the domain gives the switch's GPUs different cliques: a warning). Pure."""
     groups: dict[PciAddress, list[str]] = {}
     for spec, place in zip(specs, places, strict=True):
         switch = place.switch
         # (a user alias: libvirt keeps only those of its input, so only they name a device in <qemu:override>)
-        if place.nvidia_gpu and switch is not None and spec.alias.startswith("ua-") and spec.alias not in kept:
+        if place.nvidia_gpu and switch is not None and spec.alias.startswith("ua-"):
             groups.setdefault(switch, []).append(spec.alias)
     taken = {_number(value) for value in kept.values()}
     free = (number for number in range(MAX_CLIQUES) if number not in taken)
     cliques: list[Clique] = []
     warnings: list[str] = []
     for switch, aliases in groups.items():
-        if len(aliases) < 2:
+        joining = tuple(alias for alias in aliases if alias not in kept)
+        if len(aliases) < 2 or not joining:
             continue
-        number = next(free, None)
-        if number is None:
+        theirs = {kept[alias] for alias in aliases if alias in kept}
+        if len(theirs) > 1:
             warnings.append(
-                f"GPUs {', '.join(aliases)} share the host PCIe switch {switch} but get no GPUDirect clique: all "
-                f"{MAX_CLIQUES} clique numbers are taken"
+                f"GPUs below the host PCIe switch {switch} have different GPUDirect cliques in the domain "
+                f"({', '.join(sorted(theirs))}); {', '.join(joining)} join none of them"
             )
             continue
-        cliques.append(Clique(number, switch, tuple(aliases)))
+        number = _number(next(iter(theirs))) if theirs else next(free, None)
+        if number is None:
+            shown = (
+                f"the domain's clique {next(iter(theirs))!r} is not a number"
+                if theirs
+                else (f"all {MAX_CLIQUES} clique numbers are taken")
+            )
+            warnings.append(
+                f"GPUs {', '.join(joining)} share the host PCIe switch {switch} but get no GPUDirect clique: {shown}"
+            )
+            continue
+        cliques.append(Clique(number, switch, joining))
     return cliques, warnings
 
 
 def _number(value: str) -> int | None:
-    """A property value as libvirt reads an ``unsigned`` one (decimal, or ``0x`` hex), or None."""
-    try:
-        return int(value, 0)
-    except ValueError:
-        return None
+    """A property value as libvirt 9.0 reads an ``unsigned`` one (base 10, leading zeros allowed: ``01`` is 1;
+    it refuses ``0x1``), or None."""
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 GROUPS_KEPT = 16
@@ -174,8 +187,7 @@ def clique_pass(writer: DomainWriter, hostdevs: Sequence[HostdevSpec], reader: T
     kept = existing_cliques(root) if b"override" in writer.parsed.source else {}
     cliques, warnings = _kept_plan(specs, places, kept)
     if cliques:
-        has_override = next(root.iterchildren(f"{{{QEMU_NS}}}override"), None) is not None
-        splice = None if has_override or not writer.fast else _override_splice(writer, cliques)
+        splice = _override_splice(writer, cliques) if writer.fast else None
         if splice is not None:
             writer.splice(splice[0], splice[1], splice[2], lambda: _override_into_tree(writer, cliques))
         else:
@@ -231,10 +243,14 @@ def _override_splice(writer: DomainWriter, cliques: Sequence[Clique]) -> Splice 
     where the place is ambiguous. The text is kept per cliques and layout (a pod's calls write the same)."""
     parsed = writer.parsed
     root, source = parsed.root, parsed.source
+    unit = indent_unit(root)
+    expanded = parsed.expanded_empty
+    overrides = list(root.iterchildren(f"{{{QEMU_NS}}}override")) if b"override" in source else []
+    if overrides:
+        return _into_override(source, overrides, cliques, unit, expanded)
     end = source.rfind(b"</domain")
     if end < 0 or source[end:].rstrip() != b"</domain>" or not len(root):
         return None
-    unit = indent_unit(root)
     before, closing = child_slots(root, unit)
     if before is None or closing is None:
         before = closing = None  # (compact: no layout to follow)
@@ -242,19 +258,43 @@ def _override_splice(writer: DomainWriter, cliques: Sequence[Clique]) -> Splice 
     if source[cut:end] != (closing or "").encode():
         return None
     prefix = next((str(p) for p, uri in root.nsmap.items() if uri == QEMU_NS and p is not None), None)
-    key = (tuple(cliques), prefix, before, unit, parsed.expanded_empty)
+    key = (tuple(cliques), prefix, before, unit, expanded)
     text = _texts.get(key)
     if text is None:
         declare = "" if prefix is not None else f' xmlns:qemu="{QEMU_NS}"'
         name = prefix or "qemu"
         indent = before or ""
         step = unit if before else ""
-        body = _device_texts(name, cliques, indent + step, step, parsed.expanded_empty)
+        body = _device_texts(name, cliques, indent + step, step, expanded)
         text = f"{indent}<{name}:override{declare}>{body}{indent}</{name}:override>".encode()
         if len(_texts) >= GROUPS_KEPT:
             _texts.clear()
         _texts[key] = text
     return (cut, cut, text)
+
+
+def _into_override(
+    source: bytes, overrides: list[etree._Element], cliques: Sequence[Clique], unit: str, expanded: bool
+) -> Splice | None:
+    """The splice adding the devices at the end of the domain's one ``<qemu:override>`` (laid out like its
+    children), or None where that is ambiguous in the bytes (two overrides, an empty or unprefixed one, its end
+    tag not found exactly once)."""
+    if len(overrides) != 1 or not len(overrides[0]) or overrides[0].prefix is None:
+        return None
+    override = overrides[0]
+    own = str(override.prefix)
+    end_tag = f"</{own}:override".encode()
+    where = source.find(end_tag)
+    if where < 0 or source.find(end_tag, where + 1) >= 0:
+        return None
+    before, closing = child_slots(override, unit)
+    if before is None or closing is None:
+        before = closing = None
+    cut = where - len(closing or "")
+    if source[cut:where] != (closing or "").encode():
+        return None
+    step = unit if before else ""
+    return (cut, cut, _device_texts(own, cliques, before or "", step, expanded).encode())
 
 
 def _override_into_tree(writer: DomainWriter, cliques: Sequence[Clique]) -> None:

@@ -521,7 +521,8 @@ def insert_qemu_args_tree(output: bytes, args: Sequence[str], max_bytes: int) ->
         # serialize() keeps the root start tag verbatim: declare the namespace in its bytes first.
         start_end = _root_start_tag_end_any(output)
         declaration = f' xmlns:{_free_prefix(root)}="{QEMU_NS}"'.encode()
-        parsed = parse_domain(output[:start_end] + declaration + output[start_end:], max_bytes)
+        # (the declaration's bytes on top of the bound: ``output`` is this hook's own, within it already)
+        parsed = parse_domain(output[:start_end] + declaration + output[start_end:], max_bytes + len(declaration))
         root = parsed.root
     _append_args(root, args)
     return parsed.serialize()

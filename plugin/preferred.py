@@ -58,19 +58,26 @@ def _root_of(device: Device) -> str:
 
 
 def _switch_of(device: Device) -> str:
-    return switch_of(device.pcie_path) or ""
+    # (a vGPU's path ends with its parent GPU, which is no bridge)
+    path = device.pcie_path[:-1] if device.mdev_type is not None else device.pcie_path
+    return switch_of(path) or ""
 
 
 def _best_switch_fit(members: list[Device], count: int, anchors: set[str]) -> list[Device]:
     """``count`` of one root's ``members``: below one PCIe switch when one holds that many (anchored, then best
-    fit, then name), else by ID."""
+    fit, then name), else whole switches (anchored, then largest first; a switch of one GPU is none) and then
+    the rest, each by ID."""
     by_id = sorted(members, key=lambda device: device.id)
     switches = _groups(by_id, _switch_of)
     fitting = [switch for switch, below in switches.items() if switch and len(below) >= count]
-    if not fitting:
-        return by_id[:count]
-    switch = min(fitting, key=lambda name: (name not in anchors, len(switches[name]), name))
-    return switches[switch][:count]
+    if fitting:
+        switch = min(fitting, key=lambda name: (name not in anchors, len(switches[name]), name))
+        return switches[switch][:count]
+    shared = [switch for switch, below in switches.items() if switch and len(below) > 1]
+    shared.sort(key=lambda name: (name not in anchors, -len(switches[name]), name))
+    chosen = [device for switch in shared for device in switches[switch]][:count]
+    taken = {device.id for device in chosen}
+    return chosen + [device for device in by_id if device.id not in taken][: count - len(chosen)]
 
 
 def _best_root_fit(

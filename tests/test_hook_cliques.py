@@ -117,8 +117,17 @@ def test_gpus_below_one_switch_share_a_clique_and_a_lone_gpu_or_a_non_gpu_gets_n
         (1, "0000:06:00.0", ("ua-gpu1", "ua-gpu3")),
     ]
     assert warnings == []
-    kept, _ = plan_cliques(specs, places, {"ua-gpu2": "0x0", "ua-other": "1"})  # the domain's own: kept, skipped
-    assert [(c.number, c.aliases) for c in kept] == [(2, ("ua-gpu1", "ua-gpu3"))]
+    # The domain's own cliques: kept, their switch partners join them, their numbers are not given out again
+    # (libvirt reads an unsigned value in base 10: "01" is 1, "0x1" it refuses).
+    kept, warned = plan_cliques(specs, places, {"ua-gpu2": "00", "ua-other": "01"})
+    assert [(c.number, c.aliases) for c in kept] == [(0, ("ua-gpu0",)), (2, ("ua-gpu1", "ua-gpu3"))] and not warned
+    odd, warned = plan_cliques(specs, places, {"ua-gpu2": "0x0", "ua-gpu3": "4"})
+    assert [(c.number, c.aliases) for c in odd] == [(4, ("ua-gpu1",))]
+    assert len(warned) == 1 and "the domain's clique '0x0' is not a number" in warned[0]
+    three = [_spec(f"ua-t{i}", f"0000:2{i}:00.0") for i in range(3)]
+    below = [_place(*switch_a, f"0000:02:0{i}.0") for i in range(3)]
+    split, warned = plan_cliques(three, below, {"ua-t0": "3", "ua-t1": "7"})
+    assert split == [] and len(warned) == 1 and "different GPUDirect cliques in the domain (3, 7)" in warned[0]
 
 
 def test_more_groups_than_clique_numbers_leave_the_last_out_with_a_warning() -> None:

@@ -432,3 +432,13 @@ def test_a_plan_is_kept_for_the_very_same_bars_objects_only() -> None:
         many = [device(f"0000:{n + 1:02x}:00.0", *L40S)]
         assert kept_plan(many) == plan_window(many)
     assert len(_plans) <= PLANS_KEPT
+
+
+def test_an_efi_domain_without_the_qemu_namespace_and_with_a_comment_gets_its_window() -> None:
+    """The tree path declares the namespace on the serialised root before it adds the arguments: the bound of
+    that re-parse allows the declaration's bytes (it once refused the hook's own output as over its limit)."""
+    domain = re.sub(rb"\t<qemu:commandline>.*</qemu:commandline>\n", b"", EFI_DOMAIN, flags=re.DOTALL)
+    domain = re.sub(rb' xmlns:qemu="[^"]*"', b"", domain, count=1).replace(b"<devices>", b"<!-- c --><devices>", 1)
+    assert b"xmlns:qemu" not in domain
+    out = build_domain(domain, None, env(FIRST), BuildOptions(bars=a100s(FIRST))).domain_xml
+    assert b"<!-- c -->" in out and b"X-PciMmio64Mb" in out and b"xmlns:qemu" in out

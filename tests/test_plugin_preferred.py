@@ -226,3 +226,23 @@ def test_the_workstations_pair_is_found_below_its_switch(tmp_path: Path) -> None
     ids = [d.id for d in devices]
     assert preferred_allocation(devices, ids, ["0000:04:00.0"], 2) == ["0000:04:00.0", "0000:03:00.0"]
     assert preferred_allocation(devices, ids, ["0000:05:00.0"], 2) == ["0000:05:00.0", "0000:03:00.0"]
+
+
+def test_when_no_switch_holds_them_all_whole_switches_go_first() -> None:
+    """Three of 03 (switch S), 04, 05 (alone) and 06 (switch S): the pair below S, then one more by ID; a vGPU's
+    path ends with its parent GPU, which is no switch port."""
+    switch = ("0000:00:01.0", "0000:01:00.0")
+    known = [
+        _below("0000:03:00.0", *switch, "0000:02:08.0"),
+        _below("0000:04:00.0", "0000:00:02.0"),
+        _below("0000:05:00.0", "0000:00:03.0"),
+        _below("0000:06:00.0", *switch, "0000:02:10.0"),
+    ]
+    ids = [device.id for device in known]
+    assert preferred_allocation(known, ids, [], 3) == ["0000:03:00.0", "0000:04:00.0", "0000:06:00.0"]
+    # vGPUs on GPUs X and Z behind one lone bridge, and on Y elsewhere: no switch (by ID), though their paths,
+    # read with the parent GPU as a bridge, would look like one
+    parents = {1: ("0000:00:01.0", "0000:10:00.0", "0000:11:00.0"), 2: ("0000:00:02.0", "0000:20:00.0", "0000:21:00.0")}
+    parents[3] = ("0000:00:01.0", "0000:10:00.0", "0000:12:00.0")
+    vgpus = [replace(_below(f"uuid-{i}", *parents[i]), mdev_type="nvidia-1") for i in range(1, 4)]
+    assert preferred_allocation(vgpus, [d.id for d in vgpus], [], 2) == ["uuid-1", "uuid-2"]
