@@ -43,11 +43,12 @@ from launcher_hook.sources import (
 from runtime.cli_options import log_format_option as _log_format_option
 from runtime.env import hook_env
 from runtime.logs import configure_logging
-from runtime.pci_bars import DEFAULT_SYSFS_ROOT, SysfsBars
+from runtime.pci_bars import SysfsBars
 from runtime.pci_companions import SysfsCompanions
 from runtime.pci_topology import SysfsTopology
 from runtime.signals import stop_on_signals
 from runtime.sockets import SocketInUse
+from runtime.sysfs_paths import DEFAULT_SYSFS_ROOT
 from schemas.dra_metadata import DEFAULT_ROOT as DEFAULT_DRA_METADATA_ROOT
 from schemas.logformat import LogFormat
 

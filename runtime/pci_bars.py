@@ -15,34 +15,17 @@ an error is never kept. Why a function's BAR sizes cannot change while the pod h
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from pathlib import Path
 
-from runtime.sysfs_paths import MAX_KEPT, KeptFacts, SysfsView
+from runtime.sysfs_paths import KeepingReader, SysfsView
 from schemas.errors import InputError
 from schemas.pci import PciAddress
 from schemas.pci_bars import MAX_RESOURCE_BYTES, DeviceBars, parse_resource
 
-DEFAULT_SYSFS_ROOT = "/sys"
 
-
-class SysfsBars:
+class SysfsBars(KeepingReader[DeviceBars]):
     """Reads BARs under one sysfs root (``/sys`` or a fixture's ``sys`` directory); ``kept``: where each
     function's BARs are kept once read (:meth:`keeping`), None: every call reads."""
-
-    def __init__(
-        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, kept: KeptFacts[PciAddress, DeviceBars] | None = None
-    ) -> None:
-        self.root = Path(root)
-        self.kept = kept
-
-    def keeping(self, bound: int = MAX_KEPT) -> SysfsBars:
-        """This reader with a store of its own (at most ``bound`` functions, the oldest evicted)."""
-        return SysfsBars(self.root, KeptFacts(bound))
-
-    def describe(self) -> str:
-        return str(self.root)
 
     def read(self, address: PciAddress) -> DeviceBars:
         return self.read_all([address])[0]

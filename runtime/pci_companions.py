@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from runtime.node import VFIO_DRIVERS
-from runtime.pci_bars import DEFAULT_SYSFS_ROOT
-from runtime.sysfs_paths import MAX_KEPT, KeptFacts, SysfsView
+from runtime.sysfs_paths import DEFAULT_SYSFS_ROOT, MAX_KEPT, KeptFacts, SysfsView
 from schemas.companions import select_companions
 from schemas.errors import InputError
 from schemas.pci import MAX_FUNCTION, PciAddress

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
-from runtime.pci_bars import DEFAULT_SYSFS_ROOT
-from runtime.sysfs_paths import MAX_KEPT, KeptFacts, SysfsView
+from runtime.sysfs_paths import KeepingReader, SysfsView
 from schemas.pci import PciAddress
 from schemas.pci_topology import ABSENT, PciPlace, bridges_from_link
 
@@ -42,22 +40,9 @@ def _number(data: bytes) -> int | None:
         return None
 
 
-class SysfsTopology:
+class SysfsTopology(KeepingReader[PciPlace]):
     """Reads functions' :class:`PciPlace` under one sysfs root; ``kept``: where each is kept (:meth:`keeping`),
     None: every call reads."""
-
-    def __init__(
-        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, kept: KeptFacts[PciAddress, PciPlace] | None = None
-    ) -> None:
-        self.root = Path(root)
-        self.kept = kept
-
-    def keeping(self, bound: int = MAX_KEPT) -> SysfsTopology:
-        """This reader with a store of its own (at most ``bound`` functions, the oldest evicted)."""
-        return SysfsTopology(self.root, KeptFacts(bound))
-
-    def describe(self) -> str:
-        return str(self.root)
 
     def read_all(self, addresses: Sequence[PciAddress]) -> list[PciPlace]:
         """The place of each of ``addresses``, in order; ``InputError`` naming the device and the file for one

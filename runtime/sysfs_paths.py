@@ -35,11 +35,12 @@ import stat
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
-from typing import ClassVar, Generic, NamedTuple, TypeVar
+from typing import ClassVar, Generic, NamedTuple, Self, TypeVar
 
 from runtime.files import read_open_file, read_regular_file
 from runtime.hostroot import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, last_component, load_openat2
 from schemas.errors import InputError
+from schemas.pci import PciAddress
 
 MAX_KEPT = 256
 """Entries one :class:`KeptFacts` holds at most (devices, or DRA request directories); beyond, the oldest goes.
@@ -89,6 +90,27 @@ class KeptFacts(Generic[_Key, _Value]):
         """The keys held, oldest first."""
         with self._lock:
             return list(self._entries)
+
+
+DEFAULT_SYSFS_ROOT = "/sys"
+
+
+class KeepingReader(Generic[_Value]):
+    """A reader of per-device facts under one sysfs root (``/sys`` or a fixture's ``sys`` directory); ``kept``:
+    where what it read of each PCI function is kept (:meth:`keeping`), None: every call reads."""
+
+    def __init__(
+        self, root: str | os.PathLike[str] = DEFAULT_SYSFS_ROOT, kept: KeptFacts[PciAddress, _Value] | None = None
+    ) -> None:
+        self.root = Path(root)
+        self.kept = kept
+
+    def keeping(self, bound: int = MAX_KEPT) -> Self:
+        """This reader with a store of its own (at most ``bound`` functions, the oldest evicted)."""
+        return type(self)(self.root, KeptFacts(bound))
+
+    def describe(self) -> str:
+        return str(self.root)
 
 
 def resolved_root(root: Path, reading: str) -> Path:

@@ -10,8 +10,8 @@ import click
 from launcher_hook import BuildOptions, build_domain
 from launcher_hook.allocation import is_allocation_variable, parse_environ
 from launcher_hook.cli import PCI_MMIO64_CHOICES, bar_source, claim_reader, dra_metadata_option
-from runtime.pci_bars import DEFAULT_SYSFS_ROOT
 from runtime.pci_topology import SysfsTopology
+from runtime.sysfs_paths import DEFAULT_SYSFS_ROOT
 from schemas.companions import is_companions_variable
 from xmlgen.io import max_input_bytes_option, read_input, user_errors, write_stdout
 
