@@ -13,6 +13,7 @@ from typing import Any
 
 from schemas.naming import ResourceKind, env_var_for, socket_name_for
 from schemas.pci import PciAddress
+from schemas.pci_topology import switch_of
 
 VFIO_DEV_DIR = "/dev/vfio"
 VFIO_CONTAINER = "/dev/vfio/vfio"
@@ -57,6 +58,13 @@ class Device:
     """For a vGPU, the GPU it is carved from (an mdev's parent, an SR-IOV VF's physical function)."""
     mdev_type: str | None = None
     """For a vGPU, its type ID: an mdev's (``nvidia-230``), an SR-IOV VF's ``current_vgpu_type`` (``1147``)."""
+
+    @property
+    def pcie_switch(self) -> str | None:
+        """The upstream port of the host PCIe switch the device is below (a vGPU: its GPU is), or None
+        (:func:`schemas.pci_topology.switch_of`: the rule the hook's GPUDirect cliques use, docs/p2p.md)."""
+        path = self.pcie_path[:-1] if self.mdev_type is not None and self.kind is ResourceKind.MDEV else self.pcie_path
+        return switch_of(path)
 
     @property
     def health(self) -> str:

@@ -31,7 +31,6 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from plugin.inventory import Device
-from schemas.pci_topology import switch_of
 
 K = TypeVar("K", bound=Hashable)
 _NONE: set[str] = set()
@@ -58,9 +57,7 @@ def _root_of(device: Device) -> str:
 
 
 def _switch_of(device: Device) -> str:
-    # (a vGPU's path ends with its parent GPU, which is no bridge)
-    path = device.pcie_path[:-1] if device.mdev_type is not None else device.pcie_path
-    return switch_of(path) or ""
+    return device.pcie_switch or ""
 
 
 def _best_switch_fit(members: list[Device], count: int, anchors: set[str]) -> list[Device]:

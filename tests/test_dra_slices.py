@@ -27,7 +27,7 @@ from plugin.inventory import Device, Inventory, Resource
 from schemas.dra import DRIVER_NAME, device_id_of
 from schemas.errors import InputError
 from schemas.kinds import ResourceKind
-from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE
+from simkit.fixture_nodes import MIXED_NODE, NODE01, SRIOV_VGPU_NODE, T4_2Q, VGPU_NODE, WORKSTATION_NODE
 from tests.dra_cluster_support import (
     DRA_OLDEST_KUBERNETES,
     NEWEST_KUBERNETES,
@@ -183,3 +183,14 @@ def test_a_node_name_that_cannot_name_a_pool_is_refused(name: str) -> None:
 
 def test_a_good_node_name_passes() -> None:
     assert check_node_name("worker-1.example.com") == "worker-1.example.com"
+
+
+def test_a_gpu_below_a_pcie_switch_publishes_the_switch(tmp_path: Path) -> None:
+    """docs/p2p.md: a claim whose GPUs match on ``pcieSwitch`` gets GPUs the hook puts in one GPUDirect clique."""
+    devices = devices_of(node_slices(WORKSTATION_NODE, tmp_path))
+    assert devices["pci-0000-03-00-0"]["pcieSwitch"] == {"string": "0000:01:00.0"}
+    assert devices["pci-0000-04-00-0"]["pcieSwitch"] == {"string": "0000:01:00.0"}
+    assert "pcieSwitch" not in devices["pci-0000-05-00-0"]  # on a root port of its own
+    assert all(
+        "pcieSwitch" not in attributes for attributes in devices_of(node_slices(NODE01, tmp_path / "n")).values()
+    )

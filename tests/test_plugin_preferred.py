@@ -244,5 +244,7 @@ def test_when_no_switch_holds_them_all_whole_switches_go_first() -> None:
     # read with the parent GPU as a bridge, would look like one
     parents = {1: ("0000:00:01.0", "0000:10:00.0", "0000:11:00.0"), 2: ("0000:00:02.0", "0000:20:00.0", "0000:21:00.0")}
     parents[3] = ("0000:00:01.0", "0000:10:00.0", "0000:12:00.0")
-    vgpus = [replace(_below(f"uuid-{i}", *parents[i]), mdev_type="nvidia-1") for i in range(1, 4)]
+    vgpus = [
+        replace(_below(f"uuid-{i}", *parents[i]), kind=ResourceKind.MDEV, mdev_type="nvidia-1") for i in range(1, 4)
+    ]
     assert preferred_allocation(vgpus, [d.id for d in vgpus], [], 2) == ["uuid-1", "uuid-2"]

@@ -45,6 +45,7 @@ from schemas.dra import (
     ATTR_PARENT_PCI_BUS_ID,
     ATTR_PCI_BUS_ID,
     ATTR_PCIE_ROOT,
+    ATTR_PCIE_SWITCH,
     ATTR_PRODUCT_NAME,
     ATTR_RESOURCE_NAME,
     ATTR_VENDOR_ID,
@@ -127,6 +128,9 @@ def device_attributes(device: Device, resource: Resource, product_names: Product
         attributes[ATTR_PCI_BUS_ID] = {"string": device.id}
     if device.pcie_root:
         attributes[ATTR_PCIE_ROOT] = _string(device.pcie_root)
+    switch = device.pcie_switch
+    if switch is not None:
+        attributes[ATTR_PCIE_SWITCH] = _string(switch)
     if device.mdev_type is not None:
         attributes[ATTR_VGPU_TYPE] = _string(device.mdev_type)
     if device.parent is not None:
