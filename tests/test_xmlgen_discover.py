@@ -12,7 +12,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE
+from simkit.fixture_nodes import MIXED_NODE, NODE01, T4_1Q_A, T4_1Q_B, T4_2Q, VGPU_NODE, WORKSTATION_NODE
 from tests.discovery_support import build_node
 from xmlgen.cli import cli
 
@@ -38,9 +38,27 @@ def test_table_for_node01(trees: dict[str, Path]) -> None:
     assert "  env PCI_RESOURCE_NVIDIA_COM_TU106_GEFORCE_RTX_2060_REV__A" in lines
     assert "  socket kubevirt-TU106_GEFORCE_RTX_2060_REV__A.sock" in lines
     row = next(line for line in lines if line.startswith("  0000:86:00.0"))
-    assert row.split() == ["0000:86:00.0", "74", "1", "pci0000:85", "Healthy", "0000:86:00.1,0000:86:00.2,0000:86:00.3"]
+    assert row.split() == [
+        "0000:86:00.0",
+        "74",
+        "1",
+        "pci0000:85",
+        "-",
+        "Healthy",
+        "0000:86:00.1,0000:86:00.2,0000:86:00.3",
+    ]
     assert "not offered:" in lines
     assert any(line.split()[:3] == ["0000:d8:00.0", "10DE:1EB8", "nvidia"] for line in lines)
+
+
+def test_table_shows_the_pcie_switch_a_gpu_is_below(tmp_path: Path) -> None:
+    """docs/p2p.md: the workstation's pair shares a switch (one GPUDirect clique in a VM), the third has none."""
+    code, out, _warnings = run("--host-root", str(build_node(WORKSTATION_NODE, tmp_path)))
+    assert code == 0
+    lines = out.splitlines()
+    assert "PCIE SWITCH" in next(line for line in lines if "DEVICE" in line)
+    switches = {line.split()[0]: line.split()[4] for line in lines if line.startswith("  0000:0")}
+    assert switches == {"0000:03:00.0": "0000:01:00.0", "0000:04:00.0": "0000:01:00.0", "0000:05:00.0": "-"}
 
 
 def test_table_shows_unhealthy_reason_and_unknown_numa(trees: dict[str, Path]) -> None:

@@ -54,7 +54,7 @@ def render_table(inventory: Inventory) -> str:
         lines.append(f"  env {resource.env}")
         lines.append(f"  socket {resource.socket}")
         companions = kind_info(resource.kind).detail_heading
-        rows = [["DEVICE", "GROUP", "NUMA", "PCIE ROOT", "HEALTH", companions]]
+        rows = [["DEVICE", "GROUP", "NUMA", "PCIE ROOT", "PCIE SWITCH", "HEALTH", companions]]
         reasons: dict[int, str] = {}
         for device in resource.devices:
             rows.append(
@@ -63,6 +63,7 @@ def render_table(inventory: Inventory) -> str:
                     "-" if device.iommu_group is None else str(device.iommu_group),
                     "?" if device.numa_node is None else str(device.numa_node),
                     device.pcie_root or "-",
+                    device.pcie_switch or "-",
                     device.health,
                     _detail(device),
                 ]
