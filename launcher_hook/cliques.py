@@ -18,8 +18,9 @@ property on the device's ``-device`` JSON):
 
 Step 2, the last pass but the 64-bit window's (on the call's one parsed document, after the hostdev merge and
 the companions): it decides the clique of each GPU and the one writer (:mod:`launcher_hook.writer`) writes them
-before ``</domain>``, a splice in the bytes when the document is elements and text only and has no
-``<qemu:override>`` yet, an edit of the tree otherwise. A VM with fewer than two GPUs reads nothing.
+before ``</domain>`` (or at the end of the domain's one ``<qemu:override>``), a splice in the bytes when the
+document is elements and text only and the place is unambiguous, an edit of the tree otherwise. A VM with
+fewer than two GPUs reads nothing; one whose GPUs share no switch costs a kept lookup.
 """
 
 from __future__ import annotations
