@@ -155,7 +155,8 @@ def mmio_window_options(function: F) -> F:
         envvar=hook_env("sysfs_root"),
         help="Where the passed-through devices' BAR sizes are read (<root>/bus/pci/devices/<address>/resource), "
         "and, when the allocation is read from PodResources or the domain (which carry no companion variable), "
-        "each passthrough GPU's companion functions (the other VFIO-bound functions of its slot and IOMMU group).",
+        "each passthrough GPU's companion functions (the other VFIO-bound functions of its slot and IOMMU group), "
+        "and the GPUs' places in the PCIe tree (GPUs below one PCIe switch share a GPUDirect clique, docs/p2p.md).",
     )(function)
     return click.option(
         "--pci-mmio64",
