@@ -114,19 +114,21 @@ def plan_cliques(
         joining = tuple(alias for alias in aliases if alias not in kept)
         if len(aliases) < 2 or not joining:
             continue
-        theirs = {kept[alias] for alias in aliases if alias in kept}
-        if len(theirs) > 1:
+        # (compared as libvirt reads them: "0" and "00" are one clique)
+        theirs = {kept[alias]: _number(kept[alias]) for alias in aliases if alias in kept}
+        numbers = set(theirs.values())
+        if len(numbers) > 1:
             warnings.append(
                 f"GPUs below the host PCIe switch {switch} have different GPUDirect cliques in the domain "
                 f"({', '.join(sorted(theirs))}); {', '.join(joining)} join none of them"
             )
             continue
-        number = _number(next(iter(theirs))) if theirs else next(free, None)
+        number = next(iter(numbers)) if numbers else next(free, None)
         if number is None:
             shown = (
                 f"the domain's clique {next(iter(theirs))!r} is not a number"
                 if theirs
-                else (f"all {MAX_CLIQUES} clique numbers are taken")
+                else f"all {MAX_CLIQUES} clique numbers are taken"
             )
             warnings.append(
                 f"GPUs {', '.join(joining)} share the host PCIe switch {switch} but get no GPUDirect clique: {shown}"

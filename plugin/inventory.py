@@ -63,7 +63,7 @@ class Device:
     def pcie_switch(self) -> str | None:
         """The upstream port of the host PCIe switch the device is below (a vGPU: its GPU is), or None
         (:func:`schemas.pci_topology.switch_of`: the rule the hook's GPUDirect cliques use, docs/p2p.md)."""
-        path = self.pcie_path[:-1] if self.mdev_type is not None and self.kind is ResourceKind.MDEV else self.pcie_path
+        path = self.pcie_path[:-1] if self.kind is ResourceKind.MDEV else self.pcie_path
         return switch_of(path)
 
     @property

@@ -128,6 +128,8 @@ def test_gpus_below_one_switch_share_a_clique_and_a_lone_gpu_or_a_non_gpu_gets_n
     below = [_place(*switch_a, f"0000:02:0{i}.0") for i in range(3)]
     split, warned = plan_cliques(three, below, {"ua-t0": "3", "ua-t1": "7"})
     assert split == [] and len(warned) == 1 and "different GPUDirect cliques in the domain (3, 7)" in warned[0]
+    same, warned = plan_cliques(three, below, {"ua-t0": "3", "ua-t1": "03"})  # one clique, as libvirt reads it
+    assert [(c.number, c.aliases) for c in same] == [(3, ("ua-t2",))] and not warned
 
 
 def test_more_groups_than_clique_numbers_leave_the_last_out_with_a_warning() -> None:
