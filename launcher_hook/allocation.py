@@ -3,8 +3,8 @@
 The kubelet puts the plugin's ``PCI_RESOURCE_<NAME>`` / ``MDEV_PCI_RESOURCE_<NAME>`` variables into the
 ``compute`` container. This module turns an env mapping (the process env, a copy of ``/proc/<pid>/environ``
 or anything else) into validated address pools, refusing a malformed value with the variable's name. The
-plugin's ``PCI_COMPANIONS_<NAME>`` variables (each GPU's companion functions, :mod:`schemas.companions`) are
-read with them.
+plugin's ``PCI_COMPANIONS_<NAME>`` variables (each GPU's companion functions, :mod:`schemas.companions`) and
+``PCI_NVSWITCHES_<NAME>`` variables (a whole HGX board's NVSwitches, :mod:`schemas.fabric`) are read with them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from schemas import DeviceId, InputError, PciAddress, ResourceKind
 from schemas.companions import COMPANIONS_ENV_PREFIX, parse_companions
+from schemas.fabric import SWITCHES_ENV_PREFIX, gpu_variable_for, parse_switches, switches_variable_for
 from schemas.kinds import ENV_PREFIXES, env_name_part, kind_of_variable
 
 USB_ENV_PREFIX = "USB_RESOURCE"
@@ -42,6 +43,9 @@ class EnvAllocation:
     """The ``USB_RESOURCE_*`` names in the env (their values are virt-launcher's business, not parsed here)."""
     companions: Mapping[str, Mapping[PciAddress, tuple[PciAddress, ...]]] = field(default_factory=dict)
     """Each ``PCI_COMPANIONS_*`` variable, parsed: GPU → its companion functions."""
+    switches: Mapping[str, tuple[PciAddress, ...]] = field(default_factory=dict)
+    """Each ``PCI_NVSWITCHES_*`` variable, parsed, by its GPUs' ``PCI_RESOURCE_*`` variable: the NVSwitches that
+    came with the whole board (:mod:`schemas.fabric`)."""
 
     def pool(self, variable: str) -> Pool | None:
         return self.pools.get(variable)
@@ -108,8 +112,8 @@ def allocation_from_env(env: Mapping[str, str]) -> EnvAllocation:
 
 
 def allocation_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that :func:`allocation_from_env` reads (allocation, ``PCI_COMPANIONS_*`` and
-    ``USB_RESOURCE_*``)."""
+    """The variables of ``env`` that :func:`allocation_from_env` reads (allocation, ``PCI_COMPANIONS_*``,
+    ``PCI_NVSWITCHES_*`` and ``USB_RESOURCE_*``)."""
     return {name: env[name] for name in env if name.startswith(_PREFIXES)}
 
 
@@ -117,14 +121,25 @@ def _read_allocation(relevant: tuple[tuple[str, str], ...]) -> EnvAllocation:
     pools: dict[str, Pool] = {}
     usb: list[str] = []
     companions: dict[str, Mapping[PciAddress, tuple[PciAddress, ...]]] = {}
+    switches: dict[str, tuple[PciAddress, ...]] = {}
     for name, value in relevant:
         if name.startswith(_USB):
             usb.append(name)
         elif name.startswith(_COMPANIONS):
             companions[name] = MappingProxyType(parse_companions(name, value))
+        elif name.startswith(_SWITCHES):
+            gpus = gpu_variable_for(name)
+            if gpus is None:
+                raise InputError(f"{name} names no resource")
+            switches[gpus] = parse_switches(name, value)
         else:
             pools[name] = parse_pool(name, value)
-    return EnvAllocation(MappingProxyType(pools), frozenset(usb), MappingProxyType(companions))
+    for gpus in switches:
+        if gpus not in pools:
+            raise InputError(f"{switches_variable_for(gpus)} is set but {gpus} is not: NVSwitches come only with GPUs")
+    return EnvAllocation(
+        MappingProxyType(pools), frozenset(usb), MappingProxyType(companions), MappingProxyType(switches)
+    )
 
 
 _last: tuple[tuple[tuple[str, str], ...], EnvAllocation] | None = None
@@ -132,7 +147,8 @@ _last: tuple[tuple[tuple[str, str], ...], EnvAllocation] | None = None
 
 _USB = f"{USB_ENV_PREFIX}_"
 _COMPANIONS = f"{COMPANIONS_ENV_PREFIX}_"
-_PREFIXES = (*ENV_PREFIXES, _USB, _COMPANIONS)
+_SWITCHES = f"{SWITCHES_ENV_PREFIX}_"
+_PREFIXES = (*ENV_PREFIXES, _USB, _COMPANIONS, _SWITCHES)
 
 
 def parse_environ(data: bytes) -> dict[str, str]:

@@ -5,7 +5,8 @@ One call is one flow over one parsed document:
 1. read (:mod:`launcher_hook.document`): the domain and the VMI, each parsed once (:class:`CallInputs`, shared
    with the allocation source that reads the domain);
 2. passes, each deciding edits on that document: the hostdev merge (:func:`launcher_hook.domain.merge_pass`:
-   virt-launcher's hostdevs corrected, the hook's added, display/ramfb, DRA entries' devices), the companions
+   virt-launcher's hostdevs corrected, the hook's added, display/ramfb, DRA entries' devices, an HGX board's
+   NVSwitches from :func:`launcher_hook.nvswitches.switch_specs`), the companions
    and their root ports (:func:`launcher_hook.companions.companions_pass`), the GPUDirect P2P cliques of GPUs
    that share a host PCIe switch (:func:`launcher_hook.cliques.clique_pass`), the 64-bit MMIO window
    (:func:`launcher_hook.mmio_window.window_pass`);
@@ -40,6 +41,7 @@ from launcher_hook.hostdev import HostdevSpec
 from launcher_hook.hostdevs.base import device_text
 from launcher_hook.matching import NO_HOSTDEVS, DomainHostdevs, HostdevOptions, match_all, match_vmi
 from launcher_hook.mmio_window import BarSource, WindowOutcome, window_pass
+from launcher_hook.nvswitches import switch_specs
 from launcher_hook.writer import DomainWriter
 from schemas.limits import DEFAULT_MAX_INPUT_BYTES
 from schemas.vmi import VirtualMachineInstance
@@ -156,6 +158,8 @@ def build_domain(
     claims = _read_claims(vmi, options)
     if parsed is None:
         specs, warnings = plan_hostdevs(vmi, env, options, allocation=allocation, claims=claims)
+        if allocation.switches:
+            specs += switch_specs(specs, allocation, warnings)
         if companions and options.companion_reader is not None:
             allocation = with_read_companions(
                 specs, allocation, options.companion_reader, warnings, dra_only=options.allocation_carries_companions
@@ -170,6 +174,8 @@ def build_domain(
     specs, warnings = plan_hostdevs(
         vmi, env, options, graphics=graphics, existing=existing.view, allocation=allocation, claims=claims
     )
+    if allocation.switches:
+        specs += switch_specs(specs, allocation, warnings)
     merged = merge_pass(writer, specs, existing)
     hostdevs, warnings = merged.hostdevs, warnings + merged.warnings
     placements: list[Placement] = []

@@ -40,10 +40,11 @@ from pathlib import Path
 from plugin.config import PluginConfig
 from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import Directory, HostRoot, SharedRoot
-from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, Resource
+from plugin.inventory import VFIO_CONTAINER, VFIO_DEV_DIR, Device, NvSwitch, Resource
 from plugin.sources import source_for
 from schemas.companions import MAX_GPUS, companions_env_var, format_companions, select_companions
 from schemas.errors import InputError
+from schemas.fabric import board_switches, format_switches, switches_env_var
 from schemas.kinds import ResourceKind
 from schemas.pci import PciAddress
 
@@ -287,6 +288,9 @@ class ResourcePlan:
         self._plans: dict[str, _DevicePlan] = {}
         self._env = resource.env
         self._companions_env = companions_env_var(resource.name) if resource.kind is ResourceKind.PCI else None
+        self._switches_env = switches_env_var(resource.name) if resource.switches else None
+        self._board = frozenset(self._by_id)
+        self._switch_addresses = tuple(switch.address for switch in resource.switches)
 
     def _plan(self, device: Device) -> _DevicePlan:
         plan = self._plans.get(device.id)
@@ -326,6 +330,7 @@ class ResourcePlan:
                 problem = plan.recheck(root, fs, rule, container, drivers, vfio)
                 if problem is not None:
                     raise DeviceUnavailable(f"{resource.name}: device {plan.device.id}: {problem}", plan.device.id)
+            switches = self._carried_switches(device_ids, fs, vfio)
         iommu = fs.exists(IOMMU_DEVICE)
         specs = [_CONTAINER_SPEC]
         groups: set[int] = set()
@@ -334,6 +339,10 @@ class ResourcePlan:
             if group is not None and group not in groups:
                 groups.add(group)
                 specs.append(DeviceSpec.node(f"{VFIO_DEV_DIR}/{group}"))
+        for switch in switches:
+            if switch.iommu_group not in groups:
+                groups.add(switch.iommu_group)
+                specs.append(DeviceSpec.node(switch.vfio_group_path))
         if iommu:
             specs.append(DeviceSpec.node(IOMMU_DEVICE))
             cdevs: set[str] = set()
@@ -343,12 +352,45 @@ class ResourcePlan:
                     cdevs.add(cdev)
                     specs.append(DeviceSpec.node(cdev))
         ids = tuple(device_ids)
+        return Allocation(envs=self._envs(ids, plans, drivers, switches), device_specs=tuple(specs), device_ids=ids)
+
+    def _envs(
+        self,
+        ids: tuple[str, ...],
+        plans: Sequence[_DevicePlan],
+        drivers: Mapping[str, str | None] | None,
+        switches: Sequence[NvSwitch],
+    ) -> dict[str, str]:
+        """The allocation's variables: KubeVirt's, the companions' and the NVSwitches' (when they have a value)."""
         envs = {self._env: ",".join(ids)}
         if self._companions_env is not None and drivers is not None:
-            companions = _companions(plans, drivers, rule)
+            companions = _companions(plans, drivers, self.rule)
             if companions is not None:
                 envs[self._companions_env] = companions
-        return Allocation(envs=envs, device_specs=tuple(specs), device_ids=ids)
+        if switches and self._switches_env is not None:
+            value = format_switches(switch.address for switch in switches)
+            if value is not None:
+                envs[self._switches_env] = value
+        return envs
+
+    def _carried_switches(self, device_ids: Sequence[str], fs: HostRoot, vfio: Directory) -> tuple[NvSwitch, ...]:
+        """The NVSwitches this allocation carries (:func:`schemas.fabric.board_switches`: all of them for every
+        GPU of the resource, else none), each re-checked now: still on a VFIO driver, its ``/dev/vfio`` node
+        there. A switch that is not refuses the allocation, naming it: the board without its fabric is not what
+        the VM asked for (docs/nvswitch.md)."""
+        if self._switches_env is None or not board_switches(device_ids, self._board, self._switch_addresses):
+            return ()
+        resource = self.resource
+        for switch in resource.switches:
+            driver = fs.readlink_name(f"/sys/bus/pci/devices/{switch.address}/driver")
+            problem = self.rule.driver_problem(driver)
+            if problem is None and not vfio.exists(str(switch.iommu_group)):
+                problem = f"{switch.vfio_group_path} is missing"
+            if problem is not None:
+                raise DeviceUnavailable(
+                    f"{resource.name}: NVSwitch {switch.address} of the board: {problem}", str(switch.address)
+                )
+        return resource.switches
 
 
 _CONTAINER_SPEC = DeviceSpec.node(VFIO_CONTAINER)

@@ -33,6 +33,22 @@ class Companion:
 
 
 @dataclass(frozen=True, slots=True)
+class NvSwitch:
+    """An NVSwitch of the node's HGX board, on a VFIO driver: it goes to the VM that gets every GPU of the board
+    (:func:`schemas.fabric.board_switches`, docs/nvswitch.md)."""
+
+    address: PciAddress
+    vendor_device: str
+    iommu_group: int
+    driver: str
+    numa_node: int | None = None
+
+    @property
+    def vfio_group_path(self) -> str:
+        return f"{VFIO_DEV_DIR}/{self.iommu_group}"
+
+
+@dataclass(frozen=True, slots=True)
 class Device:
     """One allocatable unit: a whole GPU (PCI function) or one mediated device."""
 
@@ -96,6 +112,8 @@ class Resource:
     devices: tuple[Device, ...]
     selectors: tuple[str, ...]
     """What KubeVirt's ``permittedHostDevices`` matches: ``VENDOR:DEVICE`` IDs (pci) or mdev type names (mdev)."""
+    switches: tuple[NvSwitch, ...] = ()
+    """The node's NVSwitches, carried by an allocation of every device of this (passthrough GPU) resource."""
 
     @property
     def env(self) -> str:
@@ -124,6 +142,7 @@ class Resource:
             "env": self.env,
             "socket": self.socket,
             "devices": [device.to_json() for device in self.devices],
+            **({"nvswitches": [str(switch.address) for switch in self.switches]} if self.switches else {}),
         }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from plugin.config import PluginConfig
 from plugin.health import PciFunction, UsabilityRule
 from plugin.hostroot import Directory, HostRoot, ReadError
-from plugin.inventory import Companion, Device, Ignored, Inventory, Resource
+from plugin.inventory import Companion, Device, Ignored, Inventory, NvSwitch, Resource
 from plugin.naming import pci_resource_name
 from runtime.pciids import PciIds
 from schemas.errors import InputError
@@ -70,6 +70,8 @@ class NodeScan:
     """Allocation variable → the resource that has it (KubeVirt's variable for a name: :func:`env_var_for`)."""
     claims: dict[str, int] = field(default_factory=dict)
     """Devices a later source said are its own (``claim``): ID → how many ``ignored`` entries came before."""
+    switches: list[tuple[PciFunction, int | None, int | None]] = field(default_factory=list)
+    """The NVSwitch functions found, each with its IOMMU group and NUMA node (:meth:`found_switch`)."""
 
     fs: HostRoot = field(init=False)
 
@@ -297,13 +299,71 @@ class NodeScan:
         self.devices.setdefault((name, kind), []).append(device)
         self.selectors.setdefault((name, kind), set()).add(selector)
 
+    def found_switch(self, function: PciFunction, group: int | None, numa: int | None) -> None:
+        """Note an NVSwitch (:func:`schemas.fabric.is_nvswitch`); :meth:`inventory` decides where it goes."""
+        self.switches.append((function, group, numa))
+
+    def _board_switches(self) -> tuple[str | None, tuple[NvSwitch, ...]]:
+        """The passthrough GPU resource that carries the node's NVSwitches and the switches, or (None, ()).
+
+        Every switch must be usable by VFIO (its driver, its group, its ``/dev/vfio`` node), and there must be
+        one NVIDIA passthrough GPU resource to carry them (docs/nvswitch.md); otherwise each switch is listed as
+        not offered, saying why. Switches on no VFIO driver at all are the shared NVSwitch model's: the host's
+        Fabric Manager drives them, and they are no VM's."""
+        if not self.switches:
+            return None, ()
+        problems: dict[str, str] = {}
+        for function, group, _numa in self.switches:
+            found, _companions = self.group_facts(function.name, group)
+            driver = self.rule.driver_problem(function.driver)
+            if driver is not None:
+                problems[function.name] = driver  # what else its group says matters only once it is on VFIO
+            elif found:
+                problems[function.name] = "; ".join(found)
+        holders = sorted(
+            name
+            for name, kind in self.devices
+            if kind is ResourceKind.PCI and any(d.vendor_device.startswith("10DE:") for d in self.devices[name, kind])
+        )
+        if problems:
+            on_vfio = sum(1 for function, _group, _numa in self.switches if self.rule.on_vfio(function.driver))
+            usable = len(self.switches) - len(problems)
+            why = (
+                "the host's Fabric Manager drives the NVLink fabric (shared NVSwitch model): no VM gets a switch"
+                if on_vfio == 0
+                else f"only {usable} of the node's {len(self.switches)} NVSwitches are usable by VFIO: no VM gets any"
+            )
+            fix = "for full passthrough, bind every NVSwitch to vfio-pci (gpu-node-agent bind --all --select 10de:22a3)"
+        elif len(holders) != 1:
+            why = (
+                "no NVIDIA passthrough GPU resource to carry the NVSwitches"
+                if not holders
+                else f"{len(holders)} NVIDIA passthrough GPU resources ({', '.join(holders)}): which GPUs form "
+                "the board is not known, so no VM gets a switch"
+            )
+            fix = None
+        else:
+            switches = tuple(
+                NvSwitch(PciAddress.parse(function.name), function.vendor_device, group, function.driver, numa)
+                for function, group, numa in sorted(self.switches, key=lambda item: item[0].name)
+                if group is not None and function.driver is not None
+            )
+            return holders[0], switches
+        for function, _group, _numa in self.switches:
+            reason = problems.get(function.name)
+            text = f"an NVSwitch: {why}" + (f" ({reason})" if reason and on_vfio else "")
+            self.ignored.append(Ignored(function.name, function.vendor_device, function.driver, text, fix))
+        return None, ()
+
     def inventory(self) -> Inventory:
+        holder, switches = self._board_switches()
         resources = [
             Resource(
                 name=name,
                 kind=kind,
                 devices=tuple(sorted(devices, key=lambda device: device.id)),
                 selectors=tuple(sorted(self.selectors[name, kind])),
+                switches=switches if name == holder and kind is ResourceKind.PCI else (),
             )
             for (name, kind), devices in self.devices.items()
         ]

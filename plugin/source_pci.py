@@ -15,6 +15,7 @@ from plugin.hostroot import Directory
 from plugin.inventory import Device, Ignored
 from plugin.node_scan import NodeScan
 from schemas.errors import InputError
+from schemas.fabric import is_nvswitch
 from schemas.kinds import PCI_PASSTHROUGH, DeviceKind
 from schemas.pci import PciAddress
 
@@ -65,6 +66,9 @@ class PciPassthroughSource:
                 continue
             with node.fs.directory(directory) as handle:
                 function = node.read_function_in(handle, name, vendor)
+                if function is not None and is_nvswitch(function.vendor, function.pci_class):
+                    node.found_switch(function, node.read_group_in(handle), node.numa(directory, handle))
+                    continue
                 if function is None or not node.config.selects(function.vendor, function.device, function.pci_class):
                     continue
                 try:

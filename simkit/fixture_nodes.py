@@ -295,3 +295,94 @@ WORKSTATION_NODE = Node(
 )
 """A PCIe workstation: RTX A6000s at ``0000:03:00.0`` and ``0000:04:00.0`` below one PEX 8747 switch (one
 GPUDirect clique, docs/p2p.md), a third at ``0000:05:00.0`` on its own root port. Not in :data:`NODES`."""
+
+BROADCOM = 0x1000
+PEX_890XX = 0xC030
+MELLANOX = 0x15B3
+CONNECTX_7 = 0x1021
+H100_SXM5_80GB = 0x2330
+H100_NVSWITCH = 0x22A3
+CLASS_INFINIBAND = 0x020700
+CLASS_NVSWITCH = 0x068000
+H100_SXM5_BARS = A100_80GB_BARS
+"""GH100 with 80 GB: 16 MiB of registers, BAR1 over the whole memory (128 GiB), 32 MiB."""
+NVSWITCH_BARS = (BarSpec(0, 32 * MIB, BAR_MEM64_PREFETCH),)
+
+HGX_PCI_IDS = (
+    PCI_IDS_EXCERPT
+    + """\
+\t2330  GH100[H100 SXM5 80GB]
+1000  Broadcom / LSI
+\tc030  PEX890xx PCIe Gen 5 Switch
+15b3  Mellanox Technologies
+\t1021  MT2910 Family [ConnectX-7]
+"""
+)
+"""The excerpt with the HGX board's lines of pci.ids 2023.04.10, which has no line for the NVSwitch ``22a3``."""
+
+
+def _pcie_switch(
+    root_port_address: str, bus: int, numa: int, group: int, below: tuple[tuple[int, str | None, int, int, int], ...]
+) -> tuple[Function, ...]:
+    """A Gen 5 PCIe switch of an HGX board: its root port, its upstream port on ``bus``, a downstream port per
+    entry of ``below`` on ``bus + 1`` and each entry's function ``(bus, driver, vendor, device, class)`` behind
+    it, every function in an IOMMU group of its own (ACS on the downstream ports)."""
+    upstream = f"0000:{bus:02x}:00.0"
+    functions = [
+        Function(root_port_address, INTEL, 0x2030, CLASS_PCI_BRIDGE, "pcieport", group, numa, revision=0x04),
+        Function(
+            upstream, BROADCOM, PEX_890XX, CLASS_PCI_BRIDGE, "pcieport", group + 1, numa, parent=root_port_address
+        ),
+    ]
+    for index, (device_bus, driver, vendor, device, pci_class) in enumerate(below):
+        port = f"0000:{bus + 1:02x}:{index:02x}.0"
+        functions.append(
+            Function(
+                port, BROADCOM, PEX_890XX, CLASS_PCI_BRIDGE, "pcieport", group + 2 + 2 * index, numa, parent=upstream
+            )
+        )
+        bars = H100_SXM5_BARS if device == H100_SXM5_80GB else NVSWITCH_BARS if device == H100_NVSWITCH else ()
+        functions.append(
+            Function(
+                f"0000:{device_bus:02x}:00.0",
+                vendor,
+                device,
+                pci_class,
+                driver,
+                group + 3 + 2 * index,
+                numa,
+                parent=port,
+                bars=bars,
+            )
+        )
+    return tuple(functions)
+
+
+def hgx_h100_node(switch_driver: str | None = "vfio-pci", name: str = "gpu-hgx01") -> Node:
+    """An HGX H100 8-GPU board in a two-socket server, as public listings of such servers show it (docs/nvswitch.md):
+
+    - four Gen 5 PCIe switches (PEX890xx), two per socket, each with two H100 SXM5 GPUs and a ConnectX-7 NIC
+      (the GPUDirect RDMA pairing): GPUs ``0000:13``, ``14`` and ``33``, ``34`` on NUMA 0, ``93``, ``94`` and
+      ``b3``, ``b4`` on NUMA 1 (``…:00.0``), NICs ``0000:15``, ``35``, ``95``, ``b5``;
+    - the four NVSwitches (``10de:22a3``, class ``0x0680``) at ``0000:07:00.0`` to ``0000:0a:00.0``, behind a
+      switch of their own on NUMA 0, on ``switch_driver`` (``vfio-pci``: full passthrough; ``nvidia``: the host's
+      Fabric Manager drives them, the shared NVSwitch model).
+    """
+    gpu = ("vfio-pci", NVIDIA, H100_SXM5_80GB, CLASS_3D)
+    nic = ("mlx5_core", MELLANOX, CONNECTX_7, CLASS_INFINIBAND)
+    nvswitch = (switch_driver, NVIDIA, H100_NVSWITCH, CLASS_NVSWITCH)
+    functions = (
+        *_pcie_switch("0000:04:01.0", 0x05, 0, 10, tuple((bus, *nvswitch) for bus in (0x07, 0x08, 0x09, 0x0A))),
+        *_pcie_switch("0000:10:01.0", 0x11, 0, 30, ((0x13, *gpu), (0x14, *gpu), (0x15, *nic))),
+        *_pcie_switch("0000:30:01.0", 0x31, 0, 50, ((0x33, *gpu), (0x34, *gpu), (0x35, *nic))),
+        *_pcie_switch("0000:90:01.0", 0x91, 1, 70, ((0x93, *gpu), (0x94, *gpu), (0x95, *nic))),
+        *_pcie_switch("0000:b0:01.0", 0xB1, 1, 90, ((0xB3, *gpu), (0xB4, *gpu), (0xB5, *nic))),
+    )
+    return Node(name=name, functions=functions, pci_ids=HGX_PCI_IDS)
+
+
+HGX_H100_NODE = hgx_h100_node()
+"""HGX H100, full passthrough: ``nvidia.com/GH100_H100_SXM5_80GB`` x8, the four NVSwitches on vfio-pci carried
+by an allocation of all eight (docs/nvswitch.md). Not in :data:`NODES`."""
+HGX_H100_GPUS = tuple(f"0000:{bus:02x}:00.0" for bus in (0x13, 0x14, 0x33, 0x34, 0x93, 0x94, 0xB3, 0xB4))
+HGX_H100_NVSWITCHES = tuple(f"0000:{bus:02x}:00.0" for bus in (0x07, 0x08, 0x09, 0x0A))

@@ -24,8 +24,10 @@ import pytest
 import yaml
 from lxml import etree
 
-from simkit.fixture_nodes import A100_NODE, WORKSTATION_NODE
+from plugin.allocation import allocate
+from simkit.fixture_nodes import A100_NODE, HGX_H100_GPUS, HGX_H100_NODE, HGX_H100_NVSWITCHES, WORKSTATION_NODE
 from simkit.sysfs_fixture import build
+from tests.discovery_support import discover
 from tests.kubevirt_harness_support import HarnessRun, aliases, hostdev_sources, hostdevs, run_harness, unique_vmi
 from tests.libvirt_support import missing, qemu_argv
 from xmlgen.libvirt_check import LibvirtUnavailable, generic_refusal
@@ -406,3 +408,28 @@ def test_the_recommended_sidecar_reads_the_allocation_from_kubevirts_domain() ->
     final = assert_sound(run, SEED_GPUS)
     assert len(hostdevs(final)) == 2  # no companions: compute's env is not this source, and this /sys has no such GPU
     assert all("domain" in str(event.get("source", "")) for event in run.hook_events("OnDefineDomain"))
+
+
+H100 = "nvidia.com/GH100H100_SXM5_80GB"
+H100_VAR = "PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"
+
+
+def test_a_whole_hgx_board_gets_its_nvswitches_on_every_call(tmp_path: Path) -> None:
+    """docs/nvswitch.md: the plugin's answer for all eight GPUs carries the four NVSwitches; the hook adds one
+    hostdev per switch, KubeVirt's read-back keeps them (``ua-`` aliases), and no call adds one twice."""
+    root = build(HGX_H100_NODE, tmp_path / "node")
+    board = discover(root).resource(H100)
+    env = dict(allocate(board, list(HGX_H100_GPUS), root).envs)  # the plugin's answer, as the kubelet passes it
+    vmi = seed_vmi()
+    vmi["spec"]["domain"]["devices"]["gpus"] = [{"name": f"h{i}", "deviceName": H100} for i in range(8)]
+    run = run_harness(vmi, env, hook_args=["--sysfs-root", str(root / "sys")])
+    expected = {f"ua-gpu-h{i}": address for i, address in enumerate(HGX_H100_GPUS)}
+    expected |= {f"ua-nvswitch{i}": address for i, address in enumerate(HGX_H100_NVSWITCHES)}
+    final = assert_sound(run, expected)
+    calls = run.report["hookCalls"]
+    assert all("ua-nvswitch3" in call["input"] for call in calls[1:])  # KubeVirt's read-back kept them
+    assert len(hostdevs(final)) == 12
+    devices = qemu_devices(qemu_argv(final))
+    # four GPUDirect cliques, one per host PCIe switch; the NVSwitches are in none
+    assert [devices[f"ua-gpu-h{i}"].get("x-nv-gpudirect-clique") for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all("x-nv-gpudirect-clique" not in devices[f"ua-nvswitch{i}"] for i in range(4))

@@ -53,6 +53,9 @@ def render_table(inventory: Inventory) -> str:
         )
         lines.append(f"  env {resource.env}")
         lines.append(f"  socket {resource.socket}")
+        if resource.switches:
+            switches = ", ".join(f"{switch.address} (group {switch.iommu_group})" for switch in resource.switches)
+            lines.append(f"  nvswitches, given with all {len(resource.devices)} GPUs: {switches}")
         companions = kind_info(resource.kind).detail_heading
         rows = [["DEVICE", "GROUP", "NUMA", "PCIE ROOT", "PCIE SWITCH", "HEALTH", companions]]
         reasons: dict[int, str] = {}
