@@ -264,3 +264,18 @@ def test_xmlgen_discover_names_the_switches_and_why_they_are_not_offered(tmp_pat
     )
     assert shared.exit_code == 0, shared.output
     assert "nvswitches" not in shared.output and "shared NVSwitch model" in shared.output
+
+
+def test_switches_in_one_iommu_group_are_carried_with_one_group_node(tmp_path: Path) -> None:
+    """Some HGX H200 hosts put all four NVSwitches in one IOMMU group (no ACS between them): one node then."""
+    node = hgx_h100_node()
+    functions = tuple(
+        replace(function, iommu_group=13) if function.address in HGX_H100_NVSWITCHES else function
+        for function in node.functions
+    )
+    root = build_node(replace(node, functions=functions), tmp_path)
+    board = discover(root).resource(RESOURCE)
+    assert [str(switch.address) for switch in board.switches] == list(HGX_H100_NVSWITCHES)
+    answer = allocate(board, list(HGX_H100_GPUS), root)
+    nodes = [spec.host_path for spec in answer.device_specs]
+    assert nodes.count("/dev/vfio/13") == 1 and answer.envs[SWITCH_VARIABLE] == ",".join(HGX_H100_NVSWITCHES)
