@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 
 from schemas.errors import InputError
-from schemas.kinds import PCI_PASSTHROUGH, env_name_part
+from schemas.kinds import PCI_PASSTHROUGH, env_name_part, swap_prefix
 from schemas.pci import MAX_FUNCTION, PciAddress
 
 COMPANIONS_ENV_PREFIX = "PCI_COMPANIONS"
@@ -52,10 +52,7 @@ def companions_env_var(resource_name: str) -> str:
 
 def companions_variable_for(allocation_variable: str) -> str | None:
     """The companion variable of a ``PCI_RESOURCE_<NAME>`` variable, or None for any other variable."""
-    prefix = PCI_PASSTHROUGH.env_prefix + "_"
-    if not allocation_variable.startswith(prefix) or len(allocation_variable) == len(prefix):
-        return None
-    return f"{COMPANIONS_ENV_PREFIX}_{allocation_variable[len(prefix) :]}"
+    return swap_prefix(allocation_variable, PCI_PASSTHROUGH.env_prefix, COMPANIONS_ENV_PREFIX)
 
 
 def is_companions_variable(name: str) -> bool:

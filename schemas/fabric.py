@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from schemas.errors import InputError
-from schemas.kinds import PCI_PASSTHROUGH, env_name_part
+from schemas.kinds import PCI_PASSTHROUGH, env_name_part, swap_prefix
 from schemas.pci import PciAddress
 
 NVIDIA_VENDOR = 0x10DE
@@ -50,18 +50,12 @@ def switches_env_var(resource_name: str) -> str:
 
 def switches_variable_for(allocation_variable: str) -> str | None:
     """The NVSwitch variable of a ``PCI_RESOURCE_<NAME>`` variable, or None for any other variable."""
-    prefix = PCI_PASSTHROUGH.env_prefix + "_"
-    if not allocation_variable.startswith(prefix) or len(allocation_variable) == len(prefix):
-        return None
-    return f"{SWITCHES_ENV_PREFIX}_{allocation_variable[len(prefix) :]}"
+    return swap_prefix(allocation_variable, PCI_PASSTHROUGH.env_prefix, SWITCHES_ENV_PREFIX)
 
 
 def gpu_variable_for(switches_variable: str) -> str | None:
     """The ``PCI_RESOURCE_<NAME>`` variable of an NVSwitch variable, or None for any other variable."""
-    prefix = SWITCHES_ENV_PREFIX + "_"
-    if not switches_variable.startswith(prefix) or len(switches_variable) == len(prefix):
-        return None
-    return f"{PCI_PASSTHROUGH.env_prefix}_{switches_variable[len(prefix) :]}"
+    return swap_prefix(switches_variable, SWITCHES_ENV_PREFIX, PCI_PASSTHROUGH.env_prefix)
 
 
 def board_switches(

@@ -50,6 +50,15 @@ def env_name_part(resource_name: str) -> str:
     return resource_name.replace("/", "_").replace(".", "_").upper()
 
 
+def swap_prefix(variable: str, prefix: str, other: str) -> str | None:
+    """``<other>_<NAME>`` for a ``<prefix>_<NAME>`` variable (``<NAME>`` not empty), else None: the variables
+    the plugin sets beside KubeVirt's (``PCI_COMPANIONS_<NAME>``, ``PCI_NVSWITCHES_<NAME>``) share its ``<NAME>``."""
+    head = prefix + "_"
+    if not variable.startswith(head) or len(variable) == len(head):
+        return None
+    return f"{other}_{variable[len(head) :]}"
+
+
 def _parse_pci(text: str) -> DeviceId:
     return PciAddress.parse(text)
 
