@@ -19,6 +19,7 @@ from plugin.inventory import Companion, Device, Ignored, Inventory, NvSwitch, Re
 from plugin.naming import pci_resource_name
 from runtime.pciids import PciIds
 from schemas.errors import InputError
+from schemas.fabric import MAX_SWITCHES
 from schemas.naming import ResourceKind, env_var_for, validate_resource_name
 from schemas.pci import PciAddress
 
@@ -325,7 +326,11 @@ class NodeScan:
             for name, kind in self.devices
             if kind is ResourceKind.PCI and any(d.vendor_device.startswith("10DE:") for d in self.devices[name, kind])
         )
-        if problems:
+        on_vfio = 0
+        if len(self.switches) > MAX_SWITCHES:
+            why = f"{len(self.switches)} NVSwitches, more than a board has ({MAX_SWITCHES} at most): no VM gets any"
+            fix = None
+        elif problems:
             on_vfio = sum(1 for function, _group, _numa in self.switches if self.rule.on_vfio(function.driver))
             usable = len(self.switches) - len(problems)
             why = (

@@ -279,3 +279,16 @@ def test_switches_in_one_iommu_group_are_carried_with_one_group_node(tmp_path: P
     answer = allocate(board, list(HGX_H100_GPUS), root)
     nodes = [spec.host_path for spec in answer.device_specs]
     assert nodes.count("/dev/vfio/13") == 1 and answer.envs[SWITCH_VARIABLE] == ",".join(HGX_H100_NVSWITCHES)
+
+
+def test_more_switches_than_a_board_has_go_to_no_vm(tmp_path: Path) -> None:
+    node = hgx_h100_node()
+    extra = tuple(
+        Function(f"0000:e{i:x}:00.0", 0x10DE, 0x22A3, 0x068000, "vfio-pci", 300 + i, 1) for i in range(MAX_SWITCHES)
+    )
+    root = build_node(replace(node, functions=(*node.functions, *extra)), tmp_path)
+    inventory = discover(root)
+    assert inventory.resource(RESOURCE).switches == ()
+    assert len(inventory.ignored) == 4 + MAX_SWITCHES
+    assert all("more than a board has" in item.reason for item in inventory.ignored)
+    assert SWITCH_VARIABLE not in allocate(inventory.resource(RESOURCE), list(HGX_H100_GPUS), root).envs
