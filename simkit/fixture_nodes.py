@@ -26,6 +26,7 @@ from __future__ import annotations
 from simkit.sysfs_fixture import (
     BAR_IO,
     BAR_MEM32,
+    BAR_MEM64,
     BAR_MEM64_PREFETCH,
     BarSpec,
     Function,
@@ -306,7 +307,12 @@ CLASS_INFINIBAND = 0x020700
 CLASS_NVSWITCH = 0x068000
 H100_SXM5_BARS = A100_80GB_BARS
 """GH100 with 80 GB: 16 MiB of registers, BAR1 over the whole memory (128 GiB), 32 MiB."""
-NVSWITCH_BARS = (BarSpec(0, 32 * MIB, BAR_MEM64_PREFETCH),)
+NVSWITCH_BARS = (BarSpec(0, 32 * MIB, BAR_MEM64),)
+"""An NVSwitch's one BAR as a public ``lspci -v`` of an HGX H100 shows it: 32 MiB, 64-bit, not prefetchable."""
+PMC_SIERRA = 0x11F8
+SWITCHTEC_PFX = 0x4128
+"""The baseboard's management switch the NVSwitches sit behind (a Microchip Switchtec; pci.ids 2023.04.10 has the
+vendor and not this device)."""
 
 HGX_PCI_IDS = (
     PCI_IDS_EXCERPT
@@ -322,24 +328,26 @@ HGX_PCI_IDS = (
 
 
 def _pcie_switch(
-    root_port_address: str, bus: int, numa: int, group: int, below: tuple[tuple[int, str | None, int, int, int], ...]
+    root_port_address: str,
+    bus: int,
+    numa: int,
+    group: int,
+    below: tuple[tuple[int, str | None, int, int, int], ...],
+    switch: tuple[int, int] = (BROADCOM, PEX_890XX),
 ) -> tuple[Function, ...]:
-    """A Gen 5 PCIe switch of an HGX board: its root port, its upstream port on ``bus``, a downstream port per
-    entry of ``below`` on ``bus + 1`` and each entry's function ``(bus, driver, vendor, device, class)`` behind
-    it, every function in an IOMMU group of its own (ACS on the downstream ports)."""
+    """A PCIe switch of an HGX board (``switch``: its vendor and device, a Gen 5 PEX890xx unless told): its root
+    port, its upstream port on ``bus``, a downstream port per entry of ``below`` on ``bus + 1`` and each entry's
+    function ``(bus, driver, vendor, device, class)`` behind it, every function in an IOMMU group of its own (ACS
+    on the downstream ports)."""
     upstream = f"0000:{bus:02x}:00.0"
     functions = [
         Function(root_port_address, INTEL, 0x2030, CLASS_PCI_BRIDGE, "pcieport", group, numa, revision=0x04),
-        Function(
-            upstream, BROADCOM, PEX_890XX, CLASS_PCI_BRIDGE, "pcieport", group + 1, numa, parent=root_port_address
-        ),
+        Function(upstream, *switch, CLASS_PCI_BRIDGE, "pcieport", group + 1, numa, parent=root_port_address),
     ]
     for index, (device_bus, driver, vendor, device, pci_class) in enumerate(below):
         port = f"0000:{bus + 1:02x}:{index:02x}.0"
         functions.append(
-            Function(
-                port, BROADCOM, PEX_890XX, CLASS_PCI_BRIDGE, "pcieport", group + 2 + 2 * index, numa, parent=upstream
-            )
+            Function(port, *switch, CLASS_PCI_BRIDGE, "pcieport", group + 2 + 2 * index, numa, parent=upstream)
         )
         bars = H100_SXM5_BARS if device == H100_SXM5_80GB else NVSWITCH_BARS if device == H100_NVSWITCH else ()
         functions.append(
@@ -364,15 +372,23 @@ def hgx_h100_node(switch_driver: str | None = "vfio-pci", name: str = "gpu-hgx01
     - four Gen 5 PCIe switches (PEX890xx), two per socket, each with two H100 SXM5 GPUs and a ConnectX-7 NIC
       (the GPUDirect RDMA pairing): GPUs ``0000:13``, ``14`` and ``33``, ``34`` on NUMA 0, ``93``, ``94`` and
       ``b3``, ``b4`` on NUMA 1 (``…:00.0``), NICs ``0000:15``, ``35``, ``95``, ``b5``;
-    - the four NVSwitches (``10de:22a3``, class ``0x0680``) at ``0000:07:00.0`` to ``0000:0a:00.0``, behind a
-      switch of their own on NUMA 0, on ``switch_driver`` (``vfio-pci``: full passthrough; ``nvidia``: the host's
-      Fabric Manager drives them, the shared NVSwitch model).
+    - the four NVSwitches (``10de:22a3``, class ``0x0680``) at ``0000:07:00.0`` to ``0000:0a:00.0``, behind the
+      baseboard's management switch (a Switchtec, ``11f8:4128``) on a root port of NUMA 0, on ``switch_driver``
+      (``vfio-pci``: full passthrough; ``nvidia``: the host's Fabric Manager drives them, the shared NVSwitch
+      model).
     """
     gpu = ("vfio-pci", NVIDIA, H100_SXM5_80GB, CLASS_3D)
     nic = ("mlx5_core", MELLANOX, CONNECTX_7, CLASS_INFINIBAND)
     nvswitch = (switch_driver, NVIDIA, H100_NVSWITCH, CLASS_NVSWITCH)
     functions = (
-        *_pcie_switch("0000:04:01.0", 0x05, 0, 10, tuple((bus, *nvswitch) for bus in (0x07, 0x08, 0x09, 0x0A))),
+        *_pcie_switch(
+            "0000:04:01.0",
+            0x05,
+            0,
+            10,
+            tuple((bus, *nvswitch) for bus in (0x07, 0x08, 0x09, 0x0A)),
+            (PMC_SIERRA, SWITCHTEC_PFX),
+        ),
         *_pcie_switch("0000:10:01.0", 0x11, 0, 30, ((0x13, *gpu), (0x14, *gpu), (0x15, *nic))),
         *_pcie_switch("0000:30:01.0", 0x31, 0, 50, ((0x33, *gpu), (0x34, *gpu), (0x35, *nic))),
         *_pcie_switch("0000:90:01.0", 0x91, 1, 70, ((0x93, *gpu), (0x94, *gpu), (0x95, *nic))),
